@@ -1,0 +1,192 @@
+"""Build: render the variant matrix into generated/<arch>/, compile into the cache, verify the ISA."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+import attrs
+
+from . import __version__, render, toolchain
+from .cache import Entry, cache_key, usable_dir
+from .model import Variant, enumerate_variants
+from .specs import Specs
+
+GENERATED = Path(__file__).resolve().parent.parent / "generated"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering and the manifest (the committed tree always holds the full `all` matrix)
+# ---------------------------------------------------------------------------------------------
+def manifest_entry(v: Variant, source_sha256: str) -> dict:
+    return {
+        "family": v.family.name, "dtype": v.dtype.name, "wire_dtype": v.wire.name, "quant": v.quant.name,
+        "topology": v.topology.name if v.topology else None, "target": v.target.name,
+        "file": v.file, "symbol": v.symbol, "source_sha256": source_sha256,
+        "expected_isa": list(v.expected_isa), "forbidden_isa": list(v.forbidden_isa),
+    }
+
+
+def render_target(specs: Specs, arch: str, out_root: Path = GENERATED) -> tuple[dict[str, str], dict]:
+    """Render every variant of `arch` in memory: {file name: text} and the manifest dict."""
+    env = render.environment()
+    variants, _ = enumerate_variants(specs, [arch], "all")
+    files: dict[str, str] = {}
+    entries = {}
+    for v in variants:
+        text = render.render(v, env)
+        files[v.file] = text
+        entries[v.name] = manifest_entry(v, render.sha256(text))
+    manifest = {"epgen": __version__, "target": arch, "specs_sha256": specs.digest, "variants": entries}
+    files["manifest.json"] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return files, manifest
+
+
+def _owned(path: Path) -> bool:
+    return path.suffix in (".hip", ".cu") or path.name == "manifest.json"
+
+
+def stale_files(arch: str, files: dict[str, str], out_root: Path = GENERATED) -> list[Path]:
+    d = out_root / arch
+    return sorted(p for p in d.iterdir() if p.is_file() and _owned(p) and p.name not in files) if d.is_dir() else []
+
+
+def write_target(specs: Specs, arch: str, out_root: Path = GENERATED) -> tuple[int, int]:
+    """Render into generated/<arch>/, writing only changed files. Returns (written, removed)."""
+    files, _ = render_target(specs, arch, out_root)
+    written = sum(render.write_if_changed(out_root / arch / name, text) for name, text in sorted(files.items()))
+    stale = stale_files(arch, files, out_root)
+    for p in stale:
+        p.unlink()
+    return written, len(stale)
+
+
+def freshness(specs: Specs, arch: str, out_root: Path = GENERATED) -> list[str]:
+    """Problems that make generated/<arch>/ differ from what the specs and templates render."""
+    files, _ = render_target(specs, arch, out_root)
+    problems = []
+    for name, text in sorted(files.items()):
+        p = out_root / arch / name
+        if not p.exists():
+            problems.append(f"missing {p}")
+        elif p.read_text() != text:
+            problems.append(f"out of date {p}")
+    problems += [f"stale {p}" for p in stale_files(arch, files, out_root)]
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile + verify
+# ---------------------------------------------------------------------------------------------
+@attrs.define
+class Result:
+    variant: Variant
+    status: str = "pending"  # rendered | compiled | cached | failed | missing-toolchain
+    verified: bool | None = None
+    message: str = ""
+    seconds: float = 0.0
+    artifact: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("compiled", "cached") and self.verified is True
+
+
+def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool, str]:
+    """Disassemble and check the target's expected (and forbidden) mnemonics for this variant."""
+    r = toolchain.run(toolchain.disassemble_command(v.target, tools, artifact), tools)
+    if r.returncode != 0:
+        return False, f"disassembler failed: {(r.stderr or r.stdout).strip()[:2000]}"
+    ops = toolchain.opcodes(r.stdout, v.target.vendor)
+    if not ops:
+        return False, "disassembly holds no instructions"
+    missing = [m for m in v.expected_isa if not toolchain.has_mnemonic(ops, m)]
+    present = [m for m in v.forbidden_isa if toolchain.has_mnemonic(ops, m)]
+    if missing or present:
+        parts = []
+        if missing:
+            parts.append(f"expected instructions missing: {', '.join(missing)}")
+        if present:
+            parts.append(f"forbidden instructions present: {', '.join(present)}")
+        return False, "; ".join(parts)
+    return True, f"{len(v.expected_isa)} expected instruction(s) found" if v.expected_isa else "no ISA expectation"
+
+
+def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain.Tools) -> Result:
+    """Compile (or reuse) one variant's code object and verify it. Never raises for compile errors."""
+    t0 = time.perf_counter()
+    res = Result(v)
+    src_sha = render.sha256(source.read_bytes())
+    entry = Entry.of(cache_root, v, cache_key(v, tools, src_sha))
+    isa_key = render.sha256(json.dumps([v.expected_isa, v.forbidden_isa]))
+    try:
+        with entry.lock():
+            rec = entry.load()
+            if rec is None:
+                fd, tmp = tempfile.mkstemp(prefix=f".{v.name}.", suffix=f".{v.toolchain.artifact}", dir=entry.artifact.parent)
+                os.close(fd)
+                tmp_path = Path(tmp)
+                try:
+                    r = toolchain.run(toolchain.compile_command(v.target, tools, source, tmp_path), tools)
+                    if r.returncode != 0 or tmp_path.stat().st_size == 0:
+                        res.status, res.message = "failed", (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
+                        return res
+                    rec = entry.publish_artifact(tmp_path, {"variant": v.key, "source_sha256": src_sha, "verified": {}})
+                finally:
+                    tmp_path.unlink(missing_ok=True)
+                res.status = "compiled"
+            else:
+                res.status = "cached"
+            res.artifact = entry.artifact
+            done = rec.get("verified", {}).get(isa_key)
+            if done is None:
+                ok, msg = verify(v, tools, entry.artifact)
+                rec.setdefault("verified", {})[isa_key] = {"ok": ok, "message": msg}
+                entry.write_record(rec)
+            else:
+                ok, msg = done["ok"], done["message"]
+            res.verified, res.message = ok, msg
+    except toolchain.ToolchainMissing as e:
+        res.status, res.message = "missing-toolchain", str(e)
+    except OSError as e:
+        res.status, res.message = "failed", f"{type(e).__name__}: {e}"
+    finally:
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: str | None = None,
+          jobs: int | None = None, compile: bool = True, cache_dir: Path | None = None,
+          out_root: Path = GENERATED, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+    archs = list(archs)
+    for arch in archs:
+        write_target(specs, arch, out_root)
+    selected, _ = enumerate_variants(specs, archs, profile, only)
+    results = [Result(v, status="rendered") for v in selected]
+    if not compile:
+        return results
+    cache_root = usable_dir(cache_dir)
+
+    def work(res: Result) -> Result:
+        v = res.variant
+        try:
+            tools = toolchain.find(v.toolchain)
+        except toolchain.ToolchainMissing as e:
+            res.status, res.message = "missing-toolchain", str(e)
+            return res
+        return compile_variant(v, out_root / v.target.name / v.file, cache_root, tools)
+
+    done = 0
+    out: list[Result] = []
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+        for res in pool.map(work, results):
+            done += 1
+            out.append(res)
+            if progress:
+                progress(done, len(results), res)
+    return out

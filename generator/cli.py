@@ -1,0 +1,180 @@
+"""python -m generator {build,list,explain,check}"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jinja2
+
+from . import build as B
+from . import specs as S
+from .model import combination_facts, enumerate_variants, rejecting_rule
+
+STATUS = {"compiled": "compiled", "cached": "cached", "failed": "FAILED", "missing-toolchain": "NO TOOLCHAIN",
+          "rendered": "rendered"}
+
+
+def _archs(specs: S.Specs, arch: str) -> list[str]:
+    if arch == "all":
+        return list(specs.targets)
+    if arch not in specs.targets:
+        raise SystemExit(f"error: unknown target {arch!r} (known: {', '.join(specs.targets)}, all)")
+    return [arch]
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    lines += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def cmd_build(specs: S.Specs, args) -> int:
+    if args.profile not in specs.profiles:
+        raise SystemExit(f"error: unknown profile {args.profile!r} (known: {', '.join(specs.profiles)})")
+    archs = _archs(specs, args.arch)
+    t0 = time.perf_counter()
+
+    def progress(i: int, n: int, r: B.Result) -> None:
+        state = STATUS[r.status] + ("" if r.verified is None else (", verified" if r.verified else ", VERIFY FAILED"))
+        print(f"[{i:>{len(str(n))}}/{n}] {r.variant.key:<60} {state} ({r.seconds:.2f}s)", file=sys.stderr, flush=True)
+
+    results = B.build(specs, archs, args.profile, args.only, args.jobs, not args.no_compile,
+                      Path(args.cache_dir) if args.cache_dir else None, progress=progress)
+    if not results:
+        print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
+        return 1
+    print(_table([[r.variant.key, "yes", STATUS[r.status] if r.status != "rendered" else "-",
+                   {None: "-", True: "yes", False: "NO"}[r.verified]] for r in results],
+                 ["variant", "rendered", "compiled", "verified"]))
+    failed = [r for r in results if r.status != "rendered" and not r.ok]
+    n_ok = len(results) - len(failed)
+    print(f"\n{len(results)} variant(s) for {', '.join(archs)} (profile {args.profile}): {n_ok} ok, "
+          f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s")
+    missing = sorted({r.message for r in failed if r.status == "missing-toolchain"})
+    for m in missing:
+        print(f"  toolchain: {m}")
+    for r in failed:
+        if r.status == "missing-toolchain":
+            continue
+        msg = "\n      ".join(r.message.splitlines()[:25])
+        print(f"  FAILED {r.variant.key}: {msg}")
+    return 1 if failed else 0
+
+
+def cmd_list(specs: S.Specs, args) -> int:
+    variants, _ = enumerate_variants(specs, _archs(specs, args.arch), args.profile, args.only)
+    rows = [[v.key, v.family.name, v.dtype.name, v.wire.name, v.quant.name, v.topology.name if v.topology else "-",
+             " ".join(v.expected_isa) or "-"] for v in variants]
+    print(_table(rows, ["variant", "family", "dtype", "wire", "quant", "topology", "expected isa"]))
+    print(f"\n{len(rows)} variant(s)")
+    return 0
+
+
+def cmd_explain(specs: S.Specs, args) -> int:
+    if args.key:
+        target, _, name = args.key.partition("/")
+        if target not in specs.targets:
+            raise SystemExit(f"error: {args.key!r}: unknown target {target!r} (known: {', '.join(specs.targets)})")
+        variants, rejected = enumerate_variants(specs, [target], "all")
+        for v in variants:
+            if v.key == args.key:
+                return _explain_variant(v)
+        for r in rejected:
+            if r.key == args.key:
+                print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}")
+                return 1
+        print(f"{args.key}: not a combination of any family's declared axes; try: python -m generator list --arch {target}")
+        return 1
+    if not (args.family and args.target):
+        raise SystemExit("error: explain needs a KEY (target/name) or --family and --target")
+    pools = {"family": specs.families, "dtype": specs.dtypes, "wire": specs.dtypes, "quant": specs.quants,
+             "target": specs.targets, "topology": specs.topologies}
+    picked = {}
+    for ns, pool in pools.items():
+        val = getattr(args, ns)
+        if val is None:
+            continue
+        if val not in pool:
+            raise SystemExit(f"error: unknown {ns} {val!r} (known: {', '.join(pool)})")
+        picked[ns] = pool[val]
+    fam = picked["family"]
+    picked.setdefault("quant", specs.quants[fam.quants[0]] if len(fam.quants) == 1 else None)
+    for ns, axis in (("dtype", fam.dtypes), ("wire", fam.wire_dtypes), ("quant", fam.quants), ("topology", fam.topologies)):
+        rec = picked.get(ns)
+        if rec is not None and axis and rec.name not in axis and not (ns == "wire" and "same" in axis):
+            print(f"family '{fam.name}' does not declare {ns} '{rec.name}' (declares: {', '.join(axis)}; specs/kernels.toml)")
+            return 1
+    rule = rejecting_rule(specs.rules, combination_facts(**{k: v for k, v in picked.items() if v is not None}))
+    if rule is not None:
+        print(f"rejected by rule '{rule.name}' ({rule.where})\n  {rule.message}")
+        return 1
+    variants, _ = enumerate_variants(specs, [args.target], "all")
+    match = [v for v in variants if v.family.name == fam.name and all(
+        getattr(v, ns) is None or picked.get(ns) is None or getattr(v, ns).name == picked[ns].name
+        for ns in ("dtype", "wire", "quant", "topology"))]
+    if not match:
+        print("no variant matches")
+        return 1
+    for v in match:
+        _explain_variant(v)
+    return 0
+
+
+def _explain_variant(v) -> int:
+    print(f"{v.key}: variant\n  file     generated/{v.target.name}/{v.file}\n  symbol   {v.symbol}\n"
+          f"  expects  {' '.join(v.expected_isa) or '-'}\n  forbids  {' '.join(v.forbidden_isa) or '-'}")
+    return 0
+
+
+def cmd_check(specs: S.Specs, args) -> int:
+    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch)]
+    n = sum(len(enumerate_variants(specs, [a], "all")[0]) for a in _archs(specs, args.arch))
+    if problems:
+        print("\n".join(problems[:50]))
+        print(f"\ngenerated/ is not fresh ({len(problems)} problem(s)); run: python -m generator build --arch all --no-compile")
+        return 1
+    print(f"specs valid; generated/ fresh ({n} variant(s), {len(specs.rules)} rule(s))")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m generator", description=__doc__)
+    p.add_argument("--specs", help="specs folder (default: the project's specs/)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="render, compile and ISA-verify variants")
+    b.add_argument("--arch", required=True, help="target name or 'all'")
+    b.add_argument("--profile", default="default")
+    b.add_argument("--only", help="glob over variant names / keys")
+    b.add_argument("--jobs", type=int, default=None)
+    b.add_argument("--no-compile", action="store_true", help="render and write the manifest only")
+    b.add_argument("--cache-dir", help="code-object cache (default $EPGEN_CACHE_DIR or ~/.cache/epgen)")
+    ls = sub.add_parser("list", help="list the variants of a target / profile")
+    ls.add_argument("--arch", default="all")
+    ls.add_argument("--profile", default="all")
+    ls.add_argument("--only")
+    e = sub.add_parser("explain", help="which variant a combination is, or which rule rejects it")
+    e.add_argument("key", nargs="?", help="target/name, e.g. gfx942/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise")
+    for opt in ("family", "dtype", "wire", "quant", "target", "topology"):
+        e.add_argument(f"--{opt}")
+    c = sub.add_parser("check", help="specs valid and generated/ fresh")
+    c.add_argument("--arch", default="all")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        specs = S.load(args.specs)
+        return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
+    except S.SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except jinja2.TemplateError as e:
+        where = f"templates/{e.name}:{e.lineno}: " if getattr(e, "lineno", None) else ""
+        print(f"error: template: {where}{e.message}", file=sys.stderr)
+        return 2

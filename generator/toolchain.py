@@ -1,0 +1,135 @@
+"""Compilers and disassemblers for each target family, found on this machine.
+
+Commands are argument lists (never a shell). A missing tool is reported with the package that
+provides it (toolchain.install_hint in specs/targets.toml).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+
+from .specs import Target, Toolchain
+
+
+@attrs.frozen
+class Tools:
+    compiler: str
+    compiler_version: str  # first line of --version: part of every cache key
+    disassembler: str | None
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (PATH for cuobjdump's nvdisasm)
+
+    @property
+    def bare_clang(self) -> bool:
+        """Upstream clang without ROCm: compile with -nogpulib -nogpuinc and the project's prelude."""
+        name = Path(self.compiler).name
+        return name.startswith("clang")
+
+
+class ToolchainMissing(Exception):
+    pass
+
+
+def _pip_nvidia_bins() -> list[str]:
+    """bin/ folders of pip's nvidia-* packages (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)."""
+    out = []
+    for p in map(Path, sys.path):
+        nv = p / "nvidia"
+        if nv.is_dir():
+            out += [str(b) for b in sorted(nv.glob("*/bin")) if b.is_dir()]
+    return out
+
+
+def _which(name: str, extra: list[str]) -> str | None:
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(extra)) if extra else shutil.which(name)
+
+
+@functools.cache
+def _version(exe: str) -> str:
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    text = (r.stdout or r.stderr).strip().splitlines()
+    # nvcc prints a banner; its last line names the release
+    return (text[-1] if Path(exe).name == "nvcc" else text[0]) if text else ""
+
+
+def _clang_major(version: str) -> int:
+    m = re.search(r"clang version (\d+)", version)
+    return int(m.group(1)) if m else 0
+
+
+@functools.cache
+def find(tc: Toolchain) -> Tools:
+    extra = _pip_nvidia_bins()
+    compiler = None
+    for name in tc.compilers:
+        exe = shutil.which(name)
+        if not exe:
+            continue
+        ver = _version(exe)
+        if name.startswith("clang") and _clang_major(ver) < tc.min_clang:
+            continue
+        compiler = exe
+        break
+    if compiler is None:
+        raise ToolchainMissing(f"no {tc.name} compiler found (tried {', '.join(tc.compilers)}): install {tc.install_hint}")
+    dis = next((d for d in (_which(n, extra) for n in tc.disassemblers) if d), None)
+    env: tuple[tuple[str, str], ...] = ()
+    if dis is not None and extra:
+        env = (("PATH", os.pathsep.join([os.environ.get("PATH", "")] + extra)),)
+    return Tools(compiler, _version(compiler), dis, env)
+
+
+def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[str]:
+    if target.vendor == "amd":
+        cmd = [tools.compiler, "-x", "hip", *target.flags, f"--offload-arch={target.name}", "--cuda-device-only",
+               "--no-gpu-bundle-output"]
+        if tools.bare_clang:
+            cmd += ["-nogpulib", "-nogpuinc"]
+        return cmd + [str(src), "-o", str(out)]
+    return [tools.compiler, *target.flags, "-cubin", str(src), "-o", str(out)]
+
+
+def disassemble_command(target: Target, tools: Tools, artifact: Path) -> list[str]:
+    if tools.disassembler is None:
+        raise ToolchainMissing(f"no disassembler for {target.name}")
+    if target.vendor == "amd":
+        return [tools.disassembler, "-d", f"--mcpu={target.name}", str(artifact)]
+    return [tools.disassembler, "--dump-sass", str(artifact)]
+
+
+def run(cmd: list[str], tools: Tools, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **dict(tools.env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+_AMD_LINE = re.compile(r"^\s+([a-z][a-z0-9_]*)\b")
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def opcodes(disassembly: str, vendor: str) -> set[str]:
+    """The set of instruction opcodes (with modifiers) in a disassembly listing."""
+    pat = _AMD_LINE if vendor == "amd" else _SASS_LINE
+    out = set()
+    for line in disassembly.splitlines():
+        m = pat.search(line) if vendor != "amd" else pat.match(line)
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+def has_mnemonic(ops: set[str], mnemonic: str) -> bool:
+    """AMD: exact, or with an encoding suffix (_e32/_e64/_sdwa/_dpp). NVIDIA: exact or with more modifiers."""
+    for op in ops:
+        if op == mnemonic or op.startswith(mnemonic + ".") or re.fullmatch(re.escape(mnemonic) + r"_(e32|e64|sdwa|dpp)", op):
+            return True
+    return False
