@@ -56,11 +56,11 @@ class Variant:
 
     @property
     def expected_isa(self) -> tuple[str, ...]:
-        return tuple(m for c in self.family.conversions for m in self.target.expected(c))
+        return tuple(m for c in self.family.isa for m in self.target.expected(c))
 
     @property
     def forbidden_isa(self) -> tuple[str, ...]:
-        return tuple(m for c in self.family.conversions for m in self.target.forbidden(c))
+        return tuple(m for c in self.family.isa for m in self.target.forbidden(c))
 
     def facts(self) -> dict[str, str]:
         return combination_facts(self.family, self.dtype, self.wire, self.quant, self.target, self.topology)

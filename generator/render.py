@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jinja2
 
+from . import abi
 from .model import Variant
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -36,7 +37,7 @@ def environment(root: Path = TEMPLATES) -> jinja2.Environment:
 def render(v: Variant, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
     text = env.get_template("variant.j2").render(
-        v=v, family=v.family, dtype=v.dtype, wire=v.wire, quant=v.quant, target=v.target,
+        v=v, abi=abi, family=v.family, dtype=v.dtype, wire=v.wire, quant=v.quant, target=v.target,
         topology=v.topology)
     # normalise: no trailing spaces, exactly one final newline, at most one blank line in a row
     out, blank = [], False

@@ -100,7 +100,7 @@ class Family:
     wire_dtypes: tuple[str, ...]
     quants: tuple[str, ...]
     topologies: tuple[str, ...]
-    conversions: tuple[str, ...]
+    isa: tuple[str, ...]
 
 
 @_frozen
@@ -361,10 +361,10 @@ def load(root: Path | str | None = None) -> Specs:
             for v in values:
                 if v not in pool and not (key == "wire_dtypes" and v == "same"):
                     raise _fail(ksrc, ksrc.key_line(hdr, key), f"[{hdr}] {key}: unknown {key[:-1]} {v!r} (known: {', '.join(pool)})")
-        for c in fam.conversions:
+        for c in fam.isa:
             if c not in known_conv:
-                raise _fail(ksrc, ksrc.key_line(hdr, "conversions"),
-                            f"[{hdr}] conversions: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
+                raise _fail(ksrc, ksrc.key_line(hdr, "isa"),
+                            f"[{hdr}] isa: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
         if not (root.parent / "templates" / fam.template).resolve().is_relative_to((root.parent / "templates").resolve()):
             raise _fail(ksrc, ksrc.key_line(hdr, "template"), f"[{hdr}] template {fam.template!r} leaves templates/")
 

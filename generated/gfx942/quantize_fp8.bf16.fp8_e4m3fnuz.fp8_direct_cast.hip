@@ -37,6 +37,20 @@ EPG_DEVICE float epg_shfl_xor(float v, int mask) {
 }
 EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
+EPG_DEVICE int epg_nblocks() { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
+EPG_DEVICE int epg_bcast0(int v) { return __builtin_amdgcn_ds_bpermute(0, v); }
+// Memory model: system scope reaches peer GPUs' memory mapped into this process.
+EPG_DEVICE void epg_syncthreads() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+EPG_DEVICE void epg_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
@@ -101,6 +115,20 @@ EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   for (int i = 0; i < 4; ++i) w[i] = (epg_u32)epg_f32_to_bf16(f[2 * i]) | ((epg_u32)epg_f32_to_bf16(f[2 * i + 1]) << 16);
   epg_vec16 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
   epg_st16(p, v);
+}
+// 16-byte vectors of the activation dtype <-> fp32 accumulators (8 elements each).
+constexpr int EPG_PER16 = 8;
+EPG_DEVICE void epg_acc16(float acc[8], epg_vec16 v) {
+  epg_u32 w[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4; ++i) { acc[2 * i] += epg_bf16_to_f32((epg_u16)(w[i] & 0xffffu)); acc[2 * i + 1] += epg_bf16_to_f32((epg_u16)(w[i] >> 16)); }
+}
+EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
+  epg_vec16 v;
+  v.x = (epg_u32)epg_f32_to_bf16(acc[0]) | ((epg_u32)epg_f32_to_bf16(acc[1]) << 16);
+  v.y = (epg_u32)epg_f32_to_bf16(acc[2]) | ((epg_u32)epg_f32_to_bf16(acc[3]) << 16);
+  v.z = (epg_u32)epg_f32_to_bf16(acc[4]) | ((epg_u32)epg_f32_to_bf16(acc[5]) << 16);
+  v.w = (epg_u32)epg_f32_to_bf16(acc[6]) | ((epg_u32)epg_f32_to_bf16(acc[7]) << 16);
+  return v;
 }
 // FP8 e4m3 (fnuz): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {

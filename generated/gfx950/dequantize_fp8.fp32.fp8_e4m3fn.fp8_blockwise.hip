@@ -37,6 +37,20 @@ EPG_DEVICE float epg_shfl_xor(float v, int mask) {
 }
 EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
+EPG_DEVICE int epg_nblocks() { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
+EPG_DEVICE int epg_bcast0(int v) { return __builtin_amdgcn_ds_bpermute(0, v); }
+// Memory model: system scope reaches peer GPUs' memory mapped into this process.
+EPG_DEVICE void epg_syncthreads() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+EPG_DEVICE void epg_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
@@ -101,6 +115,16 @@ EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   a.x = epg_f32_bits(f[0]); a.y = epg_f32_bits(f[1]); a.z = epg_f32_bits(f[2]); a.w = epg_f32_bits(f[3]);
   b.x = epg_f32_bits(f[4]); b.y = epg_f32_bits(f[5]); b.z = epg_f32_bits(f[6]); b.w = epg_f32_bits(f[7]);
   epg_st16(p, a); epg_st16((char*)p + 16, b);
+}
+// 16-byte vectors of the activation dtype <-> fp32 accumulators (4 elements each).
+constexpr int EPG_PER16 = 4;
+EPG_DEVICE void epg_acc16(float acc[8], epg_vec16 v) {
+  acc[0] += epg_bits_f32(v.x); acc[1] += epg_bits_f32(v.y); acc[2] += epg_bits_f32(v.z); acc[3] += epg_bits_f32(v.w);
+}
+EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
+  epg_vec16 v;
+  v.x = epg_f32_bits(acc[0]); v.y = epg_f32_bits(acc[1]); v.z = epg_f32_bits(acc[2]); v.w = epg_f32_bits(acc[3]);
+  return v;
 }
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {

@@ -25,6 +25,16 @@ EPG_DEVICE float epg_fmax(float a, float b) { return fmaxf(a, b); }
 EPG_DEVICE float epg_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
+EPG_DEVICE int epg_nblocks() { return gridDim.x; }
+EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+// Memory model: system scope reaches peer GPUs' memory mapped into this process.
+EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }
+EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
+EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
+EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
@@ -89,6 +99,16 @@ EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   a.x = epg_f32_bits(f[0]); a.y = epg_f32_bits(f[1]); a.z = epg_f32_bits(f[2]); a.w = epg_f32_bits(f[3]);
   b.x = epg_f32_bits(f[4]); b.y = epg_f32_bits(f[5]); b.z = epg_f32_bits(f[6]); b.w = epg_f32_bits(f[7]);
   epg_st16(p, a); epg_st16((char*)p + 16, b);
+}
+// 16-byte vectors of the activation dtype <-> fp32 accumulators (4 elements each).
+constexpr int EPG_PER16 = 4;
+EPG_DEVICE void epg_acc16(float acc[8], epg_vec16 v) {
+  acc[0] += epg_bits_f32(v.x); acc[1] += epg_bits_f32(v.y); acc[2] += epg_bits_f32(v.z); acc[3] += epg_bits_f32(v.w);
+}
+EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
+  epg_vec16 v;
+  v.x = epg_f32_bits(acc[0]); v.y = epg_f32_bits(acc[1]); v.z = epg_f32_bits(acc[2]); v.w = epg_f32_bits(acc[3]);
+  return v;
 }
 // FP8 e4m3 (OCP): cvt.rn.satfinite saturates to +-448 and keeps NaN.
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {

@@ -25,6 +25,16 @@ EPG_DEVICE float epg_fmax(float a, float b) { return fmaxf(a, b); }
 EPG_DEVICE float epg_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
+EPG_DEVICE int epg_nblocks() { return gridDim.x; }
+EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+// Memory model: system scope reaches peer GPUs' memory mapped into this process.
+EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }
+EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
+EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
+EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
@@ -89,6 +99,20 @@ EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   for (int i = 0; i < 4; ++i) w[i] = (epg_u32)epg_f32_to_bf16(f[2 * i]) | ((epg_u32)epg_f32_to_bf16(f[2 * i + 1]) << 16);
   epg_vec16 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
   epg_st16(p, v);
+}
+// 16-byte vectors of the activation dtype <-> fp32 accumulators (8 elements each).
+constexpr int EPG_PER16 = 8;
+EPG_DEVICE void epg_acc16(float acc[8], epg_vec16 v) {
+  epg_u32 w[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4; ++i) { acc[2 * i] += epg_bf16_to_f32((epg_u16)(w[i] & 0xffffu)); acc[2 * i + 1] += epg_bf16_to_f32((epg_u16)(w[i] >> 16)); }
+}
+EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
+  epg_vec16 v;
+  v.x = (epg_u32)epg_f32_to_bf16(acc[0]) | ((epg_u32)epg_f32_to_bf16(acc[1]) << 16);
+  v.y = (epg_u32)epg_f32_to_bf16(acc[2]) | ((epg_u32)epg_f32_to_bf16(acc[3]) << 16);
+  v.z = (epg_u32)epg_f32_to_bf16(acc[4]) | ((epg_u32)epg_f32_to_bf16(acc[5]) << 16);
+  v.w = (epg_u32)epg_f32_to_bf16(acc[6]) | ((epg_u32)epg_f32_to_bf16(acc[7]) << 16);
+  return v;
 }
 // FP8 e4m3 (OCP): cvt.rn.satfinite saturates to +-448 and keeps NaN.
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {

@@ -1,0 +1,21 @@
+"""The argument block of the EP kernels: one struct of 64-bit fields, passed by value.
+
+Rendered into the C++ struct by templates/kernels/ep_common.j2 and mirrored as a ctypes structure
+by the runtime, both from this one list, so the two can never drift apart.
+"""
+
+EP_ARGS = (
+    # pointers (device addresses; 0 = absent)
+    "x", "weights", "indices", "slots", "out", "out_weights", "expert_out", "expert_weights",
+    "state", "total_recv", "peer_bases",
+    # byte offsets inside every rank's symmetric workspace
+    "off_signal", "off_counter", "off_recv_x", "off_recv_w", "off_recv_idx", "off_recv_src",
+    "off_comb_x", "off_comb_w",
+    # sizes and flags
+    "num_tokens", "row_bytes", "k", "experts_per_rank", "num_experts", "rank", "world",
+    "max_recv", "max_tokens", "entry_barrier", "has_weights",
+)
+
+# int32 words of each rank's local state tensor
+STATE_WORDS = ("epoch", "done", "go", "bad_ids", "dropped", "dispatches")
+STATE_SIZE = 8
