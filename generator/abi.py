@@ -13,7 +13,7 @@ EP_ARGS = (
     "off_comb_x", "off_comb_w",
     # sizes and flags
     "num_tokens", "row_bytes", "k", "experts_per_rank", "num_experts", "rank", "world",
-    "max_recv", "max_tokens", "entry_barrier", "has_weights",
+    "max_recv", "max_tokens", "expert_rows", "entry_barrier", "has_weights",
 )
 
 # int32 words of each rank's local state tensor

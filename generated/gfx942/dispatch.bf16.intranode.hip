@@ -172,6 +172,7 @@ struct EpArgs {
   epg_i64 world;
   epg_i64 max_recv;
   epg_i64 max_tokens;
+  epg_i64 expert_rows;
   epg_i64 entry_barrier;
   epg_i64 has_weights;
 };
@@ -275,7 +276,7 @@ EPG_KERNEL void epg_dispatch__bf16__intranode(EpArgs a) {
             ((float*)(peer + a.off_recv_w))[s * a.k + lane] = a.has_weights ? ((const float*)a.weights)[t * a.k + lane] : 0.f;
           }
           if (lane == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
-          slot = s;
+          slot = s * (int)a.world + r;  // the handle keeps (slot, rank) per (token, k)
         } else if (lane == 0) {
           epg_atomic_add_dev(state + EPG_ST_DROPPED, 1);
         }

@@ -186,6 +186,7 @@ struct EpArgs {
   epg_i64 world;
   epg_i64 max_recv;
   epg_i64 max_tokens;
+  epg_i64 expert_rows;
   epg_i64 entry_barrier;
   epg_i64 has_weights;
 };
@@ -255,7 +256,8 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
 
   char* mine = epg_peer(a, a.rank);
   const int n16 = (int)(a.row_bytes / 16);
-  const epg_i64 nrecv = *(const int*)a.total_recv;
+  epg_i64 nrecv = *(const int*)a.total_recv;
+  if (nrecv > a.expert_rows) nrecv = a.expert_rows;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
   if ((char*)a.expert_out != mine + a.off_comb_x) {
@@ -270,15 +272,14 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
-  const int* idx = (const int*)a.indices;
   const int* slots = (const int*)a.slots;
   for (epg_i64 t = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; t < a.num_tokens; t += (epg_i64)epg_nblocks() * waves) {
     for (int c = lane; c < n16; c += EPG_WAVE) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int j = 0; j < a.k; ++j) {
-        const int s = slots[t * a.k + j];
-        if (s < 0) continue;
-        const char* row = epg_peer(a, idx[t * a.k + j] / (int)a.experts_per_rank) + a.off_comb_x + s * a.row_bytes;
+        const int sr = slots[t * a.k + j];  // slot * world + rank, or -1
+        if (sr < 0) continue;
+        const char* row = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
         epg_acc16(acc, epg_ld16(row + 16 * (epg_i64)c));
       }
       epg_st16((char*)a.out + t * a.row_bytes + 16 * (epg_i64)c, epg_pack16(acc));
@@ -286,8 +287,8 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
     if (a.has_weights && lane < a.k) {
       float w = 0.f;
       for (int j = 0; j < a.k; ++j) {
-        const int s = slots[t * a.k + j];
-        if (s >= 0) w += ((const float*)(epg_peer(a, idx[t * a.k + j] / (int)a.experts_per_rank) + a.off_comb_w))[s * a.k + lane];
+        const int sr = slots[t * a.k + j];
+        if (sr >= 0) w += ((const float*)(epg_peer(a, sr % (int)a.world) + a.off_comb_w))[(epg_i64)(sr / (int)a.world) * a.k + lane];
       }
       ((float*)a.out_weights)[t * a.k + lane] = w;
     }

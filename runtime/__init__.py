@@ -1,0 +1,17 @@
+"""epgen runtime: EP dispatch/combine ops over generated kernels (native) or torch.distributed (torch)."""
+
+from .config import EpDispatchCombineConfig
+from .errors import ClosedError, ConfigError, EpgenError, InputError, VariantMissError
+from .op import EpDispatchCombineOp
+from .routing import RoutingHandle
+
+__all__ = [
+    "EpDispatchCombineConfig",
+    "EpDispatchCombineOp",
+    "RoutingHandle",
+    "EpgenError",
+    "ConfigError",
+    "InputError",
+    "ClosedError",
+    "VariantMissError",
+]

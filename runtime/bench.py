@@ -1,0 +1,153 @@
+"""EP benchmark: native dispatch / combine vs NCCL all_to_all_single of the same bytes, graph replay.
+
+torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168] [--out results.jsonl]
+
+Every point is correctness-gated first (identity expert: combine(dispatch(x)) == U*x). Times are
+device-event medians over graph replays (each replay runs `--inner` iterations), the slowest rank.
+Bandwidths: logical = all received rows x row bytes / time; link = rows that crossed to another GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import EpDispatchCombineConfig, EpDispatchCombineOp
+
+
+def _graph_time(fn, inner: int, reps: int) -> list[float]:
+    """Per-iteration milliseconds of `fn` captured `inner` times in one graph, `reps` replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / inner)
+    return out
+
+
+def _stats(ms: list[float]) -> tuple[float, float]:
+    t = torch.tensor(ms, device="cuda")
+    med, p99 = t.median(), t.quantile(0.99)
+    both = torch.stack([med, p99])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # slowest rank
+    return float(both[0]), float(both[1])
+
+
+def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
+                                  num_experts_per_rank=num_experts // world, num_experts_per_token=k,
+                                  data_type=dtype, kernel_backend="native")
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    x = torch.randn(T, hidden, device="cuda", generator=g).to(dtype)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    # uniform routing: k distinct experts per token
+    idx = torch.rand(T, num_experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
+    with EpDispatchCombineOp(cfg) as op:
+        # correctness gate
+        out, ow, _, _, total, h = op.dispatch(x, w, None, idx, return_routing=True)
+        comb, _ = op.combine(out, routing=h)
+        dest = (idx.long() // cfg.num_experts_per_rank)
+        U = torch.zeros(T, world, device="cuda").scatter_(1, dest, 1.0)
+        remote_rows = int((U.sum(0) - U[:, rank]).sum()) if T else 0
+        U = U.sum(1)
+        if not torch.equal(comb, (x.float() * U[:, None]).to(dtype)):
+            raise SystemExit(f"rank {rank}: identity check failed at T={T}")
+        n_recv = int(total.item())
+        row = hidden * x.element_size()
+
+        def disp():
+            op.dispatch(x, w, None, idx)
+
+        state = {}
+
+        def both():
+            o, ow2, _, _, _, hh = op.dispatch(x, w, None, idx, return_routing=True)
+            op.combine(o, routing=hh)
+
+        d_med, d_p99 = _stats(_graph_time(disp, inner, reps))
+        b_med, b_p99 = _stats(_graph_time(both, inner, reps))
+        sent = int(U.sum())
+        a2a_in = torch.randn(sent + (world - sent % world) % world, hidden, device="cuda").to(dtype)
+        a2a_out = torch.empty_like(a2a_in)
+        n_med, n_p99 = _stats(_graph_time(lambda: dist.all_to_all_single(a2a_out, a2a_in), inner, reps))
+    c_med = max(b_med - d_med, 1e-9)
+    dev = torch.cuda.get_device_properties(0)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "commit": commit or os.environ.get("EPGEN_COMMIT", ""), "backend": "native", "target": op_arch(),
+        "gpu": dev.name, "driver": torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else "",
+        "torch": torch.__version__, "world_size": world, "dtype": str(dtype).replace("torch.", ""), "quant": "none",
+        "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "graph": True,
+        "dispatch_us": d_med * 1e3, "dispatch_p99_us": d_p99 * 1e3,
+        "combine_us": c_med * 1e3, "dispatch_combine_us": b_med * 1e3,
+        "nccl_a2a_us": n_med * 1e3, "recv_rows": n_recv, "remote_rows": remote_rows,
+        "dispatch_logical_GBps": n_recv * row / (d_med * 1e-3) / 1e9 if d_med else 0.0,
+        "dispatch_link_GBps": remote_rows * row / (d_med * 1e-3) / 1e9 if d_med else 0.0,
+        "combine_link_GBps": remote_rows * row / (c_med * 1e-3) / 1e9,
+        "dispatch_vs_nccl": n_med / d_med if d_med else 0.0, "combine_vs_nccl": n_med / c_med,
+    }
+
+
+def op_arch() -> str:
+    from .kernels import device_arch
+    return device_arch(torch.device("cuda"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    p.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for hidden in args.hidden:
+        for T in args.tokens:
+            rows.append(run_point(T, hidden, args.topk, args.experts, torch.bfloat16, args.inner, args.reps))
+    if dist.get_rank() == 0:
+        if args.out:
+            with open(args.out, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r, sort_keys=True) + "\n")
+        print(f"{'tokens':>6} {'hidden':>6} {'disp us':>8} {'comb us':>8} {'nccl us':>8} {'disp x':>6} {'comb x':>6} "
+              f"{'disp link GB/s':>14} {'comb link GB/s':>14}")
+        for r in rows:
+            print(f"{r['tokens_per_rank']:>6} {r['hidden']:>6} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} "
+                  f"{r['nccl_a2a_us']:>8.1f} {r['dispatch_vs_nccl']:>6.2f} {r['combine_vs_nccl']:>6.2f} "
+                  f"{r['dispatch_link_GBps']:>14.1f} {r['combine_link_GBps']:>14.1f}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

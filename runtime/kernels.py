@@ -1,0 +1,139 @@
+"""Variant selection and code-object loading for the native backend.
+
+device arch (sm_XY, or gcnArchName -> gfxNNN) + variant name -> generated/<arch>/manifest.json ->
+cached code object (compiled on demand, under the cache's file lock, when a toolchain exists) ->
+loaded module -> kernel handle launched on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import torch
+
+from generator import build as gbuild
+from generator import specs as gspecs
+from generator import toolchain as gtoolchain
+from generator.abi import EP_ARGS
+from generator.cache import usable_dir
+from generator.model import enumerate_variants
+
+from .errors import EpgenError, VariantMissError
+
+
+class EpArgs(ctypes.Structure):
+    """Mirror of the kernels' `struct EpArgs` (generator/abi.py): all fields 64-bit."""
+    _fields_ = [(name, ctypes.c_int64) for name in EP_ARGS]
+
+
+def device_arch(device: torch.device) -> str:
+    props = torch.cuda.get_device_properties(device)
+    gcn = getattr(props, "gcnArchName", "") or ""
+    if torch.version.hip and gcn:
+        return gcn.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def select(arch: str, name: str):
+    """The Variant `name` for `arch`, or VariantMissError naming the key, the reason and what exists."""
+    specs = gspecs.load()
+    key = f"{arch}/{name}"
+    if arch not in specs.targets:
+        raise VariantMissError(f"no variant {key}: target {arch!r} is not declared in specs/targets.toml "
+                               f"(declared: {', '.join(specs.targets)})")
+    variants, rejected = enumerate_variants(specs, [arch], "all")
+    for v in variants:
+        if v.name == name:
+            manifest = gbuild.GENERATED / arch / "manifest.json"
+            entries = json.loads(manifest.read_text())["variants"] if manifest.exists() else {}
+            if name not in entries:
+                raise VariantMissError(f"no variant {key} in {manifest}: run python -m generator build --arch {arch}")
+            return v
+    for r in rejected:
+        if r.key == key:
+            raise VariantMissError(f"no variant {key}: rejected by rule '{r.rule.name}': {r.rule.message}")
+    family = name.split(".")[0]
+    near = [v.key for v in variants if v.family.name == family] or [v.key for v in variants][:8]
+    raise VariantMissError(f"no variant {key} is declared; nearest available: {', '.join(near)}")
+
+
+def code_object(v) -> bytes:
+    """The compiled, ISA-verified code object of variant v (built into the cache if needed)."""
+    try:
+        tools = gtoolchain.find(v.toolchain)
+    except gtoolchain.ToolchainMissing as e:
+        raise VariantMissError(f"{v.key} is not built and cannot be built here ({e}); build it where a "
+                               f"toolchain exists: python -m generator build --arch {v.target.name} "
+                               f"--only '{v.name}'") from None
+    source = gbuild.GENERATED / v.target.name / v.file
+    res = gbuild.compile_variant(v, source, usable_dir(), tools)
+    if not res.ok:
+        raise EpgenError(f"{v.key}: {res.status}: {res.message}")
+    return res.artifact.read_bytes()
+
+
+class CudaKernel:
+    """A kernel from a cubin, loaded with cuda-bindings, launched on torch's current stream."""
+
+    def __init__(self, image: bytes, symbol: str):
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        torch.cuda.current_device()  # the primary context is current
+        self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
+        self.function = self._check(cu.cuModuleGetFunction(self.module, symbol.encode()), "cuModuleGetFunction")
+        self.symbol = symbol
+
+    def _check(self, result, what):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise EpgenError(f"{what} failed for {getattr(self, 'symbol', '?')}: {err}")
+        return rest[0] if len(rest) == 1 else (rest or None)
+
+    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> None:
+        """Launch on torch's current stream; args are ctypes values (the driver copies them)."""
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        stream = torch.cuda.current_stream().cuda_stream
+        self._check(self._cu.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
+                                            ctypes.addressof(params), 0), f"cuLaunchKernel({self.symbol})")
+
+    def close(self) -> None:
+        if self.module is not None:
+            self._cu.cuModuleUnload(self.module)
+            self.module = None
+
+
+class HipKernel:
+    """A kernel from an hsaco, loaded with hip-python (not yet run on AMD hardware)."""
+
+    def __init__(self, image: bytes, symbol: str):
+        from hip import hip
+
+        self._hip = hip
+        self.symbol = symbol
+        self.module = self._check(hip.hipModuleLoadData(image), "hipModuleLoadData")
+        self.function = self._check(hip.hipModuleGetFunction(self.module, symbol.encode()), "hipModuleGetFunction")
+
+    def _check(self, result, what):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != self._hip.hipError_t.hipSuccess:
+            raise EpgenError(f"{what} failed for {self.symbol}: {err}")
+        return rest[0] if len(rest) == 1 else (rest or None)
+
+    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> None:
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        stream = torch.cuda.current_stream().cuda_stream
+        self._check(self._hip.hipModuleLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
+                                                    ctypes.addressof(params), None), f"hipModuleLaunchKernel({self.symbol})")
+
+    def close(self) -> None:
+        if self.module is not None:
+            self._hip.hipModuleUnload(self.module)
+            self.module = None
+
+
+def load(v) -> CudaKernel | HipKernel:
+    image = code_object(v)
+    return (CudaKernel if v.target.vendor == "nvidia" else HipKernel)(image, v.symbol)

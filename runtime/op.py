@@ -1,0 +1,190 @@
+"""EpDispatchCombineOp: the public facade. Validates every input, then delegates to a backend.
+
+A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBackend``) is built as
+``Backend(config, group)`` and provides:
+
+  name: str; device: torch.device; capabilities: dict (merged over the op's defaults)
+  dispatch(x, weights, scales, indices, routing)
+      -> (out, out_weights, out_scales, out_indices, total_recv, handle_fields: dict)
+      handle_fields are keyword arguments of RoutingHandle (e.g. {"extra": {...}}); routing is
+      None or an already-checked handle of this op (replay).
+  combine(expert_out, weights, indices, routing) -> (combined, combined_weights)
+  combine_in_view() -> tensor [max_recv_tokens, hidden_dim]
+  reset() -> None;  close() -> None
+
+Inputs reach the backend already checked (dtype, shape, contiguity, device, token count, handle).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .config import EpDispatchCombineConfig, built_torch_dtypes
+from .errors import ClosedError, ConfigError, EpgenError, InputError
+from .routing import RoutingHandle
+
+_UIDS = itertools.count(1)
+
+
+def _make_backend(config: EpDispatchCombineConfig, group):
+    name = config.resolved_backend
+    if name == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(config, group)
+    if name == "native":
+        try:
+            from .native import NativeBackend
+        except EpgenError:
+            raise
+        except Exception as e:  # ImportError, or a vendor binding failing to load
+            raise EpgenError(f"kernel backend 'native' is unavailable: importing runtime.native failed "
+                             f"({type(e).__name__}: {e}); use kernel_backend='torch' or "
+                             f"EPGEN_KERNEL_BACKEND=torch for the reference backend") from e
+        return NativeBackend(config, group)
+    raise ConfigError(f"unknown kernel backend {name!r}")  # the config validates this already
+
+
+class EpDispatchCombineOp:
+    """Expert-parallel dispatch/combine over one process group (see the module docstring)."""
+
+    def __init__(self, config: EpDispatchCombineConfig, group=None):
+        if not isinstance(config, EpDispatchCombineConfig):
+            raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
+        self.config = config
+        self.uid = next(_UIDS)
+        self._closed = False
+        self._backend = _make_backend(config, group)
+
+    # --- properties ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def capabilities(self) -> dict:
+        caps = {
+            "backend": self._backend.name,
+            "device": str(self._backend.device),
+            "dtypes": built_torch_dtypes(),
+            "combine_modes": ("gather",),
+            "quant_types": ("none",),
+            "graph_capture": False,
+            "routing_replay": False,
+            "internode": False,
+            "max_recv_tokens": self.config.max_recv_tokens,
+        }
+        caps.update(self._backend.capabilities)
+        return caps
+
+    # --- public API ----------------------------------------------------------------------------
+    def dispatch(self, x, weights, scales, indices, return_routing: bool = False, routing=None):
+        """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle])."""
+        self._check_open("dispatch")
+        cfg = self.config
+        k, hidden = cfg.num_experts_per_token, cfg.hidden_dim
+        self._check_tensor("dispatch", "x", x, cfg.dispatch_dtype, ndim=2)
+        num_tokens = x.shape[0]
+        if x.shape[1] != hidden:
+            raise InputError(f"dispatch: x must have shape [num_tokens, hidden_dim={hidden}], got {tuple(x.shape)}")
+        if num_tokens > cfg.max_num_inp_token_per_rank:
+            raise InputError(f"dispatch: x has {num_tokens} tokens, more than max_num_inp_token_per_rank="
+                             f"{cfg.max_num_inp_token_per_rank}")
+        self._check_tensor("dispatch", "indices", indices, torch.int32, shape=(num_tokens, k))
+        if weights is not None:
+            self._check_tensor("dispatch", "weights", weights, torch.float32, shape=(num_tokens, k))
+        if scales is not None:
+            raise InputError(f"dispatch: scales must be None for a {cfg.dispatch_dtype} payload (scale_dim=0)")
+        if not isinstance(return_routing, bool):
+            raise InputError(f"dispatch: return_routing must be a bool, got {type(return_routing).__name__}")
+        if routing is not None:
+            self._check_handle("dispatch", routing)
+            if routing.num_tokens != num_tokens:
+                raise InputError(f"dispatch: routing replay needs the same token count: the handle has "
+                                 f"{routing.num_tokens} tokens, x has {num_tokens}")
+        *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
+        if not return_routing:
+            return tuple(outs)
+        handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, **fields)
+        return (*outs, handle)
+
+    def combine(self, expert_out, weights=None, indices=None, routing=None):
+        """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None)."""
+        self._check_open("combine")
+        cfg = self.config
+        if routing is None:
+            raise InputError("combine: routing is required: pass the RoutingHandle from "
+                             "dispatch(..., return_routing=True) of this op")
+        self._check_handle("combine", routing)
+        rows_max, k = cfg.max_recv_tokens, cfg.num_experts_per_token
+        self._check_tensor("combine", "expert_out", expert_out, cfg.combine_dtype, ndim=2)
+        if expert_out.shape[1] != cfg.hidden_dim or expert_out.shape[0] > rows_max:
+            raise InputError(f"combine: expert_out must have shape [rows <= max_recv_tokens={rows_max}, "
+                             f"hidden_dim={cfg.hidden_dim}], got {tuple(expert_out.shape)}")
+        for name, t, dtype in (("weights", weights, torch.float32), ("indices", indices, torch.int32)):
+            if t is None:
+                continue
+            self._check_tensor("combine", name, t, dtype, ndim=2)
+            if t.shape[1] != k or t.shape[0] > rows_max:
+                raise InputError(f"combine: {name} must have shape [rows <= max_recv_tokens={rows_max}, "
+                                 f"num_experts_per_token={k}], got {tuple(t.shape)}")
+        return self._backend.combine(expert_out, weights, indices, routing)
+
+    def combine_in_view(self) -> torch.Tensor:
+        """A [max_recv_tokens, hidden_dim] tensor the expert may write its output into directly."""
+        self._check_open("combine_in_view")
+        return self._backend.combine_in_view()
+
+    def reset(self) -> None:
+        self._check_open("reset")
+        self._backend.reset()
+
+    def close(self) -> None:
+        """Release the backend; idempotent. Every later call raises ClosedError."""
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else str(self._backend.device)
+        return f"EpDispatchCombineOp(uid={self.uid}, backend={self._backend.name}, {state})"
+
+    # --- checks --------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{what}: this EpDispatchCombineOp is closed")
+
+    def _check_tensor(self, call, name, t, dtype, *, ndim=None, shape=None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{call}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise InputError(f"{call}: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if ndim is not None and t.dim() != ndim:
+            raise InputError(f"{call}: {name} must be {ndim}-D, got shape {list(t.shape)}")
+        if t.dtype != dtype:
+            raise InputError(f"{call}: {name} must be {dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise InputError(f"{call}: {name} must be on {self.device}, got {t.device}")
+        if not t.is_contiguous():
+            raise InputError(f"{call}: {name} must be contiguous")
+
+    def _check_handle(self, call: str, routing) -> None:
+        if not isinstance(routing, RoutingHandle):
+            raise InputError(f"{call}: routing must be a RoutingHandle, got {type(routing).__name__}")
+        if routing.op_uid != self.uid:
+            raise InputError(f"{call}: routing handle comes from another op (uid {routing.op_uid}, this op is "
+                             f"uid {self.uid}); use the handle returned by this op's dispatch")
+        if routing.config_key != self.config.key:
+            raise InputError(f"{call}: routing handle was made for a different config (stale handle)")

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: build the device's variants, run the GPU tests, benchmark, print a table.
+#   (via the device tool)  bash scripts/device_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/epgen-out}; mkdir -p "$OUT"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
+declare -A status
+python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
+tail -3 "$OUT/build.log"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
+if [ "$ngpu" -ge 2 ]; then
+  timeout 400 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_ep_native.py 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -6; status[bench]=${PIPESTATUS[0]}
+fi
+echo "== summary"
+for k in build quant ep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
