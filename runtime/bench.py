@@ -70,7 +70,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         comb, _ = op.combine(out, routing=h)
         dest = (idx.long() // cfg.num_experts_per_rank)
         U = torch.zeros(T, world, device="cuda").scatter_(1, dest, 1.0)
-        remote_rows = int((U.sum(0) - U[:, rank]).sum()) if T else 0
+        remote_rows = int(U.sum() - U[:, rank].sum())  # rows this rank pushes over NVLink
         U = U.sum(1)
         if not torch.equal(comb, (x.float() * U[:, None]).to(dtype)):
             raise SystemExit(f"rank {rank}: identity check failed at T={T}")
@@ -79,8 +79,6 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
 
         def disp():
             op.dispatch(x, w, None, idx)
-
-        state = {}
 
         def both():
             o, ow2, _, _, _, hh = op.dispatch(x, w, None, idx, return_routing=True)

@@ -79,10 +79,10 @@ EPG_DEVICE void epg_mx_nan_block(epg_u32 scale_byte, float out[8]) {
   if (scale_byte == 0xffu)
     for (int i = 0; i < 8; ++i) out[i] = epg_bits_f32(0x7fc00000u);
 }
-// Software e2m1: round to nearest even on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6;
-// NaN saturates too (sign kept). Returns the 4-bit code.
-EPG_DEVICE epg_u32 epg_e2m1_encode_sw(float q) {
-  epg_u32 s = (epg_f32_bits(q) >> 28) & 8u;
+// Software e2m1: round |q| to nearest even on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6;
+// NaN saturates too. `sign` is the input's sign bit (taken before scaling: NaN * 2^k may lose it).
+EPG_DEVICE epg_u32 epg_e2m1_encode_sw(float q, epg_u32 sign) {
+  epg_u32 s = sign ? 8u : 0u;
   float a = epg_abs(q);
   epg_u32 c = a <= 0.25f ? 0u : a < 0.75f ? 1u : a <= 1.25f ? 2u : a < 1.75f ? 3u
             : a <= 2.5f ? 4u : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
@@ -96,7 +96,7 @@ EPG_DEVICE float epg_e2m1_decode_sw(epg_u32 code) {
 EPG_DEVICE epg_u32 epg_fp4x8_encode_sw(const float v[8], int e) {
   float inv = epg_pow2(-e);
   epg_u32 r = 0;
-  for (int i = 0; i < 8; ++i) r |= epg_e2m1_encode_sw(v[i] * inv) << (4 * i);
+  for (int i = 0; i < 8; ++i) r |= epg_e2m1_encode_sw(v[i] * inv, epg_f32_bits(v[i]) >> 31) << (4 * i);
   return r;
 }
 EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8]) {

@@ -39,7 +39,23 @@ def _inputs(seed, T, cfg, rank=None):
     return x.cuda(), w.cuda(), idx.cuda()
 
 
+def _collective_assert(err):
+    """Every rank raises if any rank failed (a lone failing rank would leave its peer in a collective)."""
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+    assert not bad, "; ".join(bad)
+
+
 def _check_identity(op, cfg, x, w, idx, seed, T):
+    try:
+        err = _identity_error(op, cfg, x, w, idx, seed, T)
+    except AssertionError as e:
+        err = str(e) or "assertion failed"
+    _collective_assert(err)
+
+
+def _identity_error(op, cfg, x, w, idx, seed, T):
     out, out_w, out_s, out_idx, total, handle = op.dispatch(x, w, None, idx, return_routing=True)
     comb, comb_w = op.combine(out, weights=out_w, routing=handle)
     torch.cuda.synchronize()
@@ -49,8 +65,8 @@ def _check_identity(op, cfg, x, w, idx, seed, T):
     assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
     # the received set equals the oracle's, each row equal to its source row
     world, rank = dist.get_world_size(), dist.get_rank()
-    all_idx = [None] * world
-    dist.all_gather_object(all_idx, idx.cpu())
+    all_idx = [make_inputs(seed, r, T, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts,
+                           cfg.data_type)[2] for r in range(world)]
     want_rows = expected_received(all_idx, rank, cfg.num_experts_per_rank)
     n = int(total.item())
     assert n == len(want_rows), (n, len(want_rows))
@@ -66,7 +82,7 @@ def _check_identity(op, cfg, x, w, idx, seed, T):
         got_idx = out_idx[:n][order.cuda()][:64]
         bad = (got_idx != ref_idx).any(1).nonzero().flatten().tolist()
         assert not bad, f"T={T}: idx rows differ at {bad[:5]}: got {got_idx[bad[:2]].tolist()} want {ref_idx[bad[:2]].tolist()}"
-    return n
+    return None
 
 
 @pytest.mark.parametrize("hidden,k,epr", [(7168, 8, 128), (2048, 4, 32), (7168, 1, 8), (2048, 8, 8)])
