@@ -20,6 +20,11 @@ from .specs import Specs
 GENERATED = Path(__file__).resolve().parent.parent / "generated"
 
 
+def generated_root(specs: Specs) -> Path:
+    """generated/ beside the specs/ folder in use (the project's own, or a copy's)."""
+    return specs.root.resolve().parent / "generated"
+
+
 # ---------------------------------------------------------------------------------------------
 # Rendering and the manifest (the committed tree always holds the full `all` matrix)
 # ---------------------------------------------------------------------------------------------
@@ -32,7 +37,7 @@ def manifest_entry(v: Variant, source_sha256: str) -> dict:
     }
 
 
-def render_target(specs: Specs, arch: str, out_root: Path = GENERATED) -> tuple[dict[str, str], dict]:
+def render_target(specs: Specs, arch: str) -> tuple[dict[str, str], dict]:
     """Render every variant of `arch` in memory: {file name: text} and the manifest dict."""
     env = render.environment()
     variants, _ = enumerate_variants(specs, [arch], "all")
@@ -51,14 +56,15 @@ def _owned(path: Path) -> bool:
     return path.suffix in (".hip", ".cu") or path.name == "manifest.json"
 
 
-def stale_files(arch: str, files: dict[str, str], out_root: Path = GENERATED) -> list[Path]:
+def stale_files(arch: str, files: dict[str, str], out_root: Path) -> list[Path]:
     d = out_root / arch
     return sorted(p for p in d.iterdir() if p.is_file() and _owned(p) and p.name not in files) if d.is_dir() else []
 
 
-def write_target(specs: Specs, arch: str, out_root: Path = GENERATED) -> tuple[int, int]:
+def write_target(specs: Specs, arch: str, out_root: Path | None = None) -> tuple[int, int]:
     """Render into generated/<arch>/, writing only changed files. Returns (written, removed)."""
-    files, _ = render_target(specs, arch, out_root)
+    out_root = out_root or generated_root(specs)
+    files, _ = render_target(specs, arch)
     written = sum(render.write_if_changed(out_root / arch / name, text) for name, text in sorted(files.items()))
     stale = stale_files(arch, files, out_root)
     for p in stale:
@@ -66,9 +72,10 @@ def write_target(specs: Specs, arch: str, out_root: Path = GENERATED) -> tuple[i
     return written, len(stale)
 
 
-def freshness(specs: Specs, arch: str, out_root: Path = GENERATED) -> list[str]:
+def freshness(specs: Specs, arch: str, out_root: Path | None = None) -> list[str]:
     """Problems that make generated/<arch>/ differ from what the specs and templates render."""
-    files, _ = render_target(specs, arch, out_root)
+    out_root = out_root or generated_root(specs)
+    files, _ = render_target(specs, arch)
     problems = []
     for name, text in sorted(files.items()):
         p = out_root / arch / name
@@ -162,8 +169,9 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
 
 def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: str | None = None,
           jobs: int | None = None, compile: bool = True, cache_dir: Path | None = None,
-          out_root: Path = GENERATED, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+          out_root: Path | None = None, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
     archs = list(archs)
+    out_root = out_root or generated_root(specs)
     for arch in archs:
         write_target(specs, arch, out_root)
     selected, _ = enumerate_variants(specs, archs, profile, only)
