@@ -3,7 +3,7 @@
 torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168] [--out results.jsonl]
 
 Every point is correctness-gated first (identity expert: combine(dispatch(x)) == U*x). Times are
-device-event medians over graph replays (each replay runs `--inner` iterations), the slowest rank.
+device-event medians per leg, events recorded inside the replayed graph, the slowest rank.
 Bandwidths: logical = all received rows x row bytes / time; link = rows that crossed to another GPU.
 """
 
@@ -21,28 +21,39 @@ import torch.distributed as dist
 from . import EpDispatchCombineConfig, EpDispatchCombineOp
 
 
-def _graph_time(fn, inner: int, reps: int) -> list[float]:
-    """Per-iteration milliseconds of `fn` captured `inner` times in one graph, `reps` replays."""
+def _graph_time(legs, inner: int, reps: int) -> list[list[float]]:
+    """Per-leg milliseconds of `legs` (callables run in order), captured `inner` times in one graph.
+
+    Each leg is bracketed by timing events recorded inside the graph (external events), so every leg
+    is timed on its own, without launch gaps. Returns one list of samples per leg.
+    """
+    def body():
+        for leg in legs:
+            leg()
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        body()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    marks = [[torch.cuda.Event(enable_timing=True, external=True) for _ in range(len(legs) + 1)] for _ in range(inner)]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    out = []
+        for ev in marks:
+            ev[0].record()
+            for leg, end in zip(legs, ev[1:]):
+                leg()
+                end.record()
+    out: list[list[float]] = [[] for _ in legs]
     for _ in range(reps):
         dist.barrier()
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
+        torch.cuda.synchronize()
+        for ev in marks[1:]:  # the first iteration absorbs the ranks' start skew
+            for i in range(len(legs)):
+                out[i].append(ev[i].elapsed_time(ev[i + 1]))
     return out
 
 
@@ -77,20 +88,21 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         n_recv = int(total.item())
         row = hidden * x.element_size()
 
+        held = {}
+
         def disp():
-            op.dispatch(x, w, None, idx)
+            held["out"], _, _, _, _, held["h"] = op.dispatch(x, w, None, idx, return_routing=True)
 
-        def both():
-            o, ow2, _, _, _, hh = op.dispatch(x, w, None, idx, return_routing=True)
-            op.combine(o, routing=hh)
+        def comb():
+            op.combine(held["out"], routing=held["h"])
 
-        d_med, d_p99 = _stats(_graph_time(disp, inner, reps))
-        b_med, b_p99 = _stats(_graph_time(both, inner, reps))
+        d_ms, c_ms = _graph_time([disp, comb], inner, reps)
+        (d_med, d_p99), (c_med, c_p99) = _stats(d_ms), _stats(c_ms)
+        b_med = d_med + c_med
         sent = int(U.sum())
         a2a_in = torch.randn(sent + (world - sent % world) % world, hidden, device="cuda").to(dtype)
         a2a_out = torch.empty_like(a2a_in)
-        n_med, n_p99 = _stats(_graph_time(lambda: dist.all_to_all_single(a2a_out, a2a_in), inner, reps))
-    c_med = max(b_med - d_med, 1e-9)
+        n_med, n_p99 = _stats(_graph_time([lambda: dist.all_to_all_single(a2a_out, a2a_in)], inner, reps)[0])
     dev = torch.cuda.get_device_properties(0)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -102,7 +114,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "torch": torch.__version__, "world_size": world, "dtype": str(dtype).replace("torch.", ""), "quant": "none",
         "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "graph": True,
         "dispatch_us": d_med * 1e3, "dispatch_p99_us": d_p99 * 1e3,
-        "combine_us": c_med * 1e3, "dispatch_combine_us": b_med * 1e3,
+        "combine_us": c_med * 1e3, "combine_p99_us": c_p99 * 1e3, "dispatch_combine_us": b_med * 1e3,
         "nccl_a2a_us": n_med * 1e3, "recv_rows": n_recv, "remote_rows": remote_rows,
         "dispatch_logical_GBps": n_recv * row / (d_med * 1e-3) / 1e9 if d_med else 0.0,
         "dispatch_link_GBps": remote_rows * row / (d_med * 1e-3) / 1e9 if d_med else 0.0,

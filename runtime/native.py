@@ -152,7 +152,8 @@ class NativeBackend:
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.entry_barrier = int(self._last == "combine")
-        self._combine.launch(self._grid(T * cfg.world_size), BLOCK, a)
+        # every block takes part in the staging barrier: one block per multiprocessor (co-resident)
+        self._combine.launch(self.num_sms, BLOCK, a)
         self._last = "combine"
         return out, out_w
 

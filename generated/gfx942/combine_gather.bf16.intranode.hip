@@ -233,8 +233,8 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
 
 // Gather combine (bf16, intranode): stage the expert output into this rank's
 // symmetric combine buffer (skipped when the expert wrote there directly), one barrier round so every
-// rank's rows are staged, then one wave per origin token reads its rows back from the peers (the slots
-// dispatch recorded) and accumulates them in fp32.
+// rank's rows are staged, then one thread per (origin token, 16-byte chunk) reads its rows back from the
+// peers (the slots dispatch recorded) and accumulates them in fp32.
 EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
@@ -256,27 +256,39 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   }
   epg_barrier(a, ++epoch, true);
 
-  const int lane = epg_thread() % EPG_WAVE;
-  const int waves = epg_block_dim() / EPG_WAVE;
+  // One thread per (token, 16-byte chunk), token-major so a wave reads consecutive chunks. The loads of
+  // up to 8 source rows are issued together (independent), then accumulated in k order.
   const int* slots = (const int*)a.slots;
-  for (epg_i64 t = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; t < a.num_tokens; t += (epg_i64)epg_nblocks() * waves) {
-    for (int c = lane; c < n16; c += EPG_WAVE) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < a.k; ++j) {
-        const int sr = slots[t * a.k + j];  // slot * world + rank, or -1
-        if (sr < 0) continue;
-        const char* row = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
-        epg_acc16(acc, epg_ld16(row + 16 * (epg_i64)c));
+  for (epg_i64 i = gtid; i < a.num_tokens * n16; i += gthreads) {
+    const epg_i64 t = i / n16;
+    const epg_i64 off = 16 * (i % n16);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j0 = 0; j0 < a.k; j0 += 8) {
+      const char* src[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int sr = j0 + u < a.k ? slots[t * a.k + j0 + u] : -1;  // slot * world + rank, or -1
+        src[u] = sr < 0 ? nullptr : epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes + off;
       }
-      epg_st16((char*)a.out + t * a.row_bytes + 16 * (epg_i64)c, epg_pack16(acc));
+      epg_vec16 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (src[u]) v[u] = epg_ld16(src[u]);
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (src[u]) epg_acc16(acc, v[u]);
     }
-    if (a.has_weights && lane < a.k) {
+    epg_st16((char*)a.out + t * a.row_bytes + off, epg_pack16(acc));
+  }
+  if (a.has_weights) {
+    for (epg_i64 i = gtid; i < a.num_tokens * a.k; i += gthreads) {
+      const epg_i64 t = i / a.k;
       float w = 0.f;
       for (int j = 0; j < a.k; ++j) {
         const int sr = slots[t * a.k + j];
-        if (sr >= 0) w += ((const float*)(epg_peer(a, sr % (int)a.world) + a.off_comb_w))[(epg_i64)(sr / (int)a.world) * a.k + lane];
+        if (sr >= 0) w += ((const float*)(epg_peer(a, sr % (int)a.world) + a.off_comb_w))[(epg_i64)(sr / (int)a.world) * a.k + i % a.k];
       }
-      ((float*)a.out_weights)[t * a.k + lane] = w;
+      ((float*)a.out_weights)[i] = w;
     }
   }
 }
