@@ -55,12 +55,22 @@ class Variant:
         return self.key.replace("/", "-")
 
     @property
+    def converts(self) -> bool:
+        return self.wire.name != self.dtype.name
+
+    @property
+    def isa_groups(self) -> tuple[str, ...]:
+        """The family's ISA groups, plus the wire conversion groups when this variant converts."""
+        extra = tuple(f"{self.wire.kind}_{x}" for x in self.family.wire_isa) if self.converts else self.family.copy_isa
+        return self.family.isa + extra
+
+    @property
     def expected_isa(self) -> tuple[str, ...]:
-        return tuple(m for c in self.family.isa for m in self.target.expected(c))
+        return tuple(m for c in self.isa_groups for m in self.target.expected(c))
 
     @property
     def forbidden_isa(self) -> tuple[str, ...]:
-        return tuple(m for c in self.family.isa for m in self.target.forbidden(c))
+        return tuple(m for c in self.isa_groups for m in self.target.forbidden(c))
 
     def facts(self) -> dict[str, str]:
         return combination_facts(self.family, self.dtype, self.wire, self.quant, self.target, self.topology)
@@ -76,12 +86,17 @@ def record_facts(ns: str, record) -> dict[str, str]:
 
 
 def combination_facts(family=None, dtype=None, wire=None, quant=None, target=None, topology=None) -> dict[str, str]:
-    """Facts of a (possibly partial) combination; absent parts contribute no facts."""
+    """Facts of a (possibly partial) combination; absent parts contribute no facts.
+
+    "convert" is derived: "same" when the wire carries the dtype itself, else e.g. "float_to_fp8".
+    """
     facts: dict[str, str] = {}
     for ns, rec in (("family", family), ("dtype", dtype), ("wire", wire), ("quant", quant),
                     ("target", target), ("topology", topology)):
         if rec is not None:
             facts.update(record_facts(ns, rec))
+    if dtype is not None and wire is not None:
+        facts["convert"] = "same" if wire.name == dtype.name else f"{dtype.kind}_to_{wire.kind}"
     return facts
 
 
@@ -107,10 +122,13 @@ class Rejection:
 def _family_combos(specs: Specs, fam: Family, target: Target) -> Iterator[tuple]:
     wires = fam.wire_dtypes or ("same",)
     topos = fam.topologies or (None,)
+    seen = set()
     for d, w, q, t in itertools.product(fam.dtypes, wires, fam.quants, topos):
-        dtype = specs.dtypes[d]
-        wire = dtype if w == "same" else specs.dtypes[w]
-        yield dtype, wire, specs.quants[q], (specs.topologies[t] if t else None)
+        w = d if w == "same" else w  # "same" and the dtype's own name are one combination
+        if (d, w, q, t) in seen:
+            continue
+        seen.add((d, w, q, t))
+        yield specs.dtypes[d], specs.dtypes[w], specs.quants[q], (specs.topologies[t] if t else None)
 
 
 def _glob_ok(value: str | None, patterns: tuple[str, ...]) -> bool:

@@ -101,6 +101,8 @@ class Family:
     quants: tuple[str, ...]
     topologies: tuple[str, ...]
     isa: tuple[str, ...]
+    wire_isa: tuple[str, ...] = ()  # "encode"/"decode": add <wire kind>_<x> groups when the variant converts
+    copy_isa: tuple[str, ...] = ()  # groups added when the variant moves its payload unconverted
 
 
 @_frozen
@@ -158,7 +160,7 @@ FACT_SOURCES = {"family": Family, "dtype": DType, "wire": DType, "quant": Quant,
 
 
 def fact_paths() -> set[str]:
-    paths = set(FACT_SOURCES)
+    paths = set(FACT_SOURCES) | {"convert"}
     for ns, cls in FACT_SOURCES.items():
         attrs.resolve_types(cls)
         paths |= {f"{ns}.{f.name}" for f in attrs.fields(cls) if f.type is str and f.name != "name"}
@@ -361,7 +363,10 @@ def load(root: Path | str | None = None) -> Specs:
             for v in values:
                 if v not in pool and not (key == "wire_dtypes" and v == "same"):
                     raise _fail(ksrc, ksrc.key_line(hdr, key), f"[{hdr}] {key}: unknown {key[:-1]} {v!r} (known: {', '.join(pool)})")
-        for c in fam.isa:
+        for x in fam.wire_isa:
+            if x not in ("encode", "decode"):
+                raise _fail(ksrc, ksrc.key_line(hdr, "wire_isa"), f"[{hdr}] wire_isa: {x!r} must be 'encode' or 'decode'")
+        for c in fam.isa + fam.copy_isa:
             if c not in known_conv:
                 raise _fail(ksrc, ksrc.key_line(hdr, "isa"),
                             f"[{hdr}] isa: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")

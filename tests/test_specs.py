@@ -37,7 +37,7 @@ def _line_of(path, needle):
     ("targets.toml", 'toolchain = "nvidia"\n', 'toolchain = "cuda"\n', 'toolchain = "cuda"', "is not declared"),
     ("dtypes.toml", "bits = 16\n", "bits = 16\nbits = 17\n", "bits = 17", "invalid TOML"),
     ("kernels.toml", 'dtypes = ["bf16", "fp32"]', 'dtypes = ["bf16", "fp64"]', "fp64", "unknown dtype 'fp64'"),
-    ("kernels.toml", 'isa = ["fp8_encode"]', 'isa = ["fp9_encode"]', "fp9_encode", "fp9_encode"),
+    ("kernels.toml", 'isa = ["vector_copy"]', 'isa = ["vector_cpy"]', "vector_cpy", "vector_cpy"),
     ("rules.toml", '"target.fp4_conversion" = "none"', '"target.fp4_conv" = "none"', '"target.fp4_conv" = "none"', "unknown fact"),
     ("rules.toml", 'name = "fp8_native_fnuz"', 'name = "fp8_native_ocp"', 'name = "fp8_native_ocp"', "duplicate rule name"),
     ("quant.toml", "block = 128\n", "block = 128.5\n", "block = 128.5", "expected an integer"),

@@ -150,6 +150,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 struct EpArgs {
   epg_i64 x;
   epg_i64 weights;
+  epg_i64 scales;
   epg_i64 indices;
   epg_i64 slots;
   epg_i64 out;
@@ -167,8 +168,15 @@ struct EpArgs {
   epg_i64 off_recv_src;
   epg_i64 off_comb_x;
   epg_i64 off_comb_w;
+  epg_i64 off_recv_scales;
+  epg_i64 off_scat_x;
+  epg_i64 off_scat_s;
+  epg_i64 off_scat_w;
   epg_i64 num_tokens;
   epg_i64 row_bytes;
+  epg_i64 hidden;
+  epg_i64 wire_row_bytes;
+  epg_i64 scale_row_bytes;
   epg_i64 k;
   epg_i64 experts_per_rank;
   epg_i64 num_experts;

@@ -142,23 +142,43 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 }
 // FP4: gfx942 has no FP4 conversion instructions; epg_fp4x8_* are deliberately not
 // defined, so an FP4 kernel for this target fails to compile instead of producing zeros.
-// x: n_elems bf16; q: n_elems fp8_e4m3fnuz; scales: n_elems / 128 fp32
-EPG_KERNEL void epg_quantize_fp8__bf16__fp8_e4m3fnuz__fp8_blockwise(const void* __restrict__ x, void* __restrict__ q, void* __restrict__ scales, epg_i64 n_elems) {
-  const epg_i64 t = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const epg_i64 base = t * 8;
-  const bool live = base < n_elems;  // dead lanes still join the shuffles below
-  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (live) epg_load8((const char*)x + base * 2, f);
+// ---- wire format: fp8_e4m3fnuz, fp8_blockwise, 128-element blocks, fp32 scales
+constexpr int EPG_WIRE_BITS = 8;
+constexpr int EPG_SCALE_BLOCK = 128;
+constexpr int EPG_SCALE_BYTES = 4;
+
+// Encode f[0..8) (elements elem..elem+8 of a row) into `row`, and the block's scale into `scales`.
+// Dead lanes (live == false) join the shuffles and store nothing.
+EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8], bool live) {
   float amax = 0.f;  // max |x| over the block, NaN ignored
   for (int i = 0; i < 8; ++i) amax = epg_fmax(amax, epg_abs(f[i]));
   for (int m = 1; m < 16; m <<= 1) amax = epg_fmax(amax, epg_shfl_xor(amax, m));
-  const bool leader = (t % 16) == 0;
+  const bool leader = (elem / 8) % 16 == 0;
   const float scale = amax > 0.f ? amax / EPG_FP8_MAX : 1.0f;
   for (int i = 0; i < 8; ++i) f[i] = f[i] / scale;
-  if (live && leader) ((float*)scales)[base / 128] = scale;
+  if (live && leader) ((float*)scales)[elem / 128] = scale;
   if (live) {
-    epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
-    epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
-    *(epg_u64*)((char*)q + base) = (epg_u64)lo | ((epg_u64)hi << 32);
+    const epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
+    const epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
+    *(epg_u64*)(row + elem) = (epg_u64)lo | ((epg_u64)hi << 32);
   }
+}
+
+// Decode elements elem..elem+8 of a row (and its block scale) into f[0..8).
+EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
+  const epg_u64 w = *(const epg_u64*)(row + elem);
+  epg_fp8x4_decode((epg_u32)w, f);
+  epg_fp8x4_decode((epg_u32)(w >> 32), f + 4);
+  const float scale = ((const float*)scales)[elem / 128];
+  for (int i = 0; i < 8; ++i) f[i] = f[i] * scale;
+}
+
+// Quantize bf16 rows into fp8_e4m3fnuz (fp8_blockwise): one thread per 8 elements.
+// x: n_elems bf16; q: n_elems fp8_e4m3fnuz; scales: n_elems / 128 fp32
+EPG_KERNEL void epg_quantize_fp8__bf16__fp8_e4m3fnuz__fp8_blockwise(const void* __restrict__ x, void* __restrict__ q, void* __restrict__ scales, epg_i64 n_elems) {
+  const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
+  const bool live = base < n_elems;  // dead lanes still join the shuffles
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (live) epg_load8((const char*)x + base * 2, f);
+  epg_wire_put8((char*)q, (char*)scales, base, f, live);
 }

@@ -138,16 +138,35 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 }
 // FP4: gfx942 has no FP4 conversion instructions; epg_fp4x8_* are deliberately not
 // defined, so an FP4 kernel for this target fails to compile instead of producing zeros.
+// ---- wire format: fp8_e4m3fnuz
+constexpr int EPG_WIRE_BITS = 8;
+constexpr int EPG_SCALE_BLOCK = 0;
+constexpr int EPG_SCALE_BYTES = 0;
+
+// Encode f[0..8) (elements elem..elem+8 of a row) into `row`, and the block's scale into `scales`.
+// Dead lanes (live == false) join the shuffles and store nothing.
+EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8], bool live) {
+  if (live) {
+    const epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
+    const epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
+    *(epg_u64*)(row + elem) = (epg_u64)lo | ((epg_u64)hi << 32);
+  }
+}
+
+// Decode elements elem..elem+8 of a row (and its block scale) into f[0..8).
+EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
+  const epg_u64 w = *(const epg_u64*)(row + elem);
+  epg_fp8x4_decode((epg_u32)w, f);
+  epg_fp8x4_decode((epg_u32)(w >> 32), f + 4);
+  (void)scales;
+}
+
+// Quantize fp32 rows into fp8_e4m3fnuz (fp8_direct_cast): one thread per 8 elements.
 // x: n_elems fp32; q: n_elems fp8_e4m3fnuz
 EPG_KERNEL void epg_quantize_fp8__fp32__fp8_e4m3fnuz__fp8_direct_cast(const void* __restrict__ x, void* __restrict__ q, void* __restrict__ scales, epg_i64 n_elems) {
-  const epg_i64 t = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const epg_i64 base = t * 8;
-  const bool live = base < n_elems;  // dead lanes still join the shuffles below
+  const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
+  const bool live = base < n_elems;  // dead lanes still join the shuffles
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (live) epg_load8((const char*)x + base * 4, f);
-  if (live) {
-    epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
-    epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
-    *(epg_u64*)((char*)q + base) = (epg_u64)lo | ((epg_u64)hi << 32);
-  }
+  epg_wire_put8((char*)q, (char*)scales, base, f, live);
 }

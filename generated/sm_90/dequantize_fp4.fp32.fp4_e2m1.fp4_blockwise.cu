@@ -127,13 +127,37 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // FP4: no E2M1 instruction before sm_100; the portable software encoder (common.j2).
 EPG_DEVICE epg_u32 epg_fp4x8_encode(const float v[8], int e) { return epg_fp4x8_encode_sw(v, e); }
 EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { epg_fp4x8_decode_sw(w, scale_byte, out); }
+// ---- wire format: fp4_e2m1, fp4_blockwise, 32-element blocks, e8m0 scales
+constexpr int EPG_WIRE_BITS = 4;
+constexpr int EPG_SCALE_BLOCK = 32;
+constexpr int EPG_SCALE_BYTES = 1;
+
+// Encode f[0..8) (elements elem..elem+8 of a row) into `row`, and the block's scale into `scales`.
+// Dead lanes (live == false) join the shuffles and store nothing.
+EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8], bool live) {
+  float amax = 0.f;  // max |x| over the block, NaN ignored
+  for (int i = 0; i < 8; ++i) amax = epg_fmax(amax, epg_abs(f[i]));
+  for (int m = 1; m < 4; m <<= 1) amax = epg_fmax(amax, epg_shfl_xor(amax, m));
+  const bool leader = (elem / 8) % 4 == 0;
+  const int e = epg_mx_exponent(amax);
+  const epg_u32 packed = epg_fp4x8_encode(f, e);
+  if (live) {
+    *(epg_u32*)(row + elem / 2) = packed;
+    if (leader) ((epg_u8*)scales)[elem / 32] = (epg_u8)(e + 127);
+  }
+}
+
+// Decode elements elem..elem+8 of a row (and its block scale) into f[0..8).
+EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
+  epg_fp4x8_decode(*(const epg_u32*)(row + elem / 2), ((const epg_u8*)scales)[elem / 32], f);
+}
+
+// Dequantize fp4_e2m1 (fp4_blockwise) rows into fp32: one thread per 8 elements.
 // q: n_elems fp4_e2m1; scales: n_elems / 32 e8m0; y: n_elems fp32
 EPG_KERNEL void epg_dequantize_fp4__fp32__fp4_e2m1__fp4_blockwise(const void* __restrict__ q, const void* __restrict__ scales, void* __restrict__ y, epg_i64 n_elems) {
-  const epg_i64 t = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const epg_i64 base = t * 8;
+  const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
   if (base >= n_elems) return;
   float f[8];
-  const epg_u32 w = *(const epg_u32*)((const char*)q + base / 2);
-  epg_fp4x8_decode(w, ((const epg_u8*)scales)[base / 32], f);
+  epg_wire_get8((const char*)q, (const char*)scales, base, f);
   epg_store8((char*)y + base * 4, f);
 }

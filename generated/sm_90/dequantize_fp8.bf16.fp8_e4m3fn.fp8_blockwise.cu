@@ -131,16 +131,43 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // FP4: no E2M1 instruction before sm_100; the portable software encoder (common.j2).
 EPG_DEVICE epg_u32 epg_fp4x8_encode(const float v[8], int e) { return epg_fp4x8_encode_sw(v, e); }
 EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { epg_fp4x8_decode_sw(w, scale_byte, out); }
-// q: n_elems fp8_e4m3fn; scales: n_elems / 128 fp32; y: n_elems bf16
-EPG_KERNEL void epg_dequantize_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const void* __restrict__ q, const void* __restrict__ scales, void* __restrict__ y, epg_i64 n_elems) {
-  const epg_i64 t = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const epg_i64 base = t * 8;
-  if (base >= n_elems) return;
-  float f[8];
-  const epg_u64 w = *(const epg_u64*)((const char*)q + base);
+// ---- wire format: fp8_e4m3fn, fp8_blockwise, 128-element blocks, fp32 scales
+constexpr int EPG_WIRE_BITS = 8;
+constexpr int EPG_SCALE_BLOCK = 128;
+constexpr int EPG_SCALE_BYTES = 4;
+
+// Encode f[0..8) (elements elem..elem+8 of a row) into `row`, and the block's scale into `scales`.
+// Dead lanes (live == false) join the shuffles and store nothing.
+EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8], bool live) {
+  float amax = 0.f;  // max |x| over the block, NaN ignored
+  for (int i = 0; i < 8; ++i) amax = epg_fmax(amax, epg_abs(f[i]));
+  for (int m = 1; m < 16; m <<= 1) amax = epg_fmax(amax, epg_shfl_xor(amax, m));
+  const bool leader = (elem / 8) % 16 == 0;
+  const float scale = amax > 0.f ? amax / EPG_FP8_MAX : 1.0f;
+  for (int i = 0; i < 8; ++i) f[i] = f[i] / scale;
+  if (live && leader) ((float*)scales)[elem / 128] = scale;
+  if (live) {
+    const epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
+    const epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
+    *(epg_u64*)(row + elem) = (epg_u64)lo | ((epg_u64)hi << 32);
+  }
+}
+
+// Decode elements elem..elem+8 of a row (and its block scale) into f[0..8).
+EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
+  const epg_u64 w = *(const epg_u64*)(row + elem);
   epg_fp8x4_decode((epg_u32)w, f);
   epg_fp8x4_decode((epg_u32)(w >> 32), f + 4);
-  const float scale = ((const float*)scales)[base / 128];
+  const float scale = ((const float*)scales)[elem / 128];
   for (int i = 0; i < 8; ++i) f[i] = f[i] * scale;
+}
+
+// Dequantize fp8_e4m3fn (fp8_blockwise) rows into bf16: one thread per 8 elements.
+// q: n_elems fp8_e4m3fn; scales: n_elems / 128 fp32; y: n_elems bf16
+EPG_KERNEL void epg_dequantize_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const void* __restrict__ q, const void* __restrict__ scales, void* __restrict__ y, epg_i64 n_elems) {
+  const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
+  if (base >= n_elems) return;
+  float f[8];
+  epg_wire_get8((const char*)q, (const char*)scales, base, f);
   epg_store8((char*)y + base * 2, f);
 }

@@ -127,14 +127,35 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // FP4: no E2M1 instruction before sm_100; the portable software encoder (common.j2).
 EPG_DEVICE epg_u32 epg_fp4x8_encode(const float v[8], int e) { return epg_fp4x8_encode_sw(v, e); }
 EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { epg_fp4x8_decode_sw(w, scale_byte, out); }
-// q: n_elems fp8_e4m3fn; y: n_elems fp32
-EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_direct_cast(const void* __restrict__ q, const void* __restrict__ scales, void* __restrict__ y, epg_i64 n_elems) {
-  const epg_i64 t = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const epg_i64 base = t * 8;
-  if (base >= n_elems) return;
-  float f[8];
-  const epg_u64 w = *(const epg_u64*)((const char*)q + base);
+// ---- wire format: fp8_e4m3fn
+constexpr int EPG_WIRE_BITS = 8;
+constexpr int EPG_SCALE_BLOCK = 0;
+constexpr int EPG_SCALE_BYTES = 0;
+
+// Encode f[0..8) (elements elem..elem+8 of a row) into `row`, and the block's scale into `scales`.
+// Dead lanes (live == false) join the shuffles and store nothing.
+EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8], bool live) {
+  if (live) {
+    const epg_u32 lo = epg_fp8x4_encode(f[0], f[1], f[2], f[3]);
+    const epg_u32 hi = epg_fp8x4_encode(f[4], f[5], f[6], f[7]);
+    *(epg_u64*)(row + elem) = (epg_u64)lo | ((epg_u64)hi << 32);
+  }
+}
+
+// Decode elements elem..elem+8 of a row (and its block scale) into f[0..8).
+EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
+  const epg_u64 w = *(const epg_u64*)(row + elem);
   epg_fp8x4_decode((epg_u32)w, f);
   epg_fp8x4_decode((epg_u32)(w >> 32), f + 4);
+  (void)scales;
+}
+
+// Dequantize fp8_e4m3fn (fp8_direct_cast) rows into fp32: one thread per 8 elements.
+// q: n_elems fp8_e4m3fn; y: n_elems fp32
+EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_direct_cast(const void* __restrict__ q, const void* __restrict__ scales, void* __restrict__ y, epg_i64 n_elems) {
+  const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
+  if (base >= n_elems) return;
+  float f[8];
+  epg_wire_get8((const char*)q, (const char*)scales, base, f);
   epg_store8((char*)y + base * 4, f);
 }
