@@ -366,10 +366,11 @@ def load(root: Path | str | None = None) -> Specs:
         for x in fam.wire_isa:
             if x not in ("encode", "decode"):
                 raise _fail(ksrc, ksrc.key_line(hdr, "wire_isa"), f"[{hdr}] wire_isa: {x!r} must be 'encode' or 'decode'")
-        for c in fam.isa + fam.copy_isa:
-            if c not in known_conv:
-                raise _fail(ksrc, ksrc.key_line(hdr, "isa"),
-                            f"[{hdr}] isa: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
+        for key, groups in (("isa", fam.isa), ("copy_isa", fam.copy_isa)):
+            for c in groups:
+                if c not in known_conv:
+                    raise _fail(ksrc, ksrc.key_line(hdr, key),
+                                f"[{hdr}] {key}: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
         if not (root.parent / "templates" / fam.template).resolve().is_relative_to((root.parent / "templates").resolve()):
             raise _fail(ksrc, ksrc.key_line(hdr, "template"), f"[{hdr}] template {fam.template!r} leaves templates/")
 
