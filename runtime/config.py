@@ -1,9 +1,20 @@
 """EpDispatchCombineConfig: a frozen, validated description of one EP dispatch/combine op.
 
 Validation runs in ``__attrs_post_init__``, before anything is allocated, in this order:
-field types and ranges -> names known to the specs -> the spec rules (specs/rules.toml, through
-the generator's rule engine, so the runtime and the generator say the same thing) -> what this
-release has not built yet.
+field types and ranges -> names known to the specs -> dtypes -> scales -> quantization modes ->
+the spec rules (specs/rules.toml, through the generator's rule engine, so the runtime and the
+generator say the same thing) -> what this release has not built yet.
+
+Payload modes (data_type is always the model dtype, bf16 or fp32):
+  * plain: dispatch moves data_type rows, combine takes and returns data_type.
+  * pre-quantized: dispatch_data_type fp8 (float8_e4m3fn / float8_e4m3fnuz, x [T, hidden_dim]) or
+    float4_e2m1fn_x2 (x [T, hidden_dim // 2]) with combine_data_type bf16/fp32, scale_dim > 0 and
+    scale_type_size 4 (float32 scales) or 1 (e8m0 uint8 scales); payload and scales move verbatim;
+    gather combine only.
+  * in-kernel quantization: dispatch_quant_type "fp8_blockwise" / "fp4_blockwise": x is data_type,
+    dispatch returns the quantized rows and their scales (see runtime/op.py).
+Combine: combine_mode None resolves to "scatter" when quant_type != "none" (wire compression of
+the combine rows: fp8_direct_cast, fp8_blockwise, fp4_blockwise), else "gather".
 
 Kernel backend precedence (``resolved_backend``), fixed at construction:
   1. the environment variable ``EPGEN_KERNEL_BACKEND`` when set and non-empty (it overrides the field),
@@ -25,11 +36,14 @@ BACKEND_ENV = "EPGEN_KERNEL_BACKEND"
 KERNEL_BACKENDS = ("native", "torch")
 INTERNODE_KERNELS = ("v2", "v2_ll", "auto")
 COMBINE_MODES = ("gather", "scatter")
+DISPATCH_QUANT_TYPES = ("none", "fp8_blockwise", "fp4_blockwise")
+SCALE_TYPE_SIZES = (1, 4)  # 1: e8m0 bytes (torch.uint8), 4: torch.float32
 
 # What this release builds (spec dtype names / modes).
-BUILT_DTYPES = ("bf16", "fp32")
-BUILT_COMBINE_MODES = ("gather",)
-BUILT_QUANT_TYPES = ("none",)
+BUILT_DTYPES = ("bf16", "fp32")  # data_type (the model dtype) and combine dtypes
+PAYLOAD_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fnuz", "fp4_e2m1")  # pre-quantized dispatch payloads
+BUILT_COMBINE_MODES = ("gather", "scatter")
+BUILT_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise")
 
 
 @functools.cache
@@ -79,8 +93,9 @@ class EpDispatchCombineConfig:
     combine_data_type: torch.dtype | None = None
     scale_dim: int = 0
     scale_type_size: int = 0
-    combine_mode: str = "gather"
+    combine_mode: str | None = None  # None: "scatter" if quant_type != "none" else "gather"
     quant_type: str = "none"
+    dispatch_quant_type: str = "none"
     enable_std_moe: bool = False
     max_total_recv_tokens: int = 0  # 0: worst case, world_size * max_num_inp_token_per_rank
     gpu_per_node: int = 0  # 0: world_size (one node)
@@ -93,7 +108,9 @@ class EpDispatchCombineConfig:
         self._check_types()
         self._check_ranges()
         self._check_names()
+        self._check_dtypes()
         self._check_scales()
+        self._check_quants()
         self._check_rules()
         self._check_built()
         object.__setattr__(self, "_resolved_backend", self._resolve_backend())
@@ -126,12 +143,50 @@ class EpDispatchCombineConfig:
         return self._resolved_backend
 
     @property
+    def resolved_combine_mode(self) -> str:
+        """combine_mode, resolved (None -> "scatter" when quant_type != "none", else "gather")."""
+        if self.combine_mode is not None:
+            return self.combine_mode
+        return "scatter" if self.quant_type != "none" else "gather"
+
+    @property
     def dispatch_dtype(self) -> torch.dtype:
+        """dtype of dispatch's x (the payload as the caller passes it)."""
         return self.data_type if self.dispatch_data_type is None else self.dispatch_data_type
 
     @property
     def combine_dtype(self) -> torch.dtype:
+        """dtype of combine's expert_out and of its result."""
         return self.data_type if self.combine_data_type is None else self.combine_data_type
+
+    @property
+    def prequantized(self) -> bool:
+        """True when dispatch's x is an fp8/fp4 payload with caller-made scales (dispatch_data_type)."""
+        return self.dispatch_data_type is not None and spec_dtype(self.dispatch_data_type).kind in ("fp8", "fp4")
+
+    @property
+    def dispatch_payload_cols(self) -> int:
+        """Columns of dispatch's x: hidden_dim, or hidden_dim // 2 for a float4_e2m1fn_x2 payload."""
+        if self.dispatch_data_type is not None and spec_dtype(self.dispatch_data_type).kind == "fp4":
+            return self.hidden_dim // 2
+        return self.hidden_dim
+
+    @property
+    def dispatch_scales_dtype(self) -> torch.dtype | None:
+        """dtype of dispatch's scales argument (a pre-quantized payload), else None (scales must be None)."""
+        if not self.prequantized:
+            return None
+        return torch.float32 if self.scale_type_size == 4 else torch.uint8
+
+    @property
+    def dispatch_quant_block(self) -> int:
+        """Elements per scale of in-kernel dispatch quantization (0: none)."""
+        return load_specs().quants[self.dispatch_quant_type].block
+
+    @property
+    def combine_quant_block(self) -> int:
+        """Elements per scale of the combine wire compression (0: none or fp8_direct_cast)."""
+        return load_specs().quants[self.quant_type].block
 
     @property
     def topology_names(self) -> tuple[str, ...]:
@@ -158,13 +213,15 @@ class EpDispatchCombineConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise self._fail(f, "must be an int")
-        for f in ("combine_mode", "quant_type", "internode_kernel"):
+        for f in ("quant_type", "dispatch_quant_type", "internode_kernel"):
             if not isinstance(getattr(self, f), str):
                 raise self._fail(f, "must be a str")
+        for f in ("combine_mode", "kernel_backend"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise self._fail(f, "must be a str or None")
         if not isinstance(self.enable_std_moe, bool):
             raise self._fail("enable_std_moe", "must be a bool")
-        if self.kernel_backend is not None and not isinstance(self.kernel_backend, str):
-            raise self._fail("kernel_backend", "must be a str or None")
         if not isinstance(self.data_type, torch.dtype):
             raise self._fail("data_type", "must be a torch.dtype")
         for f in ("dispatch_data_type", "combine_data_type"):
@@ -191,10 +248,13 @@ class EpDispatchCombineConfig:
 
     def _check_names(self) -> None:
         specs = load_specs()
-        if self.combine_mode not in COMBINE_MODES:
-            raise self._fail("combine_mode", f"must be one of {', '.join(map(repr, COMBINE_MODES))}")
+        if self.combine_mode is not None and self.combine_mode not in COMBINE_MODES:
+            raise self._fail("combine_mode", f"must be one of {', '.join(map(repr, COMBINE_MODES))} or None")
         if self.quant_type not in specs.quants:
             raise self._fail("quant_type", f"must be one of {', '.join(map(repr, specs.quants))} (specs/quant.toml)")
+        dq_names = [q for q in DISPATCH_QUANT_TYPES if q in specs.quants]
+        if self.dispatch_quant_type not in dq_names:
+            raise self._fail("dispatch_quant_type", f"must be one of {', '.join(map(repr, dq_names))}")
         if self.internode_kernel not in INTERNODE_KERNELS:
             raise self._fail("internode_kernel", f"must be one of {', '.join(map(repr, INTERNODE_KERNELS))}")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
@@ -203,73 +263,140 @@ class EpDispatchCombineConfig:
         if env and env not in KERNEL_BACKENDS:
             raise ConfigError(f"environment {BACKEND_ENV}={env!r}: must be one of "
                               f"{', '.join(map(repr, KERNEL_BACKENDS))} (or unset)")
+        supported = {"data_type": BUILT_DTYPES, "dispatch_data_type": BUILT_DTYPES + PAYLOAD_DTYPES,
+                     "combine_data_type": BUILT_DTYPES}
         for f in ("data_type", "dispatch_data_type", "combine_data_type"):
             v = getattr(self, f)
             if v is not None and spec_dtype(v) is None:
-                raise self._fail(f, f"unknown dtype; supported in this release: {_dtype_list(BUILT_DTYPES)}")
+                raise self._fail(f, f"unknown dtype; supported in this release: {_dtype_list(supported[f])}")
         if (self.dispatch_data_type is None) != (self.combine_data_type is None):
             raise ConfigError(f"dispatch_data_type={self.dispatch_data_type!r}, combine_data_type="
                               f"{self.combine_data_type!r}: set both or neither")
 
-    def _check_scales(self) -> None:
-        for f in ("scale_dim", "scale_type_size"):
-            if getattr(self, f) and spec_dtype(self.dispatch_dtype).kind == "float":
-                raise self._fail(f, f"must be 0 for a {self.dispatch_dtype} payload (scales are for fp8/fp4 payloads)")
+    def _combine_mode_words(self) -> str:
+        if self.combine_mode is not None:
+            return f"combine_mode={self.combine_mode!r}"
+        return f"combine_mode=None (resolved to {self.resolved_combine_mode!r} for quant_type={self.quant_type!r})"
 
-    def rule_facts(self) -> list[dict[str, str]]:
-        """Facts for the spec rule engine: one dict per (family, topology) this config may use."""
+    def _check_dtypes(self) -> None:
+        built = _dtype_list(BUILT_DTYPES)
+        if spec_dtype(self.data_type).name not in BUILT_DTYPES:
+            raise self._fail("data_type", f"must be the model dtype, {built} (an fp8/fp4 payload is "
+                                          f"dispatch_data_type, with combine_data_type {built})")
+        dd = self.dispatch_data_type
+        if dd is None:
+            return
+        if self.dispatch_quant_type != "none":
+            raise self._fail("dispatch_quant_type", f"in-kernel quantization takes a data_type payload: "
+                                                    f"dispatch_data_type must be None, got {dd}")
+        if not self.prequantized:  # a bf16/fp32 payload: the model dtype itself
+            for f in ("dispatch_data_type", "combine_data_type"):
+                v = getattr(self, f)
+                if v != self.data_type:
+                    raise self._fail(f, f"must equal data_type={self.data_type} for a bf16/fp32 payload "
+                                        f"(dtype conversion on the wire is not built yet)")
+            return
+        if spec_dtype(self.combine_data_type).name not in BUILT_DTYPES:
+            raise self._fail("combine_data_type", f"with a {dd} payload, combine_data_type must be {built}")
+        if spec_dtype(dd).kind == "fp4" and self.hidden_dim % 2:
+            raise self._fail("hidden_dim", f"a {dd} payload packs two values per byte: hidden_dim must be even")
+        if self.resolved_combine_mode != "gather":
+            raise ConfigError(f"{self._combine_mode_words()}: a pre-quantized {dd} payload "
+                              f"(dispatch_data_type) combines with combine_mode='gather' only")
+
+    def _check_scales(self) -> None:
+        if not self.prequantized:
+            for f in ("scale_dim", "scale_type_size"):
+                if getattr(self, f):
+                    raise self._fail(f, f"must be 0 for a {self.dispatch_dtype} payload "
+                                        f"(scales are for fp8/fp4 payloads)")
+            return
+        dd = self.dispatch_data_type
+        if self.scale_dim == 0:
+            raise self._fail("scale_dim", f"a {dd} payload needs scales: scale_dim must be > 0 "
+                                          f"(scale columns per token)")
+        if self.scale_type_size not in SCALE_TYPE_SIZES:
+            raise self._fail("scale_type_size", f"must be 1 (e8m0 bytes, torch.uint8) or 4 (torch.float32) "
+                                                f"for a {dd} payload")
+
+    def _check_block(self, field: str) -> None:
+        name = getattr(self, field)
+        block = load_specs().quants[name].block
+        if block and self.hidden_dim % block:
+            raise self._fail("hidden_dim", f"{field}={name!r} scales blocks of {block} elements: hidden_dim "
+                                           f"must be a multiple of {block}")
+
+    def _check_quants(self) -> None:
+        self._check_block("dispatch_quant_type")
+        if self.quant_type != "none" and self.combine_mode == "gather":
+            raise self._fail("combine_mode", f"quant_type={self.quant_type!r} forces combine_mode='scatter' "
+                                             f"(combine wire compression runs in the scatter combine; "
+                                             f"None resolves it)")
+        self._check_block("quant_type")
+
+    def rule_fact_groups(self) -> list[list[dict[str, str]]]:
+        """Facts for the spec rule engine: one group per (role, topology) this config may use.
+
+        A group holds the alternatives of a wire that depends on the target (an fp8 quant's wire is
+        float8_e4m3fn or float8_e4m3fnuz, whichever the target has natively); the config has no
+        target, so a group passes when any alternative passes.
+
+        dispatch: family "dispatch"; a pre-quantized payload is the family's dtype itself
+        (dtype = wire = dispatch_data_type, quant none, convert "same"); otherwise dtype =
+        data_type, wire = the dispatch_quant_type's wire dtype (data_type for "none"), quant =
+        dispatch_quant_type. combine: family combine_<resolved mode>, dtype = the combine dtype,
+        wire = the quant_type's wire dtype, quant = quant_type. A family the specs do not declare
+        contributes only ``family.role``.
+        """
         from generator import model as gmodel
 
         specs = load_specs()
-        quant = specs.quants[self.quant_type]
 
-        def wire_for(dtype: torch.dtype, explicit: torch.dtype | None):
-            if explicit is not None:
-                return spec_dtype(explicit)
+        def quant_wires(quant, dtype):
             if quant.wire_kind == "none":
-                return spec_dtype(dtype)
-            kinds = [d for d in specs.dtypes.values() if d.kind == quant.wire_kind]
-            return kinds[0] if len(kinds) == 1 else None  # ambiguous (fp8 ocp/fnuz): depends on target
+                return [dtype]
+            return [d for d in specs.dtypes.values() if d.kind == quant.wire_kind]
 
+        dquant, cquant = specs.quants[self.dispatch_quant_type], specs.quants[self.quant_type]
+        cdtype = spec_dtype(self.combine_dtype)
+        if self.dispatch_data_type is not None:
+            ddtype = spec_dtype(self.dispatch_data_type)
+            dwires = [ddtype]
+        else:
+            ddtype = spec_dtype(self.data_type)
+            dwires = quant_wires(dquant, ddtype)
         roles = (
-            ("dispatch", "dispatch", self.data_type, wire_for(self.data_type, self.dispatch_data_type)),
-            ("combine", f"combine_{self.combine_mode}", self.combine_dtype, wire_for(self.combine_dtype, None)),
+            ("dispatch", "dispatch", ddtype, dwires, dquant),
+            ("combine", f"combine_{self.resolved_combine_mode}", cdtype, quant_wires(cquant, cdtype), cquant),
         )
-        out = []
-        for role, preferred, dtype, wire in roles:
-            if preferred in specs.families:
-                families = [specs.families[preferred]]
-            else:
-                families = [f for f in specs.families.values() if f.role == role] or [None]
-            for fam in families:
-                for topo in self.topology_names:
-                    out.append(gmodel.combination_facts(family=fam, dtype=spec_dtype(dtype), wire=wire, quant=quant,
-                                                        target=None, topology=specs.topologies[topo]))
-        return out
+        groups = []
+        for role, family, dtype, wires, quant in roles:
+            fam = specs.families.get(family)
+            for topo in self.topology_names:
+                group = []
+                for wire in wires:
+                    facts = gmodel.combination_facts(family=fam, dtype=dtype, wire=wire, quant=quant, target=None,
+                                                     topology=specs.topologies[topo])
+                    facts.setdefault("family.role", role)
+                    group.append(facts)
+                groups.append(group)
+        return groups
+
+    def rule_facts(self) -> list[dict[str, str]]:
+        """Every alternative of every group of ``rule_fact_groups``, flattened."""
+        return [facts for group in self.rule_fact_groups() for facts in group]
 
     def _check_rules(self) -> None:
         from generator import model as gmodel
 
         rules = load_specs().rules
-        for facts in self.rule_facts():
-            rule = gmodel.rejecting_rule(rules, facts)
-            if rule is not None:
+        for group in self.rule_fact_groups():
+            rejected = [gmodel.rejecting_rule(rules, facts) for facts in group]
+            if all(r is not None for r in rejected):
+                rule = rejected[0]
                 raise ConfigError(f"{rule.name}: {rule.message}")
 
     def _check_built(self) -> None:
-        built = _dtype_list(BUILT_DTYPES)
-        if spec_dtype(self.data_type).name not in BUILT_DTYPES:
-            raise self._fail("data_type", f"not supported in this release (fp8/fp4 payloads are not built yet); "
-                                          f"supported: {built}")
-        for f in ("dispatch_data_type", "combine_data_type"):
-            v = getattr(self, f)
-            if v is not None and v != self.data_type:
-                raise self._fail(f, f"must equal data_type={self.data_type} in this release "
-                                    f"(dtype conversion on the wire is not built yet)")
-        if self.combine_mode not in BUILT_COMBINE_MODES:
-            raise self._fail("combine_mode", f"not built yet; built: {', '.join(map(repr, BUILT_COMBINE_MODES))}")
-        if self.quant_type not in BUILT_QUANT_TYPES:
-            raise self._fail("quant_type", f"not built yet; built: {', '.join(map(repr, BUILT_QUANT_TYPES))}")
         if self.enable_std_moe:
             raise self._fail("enable_std_moe", "standard-MoE layout conversion is not built yet")
         if self.is_internode:

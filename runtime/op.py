@@ -4,6 +4,9 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
 ``Backend(config, group)`` and provides:
 
   name: str; device: torch.device; capabilities: dict (merged over the op's defaults)
+  wire_dtype: torch.dtype (optional, default torch.float8_e4m3fn): the FP8 e4m3 dtype of in-kernel
+      fp8 quantization (torch.float8_e4m3fnuz where the target's native e4m3 is FNUZ, gfx942)
+  dispatch_out_dtype: torch.dtype (optional): overrides the op's own derivation (below)
   dispatch(x, weights, scales, indices, routing)
       -> (out, out_weights, out_scales, out_indices, total_recv, handle_fields: dict)
       handle_fields are keyword arguments of RoutingHandle (e.g. {"extra": {...}}); routing is
@@ -13,6 +16,21 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
   reset() -> None;  close() -> None
 
 Inputs reach the backend already checked (dtype, shape, contiguity, device, token count, handle).
+
+Dispatch inputs and outputs by payload mode (T tokens, R = max_recv_tokens, H = hidden_dim):
+  plain           x [T, H] data_type, scales None -> out [R, H] data_type, out_scales None
+  pre-quantized   x [T, H] fp8 or [T, H/2] float4_e2m1fn_x2 (dispatch_data_type), scales [T, scale_dim]
+                  float32 (scale_type_size 4) or uint8 e8m0 (1), required
+                  -> out [R, H or H/2] dispatch_data_type, out_scales [R, scale_dim], both moved verbatim
+  fp8_blockwise   x [T, H] data_type, scales None (dispatch_quant_type)
+                  -> out [R, H] wire_dtype, out_scales [R, H/128] float32
+                     (numerics.quantize_fp8(row, fmt, "fp8_blockwise"), fmt "ocp" or "fnuz" per wire_dtype)
+  fp4_blockwise   x [T, H] data_type, scales None
+                  -> out [R, H/2] uint8 (low nibble first), out_scales [R, H/32] uint8 e8m0
+                     (numerics.quantize_fp4(row))
+The dtype and width of out / out_scales are the op properties dispatch_out_dtype, dispatch_out_cols,
+dispatch_out_scales_dtype and dispatch_out_scale_cols. Combine always takes expert_out [rows, H]
+in the combine dtype (combine_data_type, else data_type) and returns that dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +39,8 @@ import itertools
 
 import torch
 
-from .config import EpDispatchCombineConfig, built_torch_dtypes
+from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, PAYLOAD_DTYPES,
+                     EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
 from .errors import ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
@@ -73,8 +92,10 @@ class EpDispatchCombineOp:
             "backend": self._backend.name,
             "device": str(self._backend.device),
             "dtypes": built_torch_dtypes(),
-            "combine_modes": ("gather",),
-            "quant_types": ("none",),
+            "payload_dtypes": tuple(torch_dtype(n) for n in PAYLOAD_DTYPES),
+            "combine_modes": BUILT_COMBINE_MODES,
+            "quant_types": BUILT_QUANT_TYPES,
+            "dispatch_quant_types": DISPATCH_QUANT_TYPES,
             "graph_capture": False,
             "routing_replay": False,
             "internode": False,
@@ -83,24 +104,73 @@ class EpDispatchCombineOp:
         caps.update(self._backend.capabilities)
         return caps
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The FP8 e4m3 dtype of in-kernel fp8 quantization on this backend (float8_e4m3fn by default)."""
+        return getattr(self._backend, "wire_dtype", torch.float8_e4m3fn)
+
+    @property
+    def dispatch_out_dtype(self) -> torch.dtype:
+        """dtype of dispatch's out (see the module docstring); the backend's own answer when it has one."""
+        own = getattr(self._backend, "dispatch_out_dtype", None)
+        if own is not None:
+            return own
+        cfg = self.config
+        if cfg.dispatch_quant_type == "fp8_blockwise":
+            return self.wire_dtype
+        if cfg.dispatch_quant_type == "fp4_blockwise":
+            return torch.uint8
+        return cfg.dispatch_dtype
+
+    @property
+    def dispatch_out_cols(self) -> int:
+        """Columns of dispatch's out: hidden_dim, or hidden_dim // 2 for fp4 (two values per byte)."""
+        cfg = self.config
+        return cfg.hidden_dim // 2 if cfg.dispatch_quant_type == "fp4_blockwise" else cfg.dispatch_payload_cols
+
+    @property
+    def dispatch_out_scales_dtype(self) -> torch.dtype | None:
+        """dtype of dispatch's out_scales, None when dispatch returns no scales."""
+        cfg = self.config
+        return {"fp8_blockwise": torch.float32, "fp4_blockwise": torch.uint8}.get(cfg.dispatch_quant_type,
+                                                                                  cfg.dispatch_scales_dtype)
+
+    @property
+    def dispatch_out_scale_cols(self) -> int:
+        """Columns of dispatch's out_scales (0 when dispatch returns no scales)."""
+        cfg = self.config
+        if cfg.dispatch_quant_type != "none":
+            return cfg.hidden_dim // cfg.dispatch_quant_block
+        return cfg.scale_dim
+
     # --- public API ----------------------------------------------------------------------------
     def dispatch(self, x, weights, scales, indices, return_routing: bool = False, routing=None):
         """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle])."""
         self._check_open("dispatch")
         cfg = self.config
-        k, hidden = cfg.num_experts_per_token, cfg.hidden_dim
+        k, cols = cfg.num_experts_per_token, cfg.dispatch_payload_cols
         self._check_tensor("dispatch", "x", x, cfg.dispatch_dtype, ndim=2)
         num_tokens = x.shape[0]
-        if x.shape[1] != hidden:
-            raise InputError(f"dispatch: x must have shape [num_tokens, hidden_dim={hidden}], got {tuple(x.shape)}")
+        if x.shape[1] != cols:
+            width = f"hidden_dim={cols}" if cols == cfg.hidden_dim else \
+                f"hidden_dim // 2={cols} (two {cfg.dispatch_dtype} values per byte)"
+            raise InputError(f"dispatch: x must have shape [num_tokens, {width}], got {tuple(x.shape)}")
         if num_tokens > cfg.max_num_inp_token_per_rank:
             raise InputError(f"dispatch: x has {num_tokens} tokens, more than max_num_inp_token_per_rank="
                              f"{cfg.max_num_inp_token_per_rank}")
         self._check_tensor("dispatch", "indices", indices, torch.int32, shape=(num_tokens, k))
         if weights is not None:
             self._check_tensor("dispatch", "weights", weights, torch.float32, shape=(num_tokens, k))
-        if scales is not None:
-            raise InputError(f"dispatch: scales must be None for a {cfg.dispatch_dtype} payload (scale_dim=0)")
+        scales_dtype = cfg.dispatch_scales_dtype
+        if scales_dtype is None and scales is not None:
+            why = f"dispatch_quant_type={cfg.dispatch_quant_type!r} makes the scales" \
+                if cfg.dispatch_quant_type != "none" else "scale_dim=0"
+            raise InputError(f"dispatch: scales must be None for a {cfg.dispatch_dtype} payload ({why})")
+        if scales_dtype is not None:
+            if scales is None:
+                raise InputError(f"dispatch: scales are required for a {cfg.dispatch_dtype} payload: pass "
+                                 f"[num_tokens, scale_dim={cfg.scale_dim}] {scales_dtype}")
+            self._check_tensor("dispatch", "scales", scales, scales_dtype, shape=(num_tokens, cfg.scale_dim))
         if not isinstance(return_routing, bool):
             raise InputError(f"dispatch: return_routing must be a bool, got {type(return_routing).__name__}")
         if routing is not None:

@@ -13,7 +13,7 @@ class RoutingHandle:
     """Returned by ``dispatch(..., return_routing=True)``; only the op that made it accepts it.
 
     op_uid / config_key identify the op; num_tokens is the dispatching rank's token count.
-    The torch backend fills total_recv, send_plan and recv_src; the native backend keeps its
+    The torch backend fills total_recv, send_plan, recv_src and dest_order; the native backend keeps its
     own payload in ``extra``.
     """
 
@@ -26,4 +26,7 @@ class RoutingHandle:
     send_plan: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     # [total_recv, 2] int64: (source rank, source token) of each received row
     recv_src: torch.Tensor | None = None
+    # [num_tokens, world_size] int64: each local token's destination ranks in the order of their first
+    # appearance among its top-k ids, then -1 (the gather combine's summation order)
+    dest_order: torch.Tensor | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)

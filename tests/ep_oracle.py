@@ -4,6 +4,10 @@ Semantics: token t with top-k global expert ids sends one row to each distinct d
 ``e // experts_per_rank`` of its ids ``e >= 0`` (negative ids: no expert). A rank receives rows
 ordered by (source rank, token) in the torch backend. With an identity expert, combine returns
 ``U[t] * x[t]`` and ``U[t] * w[t]``, U[t] = number of distinct destination ranks of token t.
+
+Combine order: scatter adds a token's rows in ascending destination rank, gather in the order the
+ranks first appear among its top-k ids (``first_appearance_ranks``); both start from 0.0 in float32
+(``ordered_sum``), after the combine wire's encode/decode (``wire_roundtrip``).
 """
 
 from __future__ import annotations
@@ -58,3 +62,38 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, k: int, num_
     x = (torch.randint(-64, 65, (num_tokens, hidden), generator=gen).float() / 16).to(dtype)
     w = torch.randint(1, 64, (num_tokens, k), generator=gen).float() / 64
     return x, w, random_routing(gen, num_tokens, k, num_experts)
+
+
+# --- combine order and wire formats (low-precision modes) -------------------------------------------
+def first_appearance_ranks(row, experts_per_rank: int) -> list[int]:
+    """Distinct destination ranks of one token in the order their first expert id appears (gather order)."""
+    out: list[int] = []
+    for e in (row.tolist() if isinstance(row, torch.Tensor) else row):
+        if int(e) >= 0 and int(e) // experts_per_rank not in out:
+            out.append(int(e) // experts_per_rank)
+    return out
+
+
+def wire_roundtrip(row: torch.Tensor, quant: str) -> torch.Tensor:
+    """One expert row (bf16/fp32) encoded for the combine wire and decoded at the origin, as float32."""
+    from runtime import numerics as nx
+
+    if quant == "none":
+        return row.float()
+    if quant == "fp8_direct_cast":
+        return nx.fp8_decode(nx.fp8_encode(row.float(), "ocp"), "ocp")
+    if quant == "fp8_blockwise":
+        q, s = nx.quantize_fp8(row, "ocp", "fp8_blockwise")
+        return nx.dequantize_fp8(q, s, "ocp", "fp8_blockwise", torch.float32)
+    if quant == "fp4_blockwise":
+        q, s = nx.quantize_fp4(row)
+        return nx.dequantize_fp4(q, s, torch.float32)
+    raise ValueError(quant)
+
+
+def ordered_sum(rows, shape, out_dtype=None) -> torch.Tensor:
+    """0.0 + rows[0] + rows[1] + ... in float32, one addition at a time; then one rounding to out_dtype."""
+    acc = torch.zeros(shape, dtype=torch.float32)
+    for r in rows:
+        acc = acc + r.float()
+    return acc if out_dtype is None else acc.to(out_dtype)

@@ -17,7 +17,7 @@ BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, 
 
 FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
-               "scale_type_size", "combine_mode", "quant_type", "enable_std_moe", "max_total_recv_tokens",
+               "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend")
 
 
@@ -45,7 +45,8 @@ def test_fields_in_order_with_defaults():
     assert rconfig.FIELDS == FIELD_ORDER
     c = make()
     assert (c.data_type, c.dispatch_data_type, c.combine_data_type) == (torch.bfloat16, None, None)
-    assert (c.scale_dim, c.scale_type_size, c.combine_mode, c.quant_type) == (0, 0, "gather", "none")
+    assert (c.scale_dim, c.scale_type_size, c.combine_mode, c.quant_type) == (0, 0, None, "none")
+    assert c.dispatch_quant_type == "none" and c.resolved_combine_mode == "gather"
     assert (c.enable_std_moe, c.max_total_recv_tokens, c.gpu_per_node) == (False, 0, 0)
     assert (c.internode_kernel, c.internode_auto_ll_max_tokens, c.kernel_backend) == ("auto", 512, None)
 
@@ -118,8 +119,9 @@ def test_rank_range(rank):
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("combine_mode", 1, "must be a str"),
+    ("combine_mode", 1, "must be a str or None"),
     ("quant_type", None, "must be a str"),
+    ("dispatch_quant_type", None, "must be a str"),
     ("internode_kernel", b"v2", "must be a str"),
     ("enable_std_moe", 1, "must be a bool"),
     ("kernel_backend", 3, "must be a str or None"),
@@ -143,8 +145,9 @@ def test_max_total_recv_tokens_at_most_worst_case():
 
 # --- names ------------------------------------------------------------------------------------
 def test_combine_mode_names():
-    rejects(r"^combine_mode='sum': must be one of 'gather', 'scatter'$", combine_mode="sum")
-    rejects(r"^combine_mode='scatter': not built yet; built: 'gather'$", combine_mode="scatter")
+    rejects(r"^combine_mode='sum': must be one of 'gather', 'scatter' or None$", combine_mode="sum")
+    assert make(combine_mode="scatter").resolved_combine_mode == "scatter"
+    assert make(combine_mode="gather").resolved_combine_mode == "gather"
 
 
 def test_quant_type_names_from_specs():
@@ -152,9 +155,9 @@ def test_quant_type_names_from_specs():
     rejects(f"^quant_type='int4': must be one of {re.escape(names)} \\(specs/quant.toml\\)$", quant_type="int4")
 
 
-@pytest.mark.parametrize("quant", [q for q in gspecs.load().quants if q != "none"])
-def test_quant_types_not_built_yet(quant):
-    rejects(f"^quant_type='{quant}': not built yet; built: 'none'$", quant_type=quant)
+def test_dispatch_quant_type_names():
+    rejects(r"^dispatch_quant_type='fp8_direct_cast': must be one of 'none', 'fp8_blockwise', 'fp4_blockwise'$",
+            dispatch_quant_type="fp8_direct_cast")
 
 
 def test_internode_kernel_names():
@@ -169,20 +172,18 @@ def test_kernel_backend_names():
 def test_unknown_dtype():
     rejects(r"^data_type=torch.float16: unknown dtype; supported in this release: torch.bfloat16, torch.float32$",
             data_type=torch.float16)
-    rejects(r"^dispatch_data_type=torch.int8: unknown dtype", dispatch_data_type=torch.int8,
-            combine_data_type=torch.bfloat16)
+    rejects(r"^dispatch_data_type=torch.int8: unknown dtype; supported in this release: torch.bfloat16, "
+            r"torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2$",
+            dispatch_data_type=torch.int8, combine_data_type=torch.bfloat16)
+    rejects(r"^combine_data_type=torch.float16: unknown dtype; supported in this release: torch.bfloat16, "
+            r"torch.float32$", dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.float16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2])
-def test_fp8_fp4_payloads_not_built_yet(dtype):
-    with pytest.raises(ConfigError) as err:
-        make(data_type=dtype)
-    msg = str(err.value)
-    # a spec rule may reject it first (then with the rule's own words), else the release says not yet
-    rule_msgs = {f"{r.name}: {r.message}" for r in gspecs.load().rules}
-    assert msg in rule_msgs or re.match(
-        rf"^data_type={re.escape(str(dtype))}: not supported in this release \(fp8/fp4 payloads are not built "
-        r"yet\); supported: torch.bfloat16, torch.float32$", msg), msg
+def test_data_type_is_the_model_dtype(dtype):
+    rejects(rf"^data_type={re.escape(str(dtype))}: must be the model dtype, torch.bfloat16, torch.float32 \(an "
+            r"fp8/fp4 payload is dispatch_data_type, with combine_data_type torch.bfloat16, torch.float32\)$",
+            data_type=dtype)
 
 
 def test_float32_payload():
@@ -198,8 +199,8 @@ def test_dispatch_and_combine_dtypes_both_or_neither():
     assert c.dispatch_dtype is c.combine_dtype is torch.bfloat16
 
 
-def test_wire_dtype_conversion_not_built_yet():
-    rejects(r"^dispatch_data_type=torch.float32: must equal data_type=torch.bfloat16 in this release "
+def test_float_wire_dtype_conversion_not_built_yet():
+    rejects(r"^dispatch_data_type=torch.float32: must equal data_type=torch.bfloat16 for a bf16/fp32 payload "
             r"\(dtype conversion on the wire is not built yet\)$",
             dispatch_data_type=torch.float32, combine_data_type=torch.bfloat16)
     rejects(r"^combine_data_type=torch.float32: must equal data_type",
@@ -229,7 +230,14 @@ def test_internode_not_built_yet(kernel):
 @pytest.mark.parametrize("quant", [q for q in gspecs.load().quants if q != "none"])
 def test_internode_quant_rule(kernel, quant):
     r = rule("internode_quant_none")
-    err = rejects(None, world_size=16, gpu_per_node=8, internode_kernel=kernel, quant_type=quant)
+    err = rejects(None, world_size=16, gpu_per_node=8, internode_kernel=kernel, quant_type=quant, hidden_dim=128)
+    assert str(err) == f"{r.name}: {r.message}"
+
+
+@pytest.mark.parametrize("quant", ["fp8_blockwise", "fp4_blockwise"])
+def test_internode_dispatch_quant_rule(quant):
+    r = rule("internode_quant_none")
+    err = rejects(None, world_size=16, gpu_per_node=8, dispatch_quant_type=quant, hidden_dim=128)
     assert str(err) == f"{r.name}: {r.message}"
 
 
@@ -246,6 +254,181 @@ def test_config_uses_the_spec_rule_engine(monkeypatch):
     monkeypatch.setattr(rconfig, "load_specs", lambda: attrs.evolve(specs, rules=specs.rules + (extra,)))
     make(data_type=torch.bfloat16)
     rejects(r"^test_only_rule: rejected by a rule the test added$", data_type=torch.float32)
+
+
+def _role_facts(c, role):
+    return [f for f in c.rule_facts() if f["family.role"] == role]
+
+
+def test_rule_facts_of_low_precision_modes():
+    # combine wire compression: combine_scatter, fp8 wire either format (the target decides)
+    c = make(quant_type="fp8_blockwise", hidden_dim=128)
+    comb = _role_facts(c, "combine")
+    assert [(f["family"], f["dtype"], f["wire"], f["quant"], f["convert"]) for f in comb] == [
+        ("combine_scatter", "bf16", "fp8_e4m3fn", "fp8_blockwise", "float_to_fp8"),
+        ("combine_scatter", "bf16", "fp8_e4m3fnuz", "fp8_blockwise", "float_to_fp8")]
+    assert [len(g) for g in c.rule_fact_groups()] == [1, 2]
+    fp4 = _role_facts(make(quant_type="fp4_blockwise", data_type=torch.float32), "combine")
+    assert [(f["dtype"], f["wire"], f["convert"]) for f in fp4] == [("fp32", "fp4_e2m1", "float_to_fp4")]
+    # in-kernel dispatch quantization
+    d = _role_facts(make(dispatch_quant_type="fp4_blockwise"), "dispatch")
+    assert [(f["family"], f["dtype"], f["wire"], f["quant"], f["convert"]) for f in d] == [
+        ("dispatch", "bf16", "fp4_e2m1", "fp4_blockwise", "float_to_fp4")]
+    # a pre-quantized payload is the dispatch family's dtype itself, moved unchanged
+    p = make(dispatch_data_type=torch.float8_e4m3fnuz, combine_data_type=torch.float32, scale_dim=2,
+             scale_type_size=4)
+    assert [(f["dtype"], f["wire"], f["quant"], f["convert"]) for f in _role_facts(p, "dispatch")] == [
+        ("fp8_e4m3fnuz", "fp8_e4m3fnuz", "none", "same")]
+    assert [(f["family"], f["dtype"], f["wire"]) for f in _role_facts(p, "combine")] == [
+        ("combine_gather", "fp32", "fp32")]
+
+
+def _with_rule(monkeypatch, **when):
+    specs = gspecs.load()
+    extra = gspecs.Rule(name="test_only_rule", message="rejected by a rule the test added",
+                        when=tuple((k, (v,)) for k, v in when.items()))
+    monkeypatch.setattr(rconfig, "load_specs", lambda: attrs.evolve(specs, rules=specs.rules + (extra,)))
+
+
+def test_target_dependent_wire_passes_if_any_format_passes(monkeypatch):
+    _with_rule(monkeypatch, wire="fp8_e4m3fnuz", **{"family.role": "combine"})
+    make(quant_type="fp8_direct_cast")  # the ocp alternative passes
+    _with_rule(monkeypatch, **{"wire.kind": "fp8", "family.role": "combine"})
+    rejects(r"^test_only_rule: rejected by a rule the test added$", quant_type="fp8_direct_cast")
+
+
+def test_dispatch_facts_reach_the_rule_engine(monkeypatch):
+    _with_rule(monkeypatch, dtype="fp4_e2m1", family="dispatch")
+    make(dispatch_quant_type="fp4_blockwise")
+    rejects(r"^test_only_rule: ", dispatch_data_type=torch.float4_e2m1fn_x2, combine_data_type=torch.bfloat16,
+            scale_dim=2, scale_type_size=1)
+
+
+# --- pre-quantized payloads (dispatch_data_type fp8/fp4) ----------------------------------------
+PAYLOADS = [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2]
+
+
+def payload(dtype=torch.float8_e4m3fn, **kw):
+    return make(**{**dict(dispatch_data_type=dtype, combine_data_type=torch.bfloat16, scale_dim=2,
+                          scale_type_size=4), **kw})
+
+
+@pytest.mark.parametrize("dtype", PAYLOADS)
+@pytest.mark.parametrize("combine", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("data_type", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("size", [1, 4])
+def test_prequantized_payloads(dtype, combine, data_type, size):
+    c = payload(dtype, combine_data_type=combine, data_type=data_type, scale_type_size=size)
+    assert c.prequantized and c.dispatch_dtype is dtype and c.combine_dtype is combine
+    assert c.dispatch_payload_cols == (32 if dtype == torch.float4_e2m1fn_x2 else 64)
+    assert c.dispatch_scales_dtype is (torch.float32 if size == 4 else torch.uint8)
+    assert c.resolved_combine_mode == "gather" and c.dispatch_quant_block == 0
+
+
+def test_prequantized_both_or_neither():
+    rejects(r"^dispatch_data_type=torch.float8_e4m3fn, combine_data_type=None: set both or neither$",
+            dispatch_data_type=torch.float8_e4m3fn, scale_dim=2, scale_type_size=4)
+    rejects(r"^dispatch_data_type=None, combine_data_type=torch.bfloat16: set both or neither$",
+            combine_data_type=torch.bfloat16, scale_dim=2, scale_type_size=4)
+
+
+@pytest.mark.parametrize("dtype", PAYLOADS)
+def test_prequantized_combine_dtype(dtype):
+    payload_rejects(rf"^combine_data_type={re.escape(str(dtype))}: with a {re.escape(str(dtype))} payload, "
+                    r"combine_data_type must be torch.bfloat16, torch.float32$", dtype, combine_data_type=dtype)
+
+
+def payload_rejects(pattern, dtype=torch.float8_e4m3fn, **kw):
+    with pytest.raises(ConfigError, match=pattern):
+        payload(dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", PAYLOADS)
+def test_prequantized_gather_only(dtype):
+    d = re.escape(str(dtype))
+    payload_rejects(rf"^combine_mode='scatter': a pre-quantized {d} payload \(dispatch_data_type\) combines with "
+                    r"combine_mode='gather' only$", dtype, combine_mode="scatter")
+    payload_rejects(r"^combine_mode=None \(resolved to 'scatter' for quant_type='fp8_direct_cast'\): a "
+                    rf"pre-quantized {d} payload", dtype, quant_type="fp8_direct_cast")
+    payload_rejects(r"^combine_mode='gather': quant_type='fp8_direct_cast' forces combine_mode='scatter'", dtype,
+                    combine_mode="gather", quant_type="fp8_direct_cast")
+
+
+@pytest.mark.parametrize("dtype", PAYLOADS)
+def test_prequantized_needs_scales(dtype):
+    payload_rejects(rf"^scale_dim=0: a {re.escape(str(dtype))} payload needs scales: scale_dim must be > 0 "
+                    r"\(scale columns per token\)$", dtype, scale_dim=0)
+
+
+@pytest.mark.parametrize("size", [0, 2, 8])
+def test_prequantized_scale_type_size(size):
+    payload_rejects(rf"^scale_type_size={size}: must be 1 \(e8m0 bytes, torch.uint8\) or 4 \(torch.float32\) "
+                    r"for a torch.float8_e4m3fn payload$", scale_type_size=size)
+
+
+def test_fp4_payload_needs_even_hidden():
+    payload_rejects(r"^hidden_dim=63: a torch.float4_e2m1fn_x2 payload packs two values per byte: hidden_dim "
+                    r"must be even$", torch.float4_e2m1fn_x2, hidden_dim=63)
+    assert payload(torch.float4_e2m1fn_x2, hidden_dim=62).dispatch_payload_cols == 31
+    assert payload(torch.float8_e4m3fn, hidden_dim=63).dispatch_payload_cols == 63
+
+
+# --- in-kernel dispatch quantization (dispatch_quant_type) --------------------------------------
+@pytest.mark.parametrize("quant,block", [("fp8_blockwise", 128), ("fp4_blockwise", 32)])
+@pytest.mark.parametrize("data_type", [torch.bfloat16, torch.float32])
+def test_dispatch_quant(quant, block, data_type):
+    c = make(dispatch_quant_type=quant, hidden_dim=2 * block, data_type=data_type)
+    assert c.dispatch_quant_block == block and c.dispatch_dtype is c.combine_dtype is data_type
+    assert not c.prequantized and c.dispatch_scales_dtype is None and c.resolved_combine_mode == "gather"
+    assert make(dispatch_quant_type=quant, hidden_dim=block, quant_type=quant).resolved_combine_mode == "scatter"
+
+
+@pytest.mark.parametrize("quant,block,hidden", [("fp8_blockwise", 128, 64), ("fp8_blockwise", 128, 192),
+                                                ("fp4_blockwise", 32, 48), ("fp4_blockwise", 32, 16)])
+def test_dispatch_quant_hidden_block(quant, block, hidden):
+    rejects(rf"^hidden_dim={hidden}: dispatch_quant_type='{quant}' scales blocks of {block} elements: hidden_dim "
+            rf"must be a multiple of {block}$", dispatch_quant_type=quant, hidden_dim=hidden)
+
+
+@pytest.mark.parametrize("quant", ["fp8_blockwise", "fp4_blockwise"])
+@pytest.mark.parametrize("dtype", PAYLOADS + [torch.bfloat16])
+def test_dispatch_quant_needs_data_type_payload(quant, dtype):
+    rejects(rf"^dispatch_quant_type='{quant}': in-kernel quantization takes a data_type payload: "
+            rf"dispatch_data_type must be None, got {re.escape(str(dtype))}$",
+            dispatch_quant_type=quant, hidden_dim=128, dispatch_data_type=dtype, combine_data_type=torch.bfloat16,
+            scale_dim=2, scale_type_size=4)
+
+
+@pytest.mark.parametrize("field", ["scale_dim", "scale_type_size"])
+def test_dispatch_quant_makes_its_own_scales(field):
+    rejects(rf"^{field}=4: must be 0 for a torch.bfloat16 payload", dispatch_quant_type="fp8_blockwise",
+            hidden_dim=128, **{field: 4})
+
+
+# --- combine wire compression (quant_type) ------------------------------------------------------
+@pytest.mark.parametrize("quant", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+def test_quant_type_resolves_scatter(quant):
+    c = make(quant_type=quant, hidden_dim=128)
+    assert c.combine_mode is None and c.resolved_combine_mode == "scatter"
+    assert make(quant_type=quant, hidden_dim=128, combine_mode="scatter").resolved_combine_mode == "scatter"
+    rejects(rf"^combine_mode='gather': quant_type='{quant}' forces combine_mode='scatter' \(combine wire "
+            r"compression runs in the scatter combine; None resolves it\)$",
+            quant_type=quant, hidden_dim=128, combine_mode="gather")
+
+
+@pytest.mark.parametrize("quant,block,hidden", [("fp8_blockwise", 128, 64), ("fp4_blockwise", 32, 48)])
+def test_quant_type_hidden_block(quant, block, hidden):
+    rejects(rf"^hidden_dim={hidden}: quant_type='{quant}' scales blocks of {block} elements: hidden_dim must be a "
+            rf"multiple of {block}$", quant_type=quant, hidden_dim=hidden)
+
+
+def test_fp8_direct_cast_any_hidden():
+    assert make(quant_type="fp8_direct_cast", hidden_dim=40).combine_quant_block == 0
+
+
+def test_key_covers_new_fields():
+    assert make().key != make(dispatch_quant_type="fp4_blockwise").key
+    assert make().key != make(combine_mode="gather").key  # None and an explicit "gather" are distinct fields
 
 
 # --- kernel backend precedence ----------------------------------------------------------------
