@@ -132,6 +132,60 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
     }
 
 
+def run_lowprec(T: int, hidden: int, k: int, num_experts: int, inner: int, reps: int) -> dict:
+    """fp8 payload dispatch vs bf16 dispatch, and fp8_blockwise scatter combine vs bf16 gather combine,
+    on the same routing; each correctness-gated."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = dict(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
+                num_experts_per_rank=num_experts // world, num_experts_per_token=k, data_type=torch.bfloat16,
+                kernel_backend="native")
+    g = torch.Generator(device="cuda").manual_seed(4321 + rank)
+    x = torch.randn(T, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    idx = torch.rand(T, num_experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
+    U = torch.zeros(T, world, device="cuda").scatter_(1, idx.long() // (num_experts // world), 1.0).sum(1)
+    # per-128 fp8 payload (quantized here, outside the timed region)
+    blocks = x.float().view(T, hidden // 128, 128)
+    scales = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    xq = (blocks / scales[..., None]).view(T, hidden).to(torch.float8_e4m3fn)
+    deq = (xq.float().view(T, hidden // 128, 128) * scales[..., None]).view(T, hidden).to(torch.bfloat16)
+    res = {}
+    modes = {
+        "bf16_gather": dict(),
+        "fp8_payload_gather": dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,
+                                   scale_dim=hidden // 128, scale_type_size=4),
+        "bf16_fp8_scatter": dict(quant_type="fp8_blockwise"),
+    }
+    for name, extra in modes.items():
+        cfg = EpDispatchCombineConfig(**base, **extra)
+        inp, sc = (xq, scales) if "payload" in name else (x, None)
+        with EpDispatchCombineOp(cfg) as op:
+            out, ow, os_, _, total, h = op.dispatch(inp, w, sc, idx, return_routing=True)
+            expert = out if "payload" not in name else \
+                (out.float().view(-1, hidden // 128, 128) * os_[..., None]).view(-1, hidden).to(torch.bfloat16)
+            comb, _ = op.combine(expert, routing=h)
+            want = U[:, None] * (deq if "payload" in name else x).float()
+            err = ((comb.float() - want).norm() / want.norm().clamp_min(1e-30)).item() if T else 0.0
+            if err > (0.05 if "scatter" in name else 0.0):
+                raise SystemExit(f"rank {rank}: {name} check failed at T={T}: relative error {err:.3g}")
+            held = {"out": expert}
+
+            def disp():
+                held["o"], _, _, _, _, held["h"] = op.dispatch(inp, w, sc, idx, return_routing=True)
+
+            def comb():
+                op.combine(held["out"], routing=held["h"])
+
+            d_ms, c_ms = _graph_time([disp, comb], inner, reps)
+            res[name] = (_stats(d_ms)[0] * 1e3, _stats(c_ms)[0] * 1e3, err)
+    return {"tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "graph": True,
+            "world_size": world, "target": op_arch(), "gpu": torch.cuda.get_device_properties(0).name,
+            "modes": {m: {"dispatch_us": d, "combine_us": c, "rel_err": e} for m, (d, c, e) in res.items()},
+            "fp8_dispatch_over_bf16": res["fp8_payload_gather"][0] / res["bf16_gather"][0],
+            "fp8_scatter_combine_over_bf16_gather": res["bf16_fp8_scatter"][1] / res["bf16_gather"][1],
+            "dispatch_bytes_per_row": {"bf16": hidden * 2, "fp8": hidden + (hidden // 128) * 4}}
+
+
 def op_arch() -> str:
     from .kernels import device_arch
     return device_arch(torch.device("cuda"))
@@ -145,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--lowprec", action="store_true", help="also compare fp8 dispatch / fp8 scatter combine with bf16")
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -153,10 +208,12 @@ def main(argv=None) -> int:
     for hidden in args.hidden:
         for T in args.tokens:
             rows.append(run_point(T, hidden, args.topk, args.experts, torch.bfloat16, args.inner, args.reps))
+    low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
+           for hidden in args.hidden for T in args.tokens] if args.lowprec else []
     if dist.get_rank() == 0:
         if args.out:
             with open(args.out, "a") as f:
-                for r in rows:
+                for r in rows + low:
                     f.write(json.dumps(r, sort_keys=True) + "\n")
         print(f"{'tokens':>6} {'hidden':>6} {'disp us':>8} {'comb us':>8} {'staged':>8} {'nccl us':>8} {'disp x':>6} {'comb x':>6} "
               f"{'disp link GB/s':>14} {'comb link GB/s':>14}")
@@ -164,6 +221,12 @@ def main(argv=None) -> int:
             print(f"{r['tokens_per_rank']:>6} {r['hidden']:>6} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} {r['combine_staged_us']:>8.1f} "
                   f"{r['nccl_a2a_us']:>8.1f} {r['dispatch_vs_nccl']:>6.2f} {r['combine_vs_nccl']:>6.2f} "
                   f"{r['dispatch_link_GBps']:>14.1f} {r['combine_link_GBps']:>14.1f}")
+        for r in low:
+            m = r["modes"]
+            print(f"T={r['tokens_per_rank']} H={r['hidden']}: dispatch bf16 {m['bf16_gather']['dispatch_us']:.1f} us, "
+                  f"fp8 payload {m['fp8_payload_gather']['dispatch_us']:.1f} us (x{r['fp8_dispatch_over_bf16']:.2f}); "
+                  f"combine bf16 gather {m['bf16_gather']['combine_us']:.1f} us, fp8_blockwise scatter "
+                  f"{m['bf16_fp8_scatter']['combine_us']:.1f} us (x{r['fp8_scatter_combine_over_bf16_gather']:.2f})")
     dist.destroy_process_group()
     return 0
 

@@ -1,19 +1,22 @@
-"""The native backend: generated dispatch / gather-combine kernels over peer-mapped memory.
+"""The native backend: generated dispatch / combine kernels over peer-mapped memory.
 
-Each rank owns one symmetric workspace (torch.distributed._symmetric_memory) laid out as below;
-the kernels address a peer's copy through the peer base pointers. Everything is allocated and
-every kernel loaded at construction; dispatch/combine only pack arguments and launch on torch's
-current stream (no host sync, no allocation beyond the outputs), so they can be graph-captured.
+Each rank owns one symmetric workspace (torch.distributed._symmetric_memory); the kernels address a
+peer's copy through the peer base pointers. Everything is allocated and every kernel loaded at
+construction; dispatch/combine only pack arguments and launch on torch's current stream (no host
+sync, no allocation beyond the outputs), so they can be graph-captured.
 
-Workspace (per rank, offsets 256-byte aligned):
-  signal [world] int32 | counter [2] int32 | recv_x [R, H] | recv_w [R, k] f32 | recv_idx [R, k] i32 |
-  recv_src [R] i32 | comb_x [R, H] | comb_w [R, k] f32          (R = max_recv_tokens, H = hidden)
+Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
+  signal [W] i32 | counter [2] i32 | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
+  recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
+  scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k]
 """
 
 from __future__ import annotations
 
+import math
 import os
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -25,24 +28,100 @@ from .errors import EpgenError, InputError
 
 BLOCK = 512
 _ALIGN = 256
+_SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def workspace_layout(cfg: EpDispatchCombineConfig) -> dict[str, int]:
-    """Byte offsets of every region, and 'total': the workspace size (same on every rank)."""
-    R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
-    elem = torch.empty((), dtype=cfg.dispatch_dtype).element_size()
-    sizes = [("signal", 4 * cfg.world_size), ("counter", 8), ("recv_x", R * H * elem), ("recv_w", R * k * 4),
-             ("recv_idx", R * k * 4), ("recv_src", R * 4), ("comb_x", R * H * elem), ("comb_w", R * k * 4)]
-    out, off = {}, 0
-    for name, n in sizes:
-        out[name] = off
-        off += _align(n)
-    out["total"] = off
-    return out
+def _elem_bits(dtype: torch.dtype) -> int:
+    """Bits per value (float4_e2m1fn_x2 packs two 4-bit values in each 1-byte element)."""
+    return 4 if dtype == torch.float4_e2m1fn_x2 else torch.empty((), dtype=dtype).element_size() * 8
+
+
+@attrs.frozen
+class Plan:
+    """What an op moves, derived from its config and the device's target: names, dtypes, row sizes."""
+    dispatch_variant: str
+    combine_variant: str
+    in_row: int            # bytes of one x row given to dispatch
+    wire_row: int          # bytes of one received row
+    scale_row: int         # bytes of one received row's scales
+    out_dtype: torch.dtype  # dtype of the received rows as returned
+    out_cols: int
+    scales_dtype: torch.dtype | None
+    scale_cols: int
+    comb_row: int          # bytes of one combine-dtype row
+    scat_row: int          # bytes of one row on the scatter wire
+    scat_scale_row: int
+    scatter: bool
+    fp8_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
+        specs = kernels.gspecs.load()
+        H = cfg.hidden_dim
+        fp8 = "fp8_e4m3fn" if target.fp8_e4m3 == "ocp" else "fp8_e4m3fnuz"
+        wire_of = {"fp8": fp8, "fp4": "fp4_e2m1"}
+        act = spec_dtype(cfg.data_type).name
+        comb = spec_dtype(cfg.combine_dtype).name
+        comb_row = H * _elem_bits(cfg.combine_dtype) // 8
+        scales_dtype, scale_cols = None, 0
+        if cfg.dispatch_data_type is not None:  # pre-quantized payload: bytes and scales verbatim
+            payload = cfg.dispatch_data_type
+            d_name = f"dispatch.{spec_dtype(payload).name}.intranode"
+            in_row = wire_row = H * _elem_bits(payload) // 8
+            scale_row = cfg.scale_dim * cfg.scale_type_size
+            out_dtype, out_cols = payload, (H // 2 if payload == torch.float4_e2m1fn_x2 else H)
+            scales_dtype = torch.float32 if cfg.scale_type_size == 4 else torch.uint8
+            scale_cols = cfg.scale_dim
+        elif cfg.dispatch_quant_type != "none":  # bf16/fp32 in, quantized on the way
+            q = specs.quants[cfg.dispatch_quant_type]
+            wire = specs.dtypes[wire_of[q.wire_kind]]
+            d_name = f"dispatch.{act}.{wire.name}.{q.name}.intranode"
+            in_row = H * _elem_bits(cfg.data_type) // 8
+            wire_row = H * wire.bits // 8
+            scale_cols = H // q.block
+            scale_row = scale_cols * _SCALE_BYTES[q.scale]
+            out_dtype = getattr(torch, wire.torch) if wire.kind == "fp8" else torch.uint8
+            out_cols = H if wire.kind == "fp8" else H // 2
+            scales_dtype = torch.float32 if q.scale == "fp32" else torch.uint8
+        else:
+            d_name = f"dispatch.{act}.intranode"
+            in_row = wire_row = H * _elem_bits(cfg.data_type) // 8
+            scale_row, out_dtype, out_cols = 0, cfg.data_type, H
+        scatter = cfg.resolved_combine_mode == "scatter"
+        scat_row, scat_scale_row = comb_row, 0
+        if not scatter:
+            c_name = f"combine_gather.{comb}.intranode"
+        elif cfg.quant_type == "none":
+            c_name = f"combine_scatter.{comb}.intranode"
+        else:
+            q = specs.quants[cfg.quant_type]
+            wire = specs.dtypes[wire_of[q.wire_kind]]
+            c_name = f"combine_scatter.{comb}.{wire.name}.{q.name}.intranode"
+            scat_row = H * wire.bits // 8
+            scat_scale_row = (H // q.block) * _SCALE_BYTES[q.scale] if q.block else 0
+        return cls(d_name, c_name, in_row, wire_row, scale_row, out_dtype, out_cols, scales_dtype, scale_cols,
+                   comb_row, scat_row, scat_scale_row, scatter, getattr(torch, specs.dtypes[fp8].torch))
+
+    def layout(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
+        """Byte offsets of every region, and 'total' (the same on every rank)."""
+        R, k, cells = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.max_num_inp_token_per_rank * cfg.world_size
+        sizes = [("signal", 4 * cfg.world_size), ("counter", 8), ("recv_x", R * self.wire_row),
+                 ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4), ("recv_idx", R * k * 4),
+                 ("recv_src", R * 4)]
+        if self.scatter:
+            sizes += [("scat_x", cells * self.scat_row), ("scat_s", cells * self.scat_scale_row), ("scat_w", cells * k * 4)]
+        else:
+            sizes += [("comb_x", R * self.comb_row), ("comb_w", R * k * 4)]
+        out, off = {}, 0
+        for name, n in sizes:
+            out[name] = off
+            off += _align(n)
+        out["total"] = off
+        return out
 
 
 class NativeBackend:
@@ -60,19 +139,25 @@ class NativeBackend:
         if dist.get_world_size(self.group) != cfg.world_size or dist.get_rank(self.group) != cfg.rank:
             raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
                              f"{dist.get_rank(self.group)} of {dist.get_world_size(self.group)}")
+        if cfg.world_size > 64:
+            raise EpgenError(f"native intranode backend supports at most 64 ranks, got {cfg.world_size}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = kernels.device_arch(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        dname = spec_dtype(cfg.dispatch_dtype).name
-        row_bytes = cfg.hidden_dim * torch.empty((), dtype=cfg.dispatch_dtype).element_size()
-        if row_bytes % 16:
-            raise EpgenError(f"native backend: a row must be a multiple of 16 bytes (hidden_dim={cfg.hidden_dim})")
+        target = kernels.gspecs.load().targets.get(self.arch)
+        if target is None:
+            kernels.select(self.arch, "dispatch")  # raises the miss error naming the declared targets
+        self.wave = target.wave_size
+        plan = self.plan = Plan.of(cfg, target)
+        for what, n in (("x row", plan.in_row), ("received row", plan.wire_row), ("combine row", plan.comb_row)):
+            if n % 16:
+                raise EpgenError(f"native backend: a {what} must be a multiple of 16 bytes, got {n} "
+                                 f"(hidden_dim={cfg.hidden_dim})")
         # every kernel this op can use, loaded before the first call
-        self._dispatch = kernels.load(kernels.select(self.arch, f"dispatch.{dname}.intranode"))
-        self._combine = kernels.load(kernels.select(self.arch, f"combine_gather.{dname}.intranode"))
-        self.wave = self._dispatch_wave = kernels.gspecs.load().targets[self.arch].wave_size
+        self._dispatch = kernels.load(kernels.select(self.arch, plan.dispatch_variant))
+        self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
 
-        self.layout = lay = workspace_layout(cfg)
+        self.layout = lay = plan.layout(cfg)
         self.buf = symm_mem.empty(lay["total"], dtype=torch.uint8, device=self.device)
         self.buf.zero_()
         self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
@@ -84,29 +169,45 @@ class NativeBackend:
         self.state = torch.zeros(STATE_SIZE, dtype=torch.int32, device=self.device)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
         R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
-        dt = cfg.dispatch_dtype
 
         def view(region, dtype, shape):
-            n = 1
-            for s in shape:
-                n *= s
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
-            return self.buf[lay[region]:lay[region] + nbytes].view(dtype).view(shape)
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()  # fp4_x2: 1 byte per element
+            raw = self.buf[lay[region]:lay[region] + nbytes]
+            return (raw if dtype == torch.uint8 else raw.view(dtype)).view(shape)
 
-        self.recv_x, self.recv_w = view("recv_x", dt, (R, H)), view("recv_w", torch.float32, (R, k))
-        self.recv_idx, self.recv_src = view("recv_idx", torch.int32, (R, k)), view("recv_src", torch.int32, (R,))
-        self.comb_x, self.comb_w = view("comb_x", dt, (R, H)), view("comb_w", torch.float32, (R, k))
-        self.args = kernels.EpArgs(
-            state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=ptrs,
-            off_signal=lay["signal"], off_counter=lay["counter"], off_recv_x=lay["recv_x"], off_recv_w=lay["recv_w"],
-            off_recv_idx=lay["recv_idx"], off_recv_src=lay["recv_src"], off_comb_x=lay["comb_x"],
-            off_comb_w=lay["comb_w"], row_bytes=row_bytes, k=k, experts_per_rank=cfg.num_experts_per_rank,
-            num_experts=cfg.num_experts, rank=cfg.rank, world=cfg.world_size, max_recv=R,
-            max_tokens=cfg.max_num_inp_token_per_rank)
+        self.recv_x = view("recv_x", plan.out_dtype, (R, plan.out_cols))
+        self.recv_scales = view("recv_scales", plan.scales_dtype, (R, plan.scale_cols)) if plan.scales_dtype else None
+        self.recv_w, self.recv_idx = view("recv_w", torch.float32, (R, k)), view("recv_idx", torch.int32, (R, k))
+        self.recv_src = view("recv_src", torch.int32, (R,))
+        if plan.scatter:
+            self.comb_x = torch.empty((R, H), dtype=cfg.combine_dtype, device=self.device)  # pushed from directly
+        else:
+            self.comb_x = view("comb_x", cfg.combine_dtype, (R, H))
+        common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=ptrs,
+                      off_signal=lay["signal"], off_counter=lay["counter"], off_recv_x=lay["recv_x"],
+                      off_recv_scales=lay["recv_scales"], off_recv_w=lay["recv_w"], off_recv_idx=lay["recv_idx"],
+                      off_recv_src=lay["recv_src"], hidden=H, k=k, experts_per_rank=cfg.num_experts_per_rank,
+                      num_experts=cfg.num_experts, rank=cfg.rank, world=cfg.world_size, max_recv=R,
+                      max_tokens=cfg.max_num_inp_token_per_rank)
+        self.dargs = kernels.EpArgs(**common, row_bytes=plan.in_row, wire_row_bytes=plan.wire_row,
+                                    scale_row_bytes=plan.scale_row)
+        comb = dict(off_scat_x=lay["scat_x"], off_scat_s=lay["scat_s"], off_scat_w=lay["scat_w"],
+                    wire_row_bytes=plan.scat_row, scale_row_bytes=plan.scat_scale_row) if plan.scatter else \
+            dict(off_comb_x=lay["comb_x"], off_comb_w=lay["comb_w"], wire_row_bytes=plan.comb_row)
+        self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
         self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
+
+    @property
+    def dispatch_out_dtype(self) -> torch.dtype:
+        return self.plan.out_dtype
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The target's FP8 e4m3 (float8_e4m3fnuz on gfx942) used by in-kernel quantization."""
+        return self.plan.fp8_dtype
 
     @property
     def capabilities(self) -> dict:
@@ -128,15 +229,16 @@ class NativeBackend:
                 raise InputError(f"dispatch: expert id {bad} >= num_experts={cfg.num_experts} (valid ids: 0.."
                                  f"{cfg.num_experts - 1}, negative = no expert)")
         slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
-        a = self.args
-        a.x, a.weights, a.indices, a.slots = x.data_ptr(), weights.data_ptr() if weights is not None else 0, \
-            indices.data_ptr(), slots.data_ptr()
-        a.num_tokens, a.has_weights = T, int(weights is not None)
+        a = self.dargs
+        a.x, a.indices, a.slots = x.data_ptr(), indices.data_ptr(), slots.data_ptr()
+        a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
+        a.scales = scales.data_ptr() if scales is not None else 0
+        a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
         self._dispatch.launch(self._grid(T * k), BLOCK, a)
         self._last = "dispatch"
         out_w = self.recv_w if weights is not None else None
-        return self.recv_x, out_w, None, self.recv_idx, self.total_recv, {"extra": {"slots": slots}}
+        return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, {"extra": {"slots": slots}}
 
     def combine(self, expert_out, weights, indices, routing):
         cfg = self.config
@@ -146,13 +248,13 @@ class NativeBackend:
         T, k = slots.shape
         out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
-        a = self.args
+        a = self.cargs
         a.slots, a.num_tokens = slots.data_ptr(), T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.entry_barrier = int(self._last == "combine")
-        # every block takes part in the staging barrier: one block per multiprocessor (co-resident)
+        # every block takes part in the barrier: one block per multiprocessor (co-resident)
         self._combine.launch(self.num_sms, BLOCK, a)
         self._last = "combine"
         return out, out_w
@@ -180,4 +282,4 @@ class NativeBackend:
         for kern in (self._dispatch, self._combine):
             kern.close()
         self.buf = self.handle = self.peer_bases = None
-        self.recv_x = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = self.comb_w = None
+        self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

@@ -12,8 +12,8 @@ python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; s
 tail -3 "$OUT/build.log"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 if [ "$ngpu" -ge 2 ]; then
-  timeout 240 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_ep_native.py 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
-  timeout 150 torchrun --nproc-per-node 2 -m runtime.bench --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -6; status[bench]=${PIPESTATUS[0]}
+  timeout 300 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
 for k in build quant ep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -1,0 +1,51 @@
+"""The native backend's plan (variant names, row sizes, workspace) for each config mode, on CPU."""
+
+import pytest
+import torch
+
+from runtime import EpDispatchCombineConfig, kernels
+from runtime.native import Plan
+
+BASE = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64, num_experts_per_rank=8,
+            num_experts_per_token=4, kernel_backend="torch")
+MODES = {
+    "bf16": dict(),
+    "fp32_scatter": dict(data_type=torch.float32, combine_mode="scatter"),
+    "fp8_payload": dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16, scale_dim=56,
+                        scale_type_size=4),
+    "fp4_payload": dict(dispatch_data_type=torch.float4_e2m1fn_x2, combine_data_type=torch.bfloat16, scale_dim=224,
+                        scale_type_size=1),
+    "fp8_quant": dict(dispatch_quant_type="fp8_blockwise", quant_type="fp8_blockwise"),
+    "fp4_quant": dict(dispatch_quant_type="fp4_blockwise", quant_type="fp4_blockwise"),
+    "fp8_direct": dict(quant_type="fp8_direct_cast"),
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx950", "gfx1250", "gfx942"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_plan_names_declared_variants(arch, mode):
+    cfg = EpDispatchCombineConfig(**BASE, **MODES[mode])
+    target = kernels.gspecs.load().targets[arch]
+    misses = {("gfx942", "fp4_quant"): "fp4_conversion_target",  # no FP4 conversion instructions
+              ("gfx942", "fp8_payload"): "fp8_native_ocp"}          # gfx942 payloads are float8_e4m3fnuz
+    if (arch, mode) in misses:
+        with pytest.raises(kernels.VariantMissError, match=misses[arch, mode]):
+            kernels.select(arch, Plan.of(cfg, target).dispatch_variant)
+        return
+    plan = Plan.of(cfg, target)
+    for name in (plan.dispatch_variant, plan.combine_variant):
+        assert kernels.select(arch, name).name == name
+    if arch == "gfx942" and mode in ("fp8_quant", "fp8_direct"):
+        assert "fp8_e4m3fnuz" in plan.combine_variant
+
+
+def test_plan_sizes():
+    t = kernels.gspecs.load().targets["sm_90"]
+    p = Plan.of(EpDispatchCombineConfig(**BASE, **MODES["fp8_quant"]), t)
+    assert (p.in_row, p.wire_row, p.scale_row, p.scale_cols) == (7168 * 2, 7168, 56 * 4, 56)
+    assert p.out_dtype == torch.float8_e4m3fn and p.scatter and (p.scat_row, p.scat_scale_row) == (7168, 56 * 4)
+    p = Plan.of(EpDispatchCombineConfig(**BASE, **MODES["fp4_payload"]), t)
+    assert (p.in_row, p.wire_row, p.scale_row, p.out_cols) == (3584, 3584, 224, 3584)
+    lay = Plan.of(EpDispatchCombineConfig(**BASE), t).layout(EpDispatchCombineConfig(**BASE))
+    R = 128
+    assert lay["total"] >= 2 * R * 7168 * 2 and lay["comb_x"] % 256 == 0
