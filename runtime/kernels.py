@@ -134,6 +134,17 @@ class HipKernel:
             self.module = None
 
 
+def host_mapped_pointer(t: torch.Tensor) -> int:
+    """Device address of a pinned host tensor (the same address under unified addressing)."""
+    if torch.version.hip:
+        from hip import hip
+        err, ptr = hip.hipHostGetDevicePointer(t.data_ptr(), 0)
+        return int(ptr) if err == hip.hipError_t.hipSuccess else t.data_ptr()
+    from cuda.bindings import driver as cu
+    err, ptr = cu.cuMemHostGetDevicePointer(t.data_ptr(), 0)
+    return int(ptr) if err == cu.CUresult.CUDA_SUCCESS else t.data_ptr()
+
+
 def load(v) -> CudaKernel | HipKernel:
     image = code_object(v)
     return (CudaKernel if v.target.vendor == "nvidia" else HipKernel)(image, v.symbol)

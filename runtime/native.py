@@ -20,10 +20,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from generator.abi import STATE_SIZE, STATE_WORDS
+from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
 from . import kernels
 from .config import EpDispatchCombineConfig, spec_dtype
+from . import errors
 from .errors import EpgenError, InputError
 
 BLOCK = 512
@@ -167,6 +168,9 @@ class NativeBackend:
             self.peer_bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
             ptrs = self.peer_bases.data_ptr()
         self.state = torch.zeros(STATE_SIZE, dtype=torch.int32, device=self.device)
+        # the error word lives in pinned host memory the kernels write through their mapping: the host reads
+        # it without a device sync (check() before and after every call, and op.check() after graph replays)
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
         R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
 
@@ -184,6 +188,8 @@ class NativeBackend:
         else:
             self.comb_x = view("comb_x", cfg.combine_dtype, (R, H))
         common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=ptrs,
+                      error_word=kernels.host_mapped_pointer(self.error),
+                      timeout_ns=int(getattr(cfg, "timeout_s", 30.0) * 1e9),
                       off_signal=lay["signal"], off_counter=lay["counter"], off_recv_x=lay["recv_x"],
                       off_recv_scales=lay["recv_scales"], off_recv_w=lay["recv_w"], off_recv_idx=lay["recv_idx"],
                       off_recv_src=lay["recv_src"], hidden=H, k=k, experts_per_rank=cfg.num_experts_per_rank,
@@ -217,7 +223,20 @@ class NativeBackend:
         waves = BLOCK // self.wave
         return max(1, min(self.num_sms, -(-work_items // waves)))
 
+    def check(self) -> None:
+        """Raise EpTimeoutError if a kernel of this op gave up waiting (reads pinned host memory only)."""
+        if int(self.error[0]) == 0:
+            return
+        rank, peer, phase = (int(v) for v in self.error[1:4])
+        what = PHASES.get(phase, f"phase {phase}")
+        on = f"its own blocks" if peer < 0 else f"rank {peer}"
+        raise errors.EpTimeoutError(
+            f"EP kernel timed out on rank {rank} waiting for {on} in the {what} (timeout_s="
+            f"{getattr(self.config, 'timeout_s', 30.0)}); the op needs reset() on every rank, or a rebuild if a "
+            f"peer process died", rank=rank, peer=peer, phase=what)
+
     def dispatch(self, x, weights, scales, indices, routing):
+        self.check()
         if routing is not None:
             raise EpgenError("routing replay is not built yet for the native backend")
         cfg = self.config
@@ -237,10 +256,12 @@ class NativeBackend:
         a.entry_barrier = int(self._last == "dispatch")
         self._dispatch.launch(self._grid(T * k), BLOCK, a)
         self._last = "dispatch"
+        self.check()
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, {"extra": {"slots": slots}}
 
     def combine(self, expert_out, weights, indices, routing):
+        self.check()
         cfg = self.config
         slots = routing.extra.get("slots")
         if slots is None:
@@ -257,6 +278,7 @@ class NativeBackend:
         # every block takes part in the barrier: one block per multiprocessor (co-resident)
         self._combine.launch(self.num_sms, BLOCK, a)
         self._last = "combine"
+        self.check()
         return out, out_w
 
     def combine_in_view(self) -> torch.Tensor:
@@ -268,12 +290,17 @@ class NativeBackend:
         return {name: vals[i] for i, name in enumerate(STATE_WORDS)}
 
     def reset(self) -> None:
-        """Collective: clear signals, counters and state on every rank."""
-        torch.cuda.synchronize(self.device)
+        """Collective: clear signals, counters, state and the error word on every rank.
+
+        After a timeout this restores a usable op when every rank is alive (waits end within timeout_s).
+        """
+        torch.cuda.synchronize(self.device)  # kernels that gave up have exited by now
         dist.barrier(group=self.group)
         self.buf[: self.layout["recv_x"]].zero_()
         self.state.zero_()
         self.total_recv.zero_()
+        torch.cuda.synchronize(self.device)
+        self.error.zero_()
         self._last = None
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)

@@ -51,6 +51,8 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
+// constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
+EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0

@@ -35,6 +35,7 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
+EPG_DEVICE epg_u64 epg_clock_ns() { epg_u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
@@ -141,6 +142,7 @@ struct EpArgs {
   epg_i64 state;
   epg_i64 total_recv;
   epg_i64 peer_bases;
+  epg_i64 error_word;
   epg_i64 off_signal;
   epg_i64 off_counter;
   epg_i64 off_recv_x;
@@ -168,6 +170,7 @@ struct EpArgs {
   epg_i64 expert_rows;
   epg_i64 entry_barrier;
   epg_i64 has_weights;
+  epg_i64 timeout_ns;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -178,38 +181,64 @@ constexpr int EPG_ST_DISPATCHES = 5;
 
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
+// Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
+// error word, records (rank, peer, phase) and then publishes word[0] = 1; every other wait gives up as
+// soon as it sees a claim. The host raises EpTimeoutError from the word (no device sync needed).
+EPG_DEVICE bool epg_failed(const EpArgs& a) { return epg_ld_acquire_sys((const int*)a.error_word + 4) != 0; }
+EPG_DEVICE void epg_fail(const EpArgs& a, int phase, int peer) {
+  int* err = (int*)a.error_word;
+  if (epg_atomic_add_sys(err + 4, 1) == 0) {
+    err[1] = (int)a.rank; err[2] = peer; err[3] = phase;
+    epg_fence_sys();
+    epg_st_release_sys(err, 1);
+  }
+}
+EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
+  const epg_u64 t0 = epg_clock_ns();
+  for (int spin = 1; epg_ld_acquire_sys(p) < value; ++spin) {
+    if ((spin & 31) == 0) {
+      if (epg_failed(a)) return false;
+      if (epg_clock_ns() - t0 > (epg_u64)a.timeout_ns) { epg_fail(a, phase, peer); return false; }
+    }
+    epg_pause();
+  }
+  return true;
+}
+
 // One barrier round across the grid and the peers. Every block arrives (its peer writes fenced at
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime launches at most one block per multiprocessor).
-// Returns true in the one block that ran the peer exchange.
-EPG_DEVICE bool epg_barrier(const EpArgs& a, int epoch, bool wait_all) {
-  __shared__ int last;
+// Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
+// block that ran the peer exchange, else EPG_BAR_OK.
+constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
+EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase) {
+  __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
   epg_fence_sys();
   epg_syncthreads();
-  if (tid == 0) last = epg_atomic_add_dev(state + EPG_ST_DONE, 1) == epg_nblocks() - 1;
+  if (tid == 0) {
+    last = epg_atomic_add_dev(state + EPG_ST_DONE, 1) == epg_nblocks() - 1;
+    ok = 1;
+  }
   epg_syncthreads();
   if (last) {
     if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
-    if (tid < a.world) {
-      const int* mine = (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid;
-      while (epg_ld_acquire_sys(mine) < epoch) epg_pause();
-    }
+    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
+      ok = 0;
     epg_syncthreads();
     if (tid == 0) {
       state[EPG_ST_DONE] = 0;
       state[EPG_ST_EPOCH] = epoch;  // every block read the start epoch before arriving here
-      epg_st_release_sys(state + EPG_ST_GO, epoch);
+      if (ok) epg_st_release_sys(state + EPG_ST_GO, epoch);
     }
   }
-  if (wait_all) {
-    if (tid == 0)
-      while (epg_ld_acquire_sys(state + EPG_ST_GO) < epoch) epg_pause();
-    epg_syncthreads();
+  if (wait_all && !last) {
+    if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
   }
-  return last;
+  epg_syncthreads();
+  return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
 }
 
 // Copy n16 16-byte vectors with one wave, four loads in flight per lane.
@@ -231,7 +260,7 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
 EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (a.entry_barrier) epg_barrier(a, ++epoch, true);  // peers done reading the previous combine
+  if (a.entry_barrier && epg_barrier(a, ++epoch, true, 3) == EPG_BAR_FAIL) return;  // peers done reading the previous combine
 
   char* mine = epg_peer(a, a.rank);
   const int n16 = (int)(a.row_bytes / 16);
@@ -247,7 +276,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }
-  epg_barrier(a, ++epoch, true);
+  if (epg_barrier(a, ++epoch, true, 4) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
 
   // One thread per (token, 16-byte chunk), token-major so a wave reads consecutive chunks. The loads of
   // up to 8 source rows are issued together (independent), then accumulated in k order.
