@@ -65,11 +65,36 @@ def _stats(ms: list[float]) -> tuple[float, float]:
     return float(both[0]), float(both[1])
 
 
-def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int) -> dict:
+def _torch_backend_time(cfg_kw: dict, x, w, idx, iters: int = 10) -> tuple[float, float] | str:
+    """Eager median (dispatch us, combine us) of the torch reference backend on the same inputs."""
+    try:
+        cfg = EpDispatchCombineConfig(**{**cfg_kw, "kernel_backend": "torch"})
+        with EpDispatchCombineOp(cfg) as op:
+            d, c = [], []
+            for i in range(iters + 2):
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                dist.barrier()
+                e[0].record()
+                out, ow, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+                e[1].record()
+                op.combine(out, routing=h)
+                e[2].record()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    d.append(e[0].elapsed_time(e[1]))
+                    c.append(e[1].elapsed_time(e[2]))
+        return _stats(d)[0] * 1e3, _stats(c)[0] * 1e3
+    except Exception as exc:  # the reference backend is a baseline, not the subject
+        return f"{type(exc).__name__}: {exc}"
+
+
+def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
+              torch_baseline: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
-                                  num_experts_per_rank=num_experts // world, num_experts_per_token=k,
-                                  data_type=dtype, kernel_backend="native")
+    cfg_kw = dict(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
+                  num_experts_per_rank=num_experts // world, num_experts_per_token=k, data_type=dtype,
+                  kernel_backend="native")
+    cfg = EpDispatchCombineConfig(**cfg_kw)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     x = torch.randn(T, hidden, device="cuda", generator=g).to(dtype)
     w = torch.rand(T, k, device="cuda", generator=g)
@@ -111,6 +136,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         a2a_in = torch.randn(sent + (world - sent % world) % world, hidden, device="cuda").to(dtype)
         a2a_out = torch.empty_like(a2a_in)
         n_med, n_p99 = _stats(_graph_time([lambda: dist.all_to_all_single(a2a_out, a2a_in)], inner, reps)[0])
+    tb = _torch_backend_time(cfg_kw, x, w, idx) if torch_baseline else "not run"
     dev = torch.cuda.get_device_properties(0)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -129,6 +155,11 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "dispatch_link_GBps": remote_rows * row / (d_med * 1e-3) / 1e9 if d_med else 0.0,
         "combine_link_GBps": remote_rows * row / (c_med * 1e-3) / 1e9,
         "dispatch_vs_nccl": n_med / d_med if d_med else 0.0, "combine_vs_nccl": n_med / c_med,
+        "torch_backend_dispatch_us": tb[0] if isinstance(tb, tuple) else None,
+        "torch_backend_combine_us": tb[1] if isinstance(tb, tuple) else None,
+        "torch_backend_note": "eager, device events" if isinstance(tb, tuple) else tb,
+        "dispatch_vs_torch": tb[0] / (d_med * 1e3) if isinstance(tb, tuple) else None,
+        "combine_vs_torch": tb[1] / (c_med * 1e3) if isinstance(tb, tuple) else None,
     }
 
 
@@ -199,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--torch-baseline", action="store_true", help="also time the torch reference backend (eager)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="payload dtypes of the sweep")
     p.add_argument("--lowprec", action="store_true", help="also compare fp8 dispatch / fp8 scatter combine with bf16")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -207,7 +240,9 @@ def main(argv=None) -> int:
     rows = []
     for hidden in args.hidden:
         for T in args.tokens:
-            rows.append(run_point(T, hidden, args.topk, args.experts, torch.bfloat16, args.inner, args.reps))
+            for dt in args.dtypes:
+                rows.append(run_point(T, hidden, args.topk, args.experts, getattr(torch, dt), args.inner, args.reps,
+                                      args.torch_baseline))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
            for hidden in args.hidden for T in args.tokens] if args.lowprec else []
     if dist.get_rank() == 0:
@@ -215,10 +250,10 @@ def main(argv=None) -> int:
             with open(args.out, "a") as f:
                 for r in rows + low:
                     f.write(json.dumps(r, sort_keys=True) + "\n")
-        print(f"{'tokens':>6} {'hidden':>6} {'disp us':>8} {'comb us':>8} {'staged':>8} {'nccl us':>8} {'disp x':>6} {'comb x':>6} "
+        print(f"{'dtype':>8} {'tokens':>6} {'hidden':>6} {'disp us':>8} {'comb us':>8} {'staged':>8} {'nccl us':>8} {'disp x':>6} {'comb x':>6} "
               f"{'disp link GB/s':>14} {'comb link GB/s':>14}")
         for r in rows:
-            print(f"{r['tokens_per_rank']:>6} {r['hidden']:>6} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} {r['combine_staged_us']:>8.1f} "
+            print(f"{r['dtype']:>8} {r['tokens_per_rank']:>6} {r['hidden']:>6} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} {r['combine_staged_us']:>8.1f} "
                   f"{r['nccl_a2a_us']:>8.1f} {r['dispatch_vs_nccl']:>6.2f} {r['combine_vs_nccl']:>6.2f} "
                   f"{r['dispatch_link_GBps']:>14.1f} {r['combine_link_GBps']:>14.1f}")
         for r in low:
