@@ -3,6 +3,9 @@
 Every problem is reported as one ``file:line: message`` (SpecError), never a traceback:
 TOML syntax errors and duplicate keys (from tomllib), unknown keys, missing keys, wrong types,
 unknown references between files. Spec text is data only; nothing in it is evaluated.
+Strings are single-line text (no control characters), and a description may not end in a
+backslash: descriptions land in a ``//`` comment of the generated source, where a newline or a
+line-continuation backslash would turn the rest of the value (or the next line) into code.
 """
 
 from __future__ import annotations
@@ -153,6 +156,17 @@ _CHOICES = {
 }
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # C0 controls but tab, and DEL
+
+
+def _check_text(src: "_Source", line: int, header: str, key: str, value: str) -> str:
+    if _CONTROL.search(value):
+        raise _fail(src, line, f"[{header}] {key}: control characters (newlines included) are not allowed in "
+                               f"spec strings, got {value!r}")
+    if key == "description" and value.endswith("\\"):
+        raise _fail(src, line, f"[{header}] {key}: must not end with a backslash (it would continue the "
+                               f"generated source's comment line), got {value!r}")
+    return value
 
 # Fact namespaces a rule may match on: "<ns>" is the record's name, "<ns>.<field>" a string field.
 FACT_SOURCES = {"family": Family, "dtype": DType, "wire": DType, "quant": Quant, "target": Target,
@@ -242,7 +256,7 @@ def _convert(src: _Source, header: str, key: str, value: Any, tp: Any, occurrenc
                 raise _fail(src, line, f"[{header}] {key}: expected a list of strings, got {value!r}")
             if len(set(value)) != len(value):
                 raise _fail(src, line, f"[{header}] {key}: duplicate entries in {value!r}")
-            return tuple(value)
+            return tuple(_check_text(src, line, header, key, v) for v in value)
         # mapping: name -> list of strings (isa tables, rule clauses)
         if not isinstance(value, dict):
             raise _fail(src, line, f"[{header}] {key}: expected a table, got {value!r}")
@@ -253,7 +267,7 @@ def _convert(src: _Source, header: str, key: str, value: Any, tp: Any, occurrenc
                 v = [v]
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                 raise _fail(src, line, f"[{header}] {key}.{k}: expected a string or a list of strings, got {v!r}")
-            out.append((k, tuple(v)))
+            out.append((k, tuple(_check_text(src, line, header, f"{key}.{k}", x) for x in v)))
         return tuple(out)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -266,7 +280,7 @@ def _convert(src: _Source, header: str, key: str, value: Any, tp: Any, occurrenc
     if tp is str:
         if not isinstance(value, str):
             raise _fail(src, line, f"[{header}] {key}: expected a string, got {value!r}")
-        return value
+        return _check_text(src, line, header, key, value)
     raise AssertionError(tp)
 
 

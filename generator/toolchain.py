@@ -7,6 +7,7 @@ provides it (toolchain.install_hint in specs/targets.toml).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -95,6 +96,9 @@ def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[
                "--no-gpu-bundle-output"]
         if tools.bare_clang:
             cmd += ["-nogpulib", "-nogpuinc"]
+        # clang's HIP compilation-unit id (symbol __hip_cuid_*) is random per run by default; a fixed
+        # one makes builds reproducible: a rebuilt cache entry has the bytes of the one it replaces
+        cmd.append(f"-cuid={hashlib.sha256(src.name.encode()).hexdigest()[:16]}")
         return cmd + [str(src), "-o", str(out)]
     return [tools.compiler, *target.flags, "-cubin", str(src), "-o", str(out)]
 

@@ -16,6 +16,9 @@ Payload modes (data_type is always the model dtype, bf16 or fp32):
 Combine: combine_mode None resolves to "scatter" when quant_type != "none" (wire compression of
 the combine rows: fp8_direct_cast, fp8_blockwise, fp4_blockwise), else "gather".
 
+Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
+the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
+
 Kernel backend precedence (``resolved_backend``), fixed at construction:
   1. the environment variable ``EPGEN_KERNEL_BACKEND`` when set and non-empty (it overrides the field),
   2. the ``kernel_backend`` field when not None,
@@ -25,6 +28,7 @@ Kernel backend precedence (``resolved_backend``), fixed at construction:
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import attrs
@@ -102,6 +106,7 @@ class EpDispatchCombineConfig:
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
     kernel_backend: str | None = None  # None: see the module docstring
+    timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -113,6 +118,7 @@ class EpDispatchCombineConfig:
         self._check_quants()
         self._check_rules()
         self._check_built()
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
         object.__setattr__(self, "_resolved_backend", self._resolve_backend())
 
     # --- derived values ------------------------------------------------------------------------
@@ -220,6 +226,8 @@ class EpDispatchCombineConfig:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise self._fail(f, "must be a str or None")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise self._fail("timeout_s", "must be a number of seconds (int or float)")
         if not isinstance(self.enable_std_moe, bool):
             raise self._fail("enable_std_moe", "must be a bool")
         if not isinstance(self.data_type, torch.dtype):
@@ -237,6 +245,12 @@ class EpDispatchCombineConfig:
         for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node"):
             if getattr(self, f) < 0:
                 raise self._fail(f, "must be >= 0")
+        try:
+            finite = math.isfinite(self.timeout_s)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not (finite and self.timeout_s > 0):
+            raise self._fail("timeout_s", "must be > 0 and finite (seconds a device-side wait may last)")
         if not 0 <= self.rank < self.world_size:
             raise self._fail("rank", f"must be in [0, world_size={self.world_size})")
         if self.world_size % self.resolved_gpu_per_node:

@@ -19,3 +19,30 @@ class ClosedError(EpgenError, RuntimeError):
 
 class VariantMissError(EpgenError, LookupError):
     """No built kernel variant matches the request."""
+
+
+class EpTimeoutError(EpgenError, RuntimeError):
+    """A device-side wait (barrier signal, counter) ran past ``config.timeout_s``.
+
+    ``rank``: the rank whose kernel gave up; ``peer``: the rank it was waiting for (-1: its own
+    blocks; None: unknown); ``phase``: the wait that expired (e.g. "combine entry barrier"). Raised by
+    the native backend at the next call after the kernel recorded it, or by ``op.check()``.
+    After it, ``op.reset()`` (collective) makes the op usable again if every rank is alive.
+    """
+
+    def __init__(self, message: str | None = None, *, rank: int | None = None, peer: int | None = None,
+                 phase: str | None = None):
+        self.rank, self.peer, self.phase = rank, peer, phase
+        if message is None:
+            who = f"rank {rank}" if rank is not None else "a rank"
+            whom = "" if peer is None else f" for rank {peer}" if peer >= 0 else " for its own blocks"
+            where = f" in {phase}" if phase else ""
+            message = f"{who} timed out waiting{whom}{where}"
+        super().__init__(message)
+
+    def __reduce__(self):  # keep the keyword attributes through pickling (multiprocessing, all_gather_object)
+        return (_rebuild_timeout, (str(self), self.rank, self.peer, self.phase))
+
+
+def _rebuild_timeout(message, rank, peer, phase) -> EpTimeoutError:
+    return EpTimeoutError(message, rank=rank, peer=peer, phase=phase)

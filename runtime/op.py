@@ -14,6 +14,11 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
   combine(expert_out, weights, indices, routing) -> (combined, combined_weights)
   combine_in_view() -> tensor [max_recv_tokens, hidden_dim]
   reset() -> None;  close() -> None
+  check() -> None (optional): raise runtime.errors.EpTimeoutError if a kernel gave up waiting
+
+Before the backend is built, every rank's config is compared over the process group
+(``check_config_agreement``): a config differing between ranks, or one that does not match the
+group's size and this process's rank in it, is a ConfigError on every rank.
 
 Inputs reach the backend already checked (dtype, shape, contiguity, device, token count, handle).
 
@@ -39,12 +44,70 @@ import itertools
 
 import torch
 
-from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, PAYLOAD_DTYPES,
+from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
 from .errors import ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
 _UIDS = itertools.count(1)
+_MISMATCH_RANKS_NAMED = 1  # per field: rank 0 and the first rank that differs (then a count of the rest)
+
+
+def config_summary(config: EpDispatchCombineConfig) -> dict:
+    """What ranks compare at op construction: every config field and the resolved backend."""
+    summary = {name: getattr(config, name) for name in FIELDS}
+    summary["resolved_backend"] = config.resolved_backend
+    return summary
+
+
+def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
+    """Collective over ``group`` (None: WORLD): raise ConfigError on every rank unless every rank's
+    config equals this one in every field but ``rank``, and each rank's config names the group's
+    size as world_size and its own rank in the group as rank.
+
+    Runs one ``all_gather_object`` (gloo on CPU, NCCL on GPUs) when torch.distributed is initialised
+    and the group has more than one rank; without torch.distributed there is nothing to compare
+    (the backend then accepts world_size=1 only).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    g = group if group is not None else dist.group.WORLD
+    size, me = dist.get_world_size(g), dist.get_rank(g)
+    if me < 0:
+        raise ConfigError(f"this process is not a member of the process group (config rank={config.rank}, "
+                          f"world_size={config.world_size})")
+    mine = config_summary(config)
+    if size > 1:
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, mine, group=g)
+    else:
+        everyone = [mine]
+    # every rank sees every summary, so every rank raises (and with the same words, but for its own)
+    if (config.world_size, config.rank) != (size, me):
+        raise ConfigError(f"the process group has world size {size} and this process is rank {me}, "
+                          f"but the config says world_size={config.world_size}, rank={config.rank}")
+    for r, other in enumerate(everyone):
+        if (other["world_size"], other["rank"]) != (size, r):
+            raise ConfigError(f"rank {r} of the process group (world size {size}) has a config with "
+                              f"world_size={other['world_size']}, rank={other['rank']}")
+    first = everyone[0]
+    parts = []
+    for name in first:
+        if name == "rank":
+            continue
+        differ = [r for r, other in enumerate(everyone) if other[name] != first[name]]
+        if not differ:
+            continue
+        named = differ[:_MISMATCH_RANKS_NAMED]
+        text = ", ".join([f"{name}={first[name]!r} on rank 0"] + [f"{name}={everyone[r][name]!r} on rank {r}"
+                                                                   for r in named])
+        if len(differ) > len(named):
+            text += f" (and {len(differ) - len(named)} more rank(s) differ from rank 0)"
+        parts.append(text)
+    if parts:
+        raise ConfigError("config mismatch between ranks: " + "; ".join(parts))
 
 
 def _make_backend(config: EpDispatchCombineConfig, group):
@@ -72,6 +135,7 @@ class EpDispatchCombineOp:
     def __init__(self, config: EpDispatchCombineConfig, group=None):
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
+        check_config_agreement(config, group)  # collective; before anything is allocated
         self.config = config
         self.uid = next(_UIDS)
         self._closed = False
@@ -211,7 +275,19 @@ class EpDispatchCombineOp:
         self._check_open("combine_in_view")
         return self._backend.combine_in_view()
 
+    def check(self) -> None:
+        """Raise EpTimeoutError if a device-side wait of this op expired (see docs/GUARANTEES.md).
+
+        Eager calls check on their own; after CUDA graph replays call this. Reads host memory only
+        (no device sync). A backend without device-side waits (torch) has nothing to report.
+        """
+        self._check_open("check")
+        check = getattr(self._backend, "check", None)
+        if check is not None:
+            check()
+
     def reset(self) -> None:
+        """Collective: clear the backend's signals, counters and error state (after a timeout, on every rank)."""
         self._check_open("reset")
         self._backend.reset()
 

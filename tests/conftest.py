@@ -1,3 +1,4 @@
+import collections
 import shutil
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import pytest
 from generator import specs as S
 
 ROOT = Path(__file__).resolve().parent.parent
+_PROPERTY_STATS = pytest.StashKey[collections.Counter]()
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +26,17 @@ def spec_copy(tmp_path):
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def property_stats(request) -> collections.Counter:
+    """Session counter of property-test work (examples tried, rows checked), printed at the end."""
+    return request.config.stash.setdefault(_PROPERTY_STATS, collections.Counter())
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    stats = config.stash.get(_PROPERTY_STATS, None)
+    if stats:
+        terminalreporter.write_sep("-", "property tests")
+        for key in sorted(stats):
+            terminalreporter.write_line(f"{key}: {stats[key]}")

@@ -18,7 +18,7 @@ BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, 
 FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
-               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend")
+               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s")
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +49,7 @@ def test_fields_in_order_with_defaults():
     assert c.dispatch_quant_type == "none" and c.resolved_combine_mode == "gather"
     assert (c.enable_std_moe, c.max_total_recv_tokens, c.gpu_per_node) == (False, 0, 0)
     assert (c.internode_kernel, c.internode_auto_ll_max_tokens, c.kernel_backend) == ("auto", 512, None)
+    assert c.timeout_s == 30.0
 
 
 def test_frozen_kw_only_hashable():
@@ -131,6 +132,25 @@ def test_rank_range(rank):
 ])
 def test_other_types(field, value, msg):
     rejects(f"^{field}={re.escape(repr(value))}: {msg}$", **{field: value})
+
+
+@pytest.mark.parametrize("value", ["30", None, True, b"1", 1j])
+def test_timeout_type(value):
+    rejects(f"^timeout_s={re.escape(repr(value))}: must be a number of seconds \\(int or float\\)$", timeout_s=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1, -0.5, float("nan"), float("inf"), float("-inf"), 10 ** 400])
+def test_timeout_positive_finite(value):
+    err = rejects(r": must be > 0 and finite \(seconds a device-side wait may last\)$", timeout_s=value)
+    assert str(err).startswith("timeout_s=")
+
+
+@pytest.mark.parametrize("value,stored", [(30, 30.0), (0.001, 0.001), (1e9, 1e9)])
+def test_timeout_accepted_as_float(value, stored):
+    c = make(timeout_s=value)
+    assert c.timeout_s == stored and type(c.timeout_s) is float
+    assert c == make(timeout_s=stored) and c.key == make(timeout_s=stored).key
+    assert c.key != make(timeout_s=stored * 2).key
 
 
 def test_world_size_multiple_of_gpu_per_node():
