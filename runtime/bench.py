@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--torch-baseline", action="store_true", help="also time the torch reference backend (eager)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="payload dtypes of the sweep")
     p.add_argument("--lowprec", action="store_true", help="also compare fp8 dispatch / fp8 scatter combine with bf16")
+    p.add_argument("--lowprec-tokens", type=int, nargs="+", default=[128, 4096])
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                 rows.append(run_point(T, hidden, args.topk, args.experts, getattr(torch, dt), args.inner, args.reps,
                                       args.torch_baseline))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
-           for hidden in args.hidden for T in args.tokens] if args.lowprec else []
+           for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:
         if args.out:
             with open(args.out, "a") as f:

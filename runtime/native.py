@@ -189,7 +189,7 @@ class NativeBackend:
             self.comb_x = view("comb_x", cfg.combine_dtype, (R, H))
         common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=ptrs,
                       error_word=kernels.host_mapped_pointer(self.error),
-                      timeout_ns=int(getattr(cfg, "timeout_s", 30.0) * 1e9),
+                      timeout_ns=min(max(int(cfg.timeout_s * 1e9), 1), 1 << 62),
                       off_signal=lay["signal"], off_counter=lay["counter"], off_recv_x=lay["recv_x"],
                       off_recv_scales=lay["recv_scales"], off_recv_w=lay["recv_w"], off_recv_idx=lay["recv_idx"],
                       off_recv_src=lay["recv_src"], hidden=H, k=k, experts_per_rank=cfg.num_experts_per_rank,
@@ -232,7 +232,7 @@ class NativeBackend:
         on = f"its own blocks" if peer < 0 else f"rank {peer}"
         raise errors.EpTimeoutError(
             f"EP kernel timed out on rank {rank} waiting for {on} in the {what} (timeout_s="
-            f"{getattr(self.config, 'timeout_s', 30.0)}); the op needs reset() on every rank, or a rebuild if a "
+            f"{self.config.timeout_s}); the op needs reset() on every rank, or a rebuild if a "
             f"peer process died", rank=rank, peer=peer, phase=what)
 
     def dispatch(self, x, weights, scales, indices, routing):
