@@ -196,7 +196,7 @@ EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const ep
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
 // error word, records (rank, peer, phase) and then publishes word[0] = 1; every other wait gives up as
 // soon as it sees a claim. The host raises EpTimeoutError from the word (no device sync needed).
-EPG_DEVICE bool epg_failed(const EpArgs& a) { return epg_ld_acquire_sys((const int*)a.error_word + 4) != 0; }
+EPG_DEVICE bool epg_failed(const EpArgs& a) { return *(volatile const int*)((const int*)a.error_word + 4) != 0; }
 EPG_DEVICE void epg_fail(const EpArgs& a, int phase, int peer) {
   int* err = (int*)a.error_word;
   if (epg_atomic_add_sys(err + 4, 1) == 0) {
@@ -205,13 +205,15 @@ EPG_DEVICE void epg_fail(const EpArgs& a, int phase, int peer) {
     epg_st_release_sys(err, 1);
   }
 }
+// A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
+// fault the wait on that peer expires first and names it. The error word lives in host memory: it
+// is polled rarely (every 1024 spins), the clock every 32.
 EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
   const epg_u64 t0 = epg_clock_ns();
+  const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
   for (int spin = 1; epg_ld_acquire_sys(p) < value; ++spin) {
-    if ((spin & 31) == 0) {
-      if (epg_failed(a)) return false;
-      if (epg_clock_ns() - t0 > (epg_u64)a.timeout_ns) { epg_fail(a, phase, peer); return false; }
-    }
+    if ((spin & 1023) == 0 && epg_failed(a)) return false;
+    if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
     epg_pause();
   }
   return true;

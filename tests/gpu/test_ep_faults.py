@@ -94,22 +94,18 @@ def test_config_mismatch_detected_at_construction():
     assert "2048" in msg and "4096" in msg and "hidden_dim" in msg, msg
 
 
-def test_soak():
-    iters = int(os.environ.get("EPGEN_SOAK_ITERS", "5000"))
+def _soak(iters: int) -> tuple[int, int]:
+    """Run the soak; returns (rows checked, rows wrong). Every tensor it makes dies with it."""
     T, H, k, epr = 256, 2048, 8, 16
     E = epr * dist.get_world_size()
-    torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()
     with EpDispatchCombineOp(_cfg(T, H, k, epr)) as op:
         gen = torch.Generator(device="cuda").manual_seed(77 + dist.get_rank())
-        sx = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
-        sw = torch.empty(T, k, device="cuda")
-        sidx = torch.empty(T, k, device="cuda", dtype=torch.int32)
+        sx = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        sw = torch.rand(T, k, device="cuda", generator=gen)
+        sidx = _routing("uniform", T, k, E, epr, gen)
         bad = torch.zeros((), device="cuda", dtype=torch.int64)
         rows = 0
-        # graph of one full round on the static inputs, replayed between eager rounds
-        sx.copy_(torch.randn(T, H, device="cuda", generator=gen)), sw.uniform_(generator=gen)
-        sidx.copy_(_routing("uniform", T, k, E, epr, gen))
+        # a graph of one full round on static inputs, replayed between eager rounds
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -123,7 +119,7 @@ def test_soak():
         for i in range(iters):
             kind = kinds[i % 3]
             if i % 10 == 9:  # graph replay with fresh inputs
-                sx.normal_(generator=gen), sw.uniform_(generator=gen)
+                sx.copy_(torch.randn(T, H, device="cuda", generator=gen)), sw.uniform_(generator=gen)
                 sidx.copy_(_routing(kind, T, k, E, epr, gen))
                 graph.replay()
                 bad += gbad
@@ -136,8 +132,17 @@ def test_soak():
                 rows += n
         torch.cuda.synchronize()
         op.check()
-        nbad = int(bad)
-        del graph
+        return rows, int(bad)
+
+
+def test_soak():
+    import gc
+
+    iters = int(os.environ.get("EPGEN_SOAK_ITERS", "5000"))
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()
+    rows, nbad = _soak(iters)
+    gc.collect()
     torch.cuda.synchronize()
     mem1 = torch.cuda.memory_allocated()
     print(f"rank {dist.get_rank()}: soak {iters} iterations, {rows} rows checked, {nbad} rows wrong, "
