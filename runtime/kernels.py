@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-from pathlib import Path
 
 import torch
 

@@ -229,7 +229,7 @@ class NativeBackend:
             return
         rank, peer, phase = (int(v) for v in self.error[1:4])
         what = PHASES.get(phase, f"phase {phase}")
-        on = f"its own blocks" if peer < 0 else f"rank {peer}"
+        on = "its own blocks" if peer < 0 else f"rank {peer}"
         raise errors.EpTimeoutError(
             f"EP kernel timed out on rank {rank} waiting for {on} in the {what} (timeout_s="
             f"{self.config.timeout_s}); the op needs reset() on every rank, or a rebuild if a "

@@ -4,7 +4,6 @@ Toolchains are required: a missing compiler fails these tests (CI installs clang
 the machine image) -- no target is skipped silently.
 """
 
-import shutil
 
 import attrs
 import pytest

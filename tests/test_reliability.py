@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from runtime import ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError, EpTimeoutError
+from runtime import ClosedError, ConfigError, EpDispatchCombineOp, EpgenError, EpTimeoutError
 from runtime import op as rop
 from test_torch_backend import _cfg, check_round
 

@@ -15,7 +15,7 @@ def _one(specs, key):
 
 def test_generated_tree_is_fresh(specs):
     for arch in specs.targets:
-        assert B.freshness(specs, arch) == [], f"run: python -m generator build --arch all --no-compile"
+        assert B.freshness(specs, arch) == [], "run: python -m generator build --arch all --no-compile"
 
 
 def test_render_is_deterministic(specs):

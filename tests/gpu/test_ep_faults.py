@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpTimeoutError
-from tests.gpu.test_ep_native import _collective_assert
+from tests.gpu.dist_util import collective_assert, init_dist
 
 pytestmark = pytest.mark.multigpu
 
@@ -23,9 +23,7 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_env():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    init_dist()
     yield
 
 
@@ -84,7 +82,7 @@ def test_skipped_combine_times_out_then_reset_recovers():
                 print(f"rank 0: {type(e).__name__} after {elapsed:.2f}s: {e}")
         op.reset()  # collective
         assert int(_identity_errors(op, x, w, idx, 16)) == 0, "op unusable after reset"
-        _collective_assert(err)
+        collective_assert(err)
 
 
 def test_config_mismatch_detected_at_construction():
@@ -147,4 +145,4 @@ def test_soak():
     mem1 = torch.cuda.memory_allocated()
     print(f"rank {dist.get_rank()}: soak {iters} iterations, {rows} rows checked, {nbad} rows wrong, "
           f"GPU memory allocated before {mem0} after {mem1}")
-    _collective_assert(None if nbad == 0 and mem1 == mem0 else f"{nbad} rows wrong, memory {mem0} -> {mem1}")
+    collective_assert(None if nbad == 0 and mem1 == mem0 else f"{nbad} rows wrong, memory {mem0} -> {mem1}")

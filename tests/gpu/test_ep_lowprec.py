@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 from tests.ep_oracle import multiplicity, random_routing
+from tests.gpu.dist_util import collective_assert, init_dist
 
 pytestmark = pytest.mark.multigpu
 
@@ -24,17 +25,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_env():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    init_dist()
     yield
-
-
-def _collective_assert(err):
-    errs = [None] * dist.get_world_size()
-    dist.all_gather_object(errs, err)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
-    assert not bad, "; ".join(bad)
 
 
 def _run(check):
@@ -42,7 +34,7 @@ def _run(check):
         err = check()
     except AssertionError as e:
         err = str(e) or "assertion failed"
-    _collective_assert(err)
+    collective_assert(err)
 
 
 def _inputs(seed, rank):

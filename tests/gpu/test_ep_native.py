@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError
-from runtime.torch_backend import TorchBackend
 from tests.ep_oracle import expected_received, make_inputs, multiplicity
+from tests.gpu.dist_util import collective_assert, init_dist
 
 pytestmark = pytest.mark.multigpu
 
@@ -21,9 +21,7 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_env():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    init_dist()
     yield
 
 
@@ -39,20 +37,12 @@ def _inputs(seed, T, cfg, rank=None):
     return x.cuda(), w.cuda(), idx.cuda()
 
 
-def _collective_assert(err):
-    """Every rank raises if any rank failed (a lone failing rank would leave its peer in a collective)."""
-    errs = [None] * dist.get_world_size()
-    dist.all_gather_object(errs, err)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
-    assert not bad, "; ".join(bad)
-
-
 def _check_identity(op, cfg, x, w, idx, seed, T):
     try:
         err = _identity_error(op, cfg, x, w, idx, seed, T)
     except AssertionError as e:
         err = str(e) or "assertion failed"
-    _collective_assert(err)
+    collective_assert(err)
 
 
 def _identity_error(op, cfg, x, w, idx, seed, T):
