@@ -7,14 +7,14 @@ by the runtime, both from this one list, so the two can never drift apart.
 EP_ARGS = (
     # pointers (device addresses; 0 = absent)
     "x", "weights", "scales", "indices", "slots", "out", "out_weights", "expert_out", "expert_weights",
-    "state", "total_recv", "peer_bases", "error_word",
+    "state", "total_recv", "peer_bases", "error_word", "replay_total",
     # byte offsets inside every rank's symmetric workspace
     "off_signal", "off_counter", "off_recv_x", "off_recv_w", "off_recv_idx", "off_recv_src",
     "off_comb_x", "off_comb_w", "off_recv_scales", "off_scat_x", "off_scat_s", "off_scat_w",
     # sizes and flags
     "num_tokens", "row_bytes", "hidden", "wire_row_bytes", "scale_row_bytes", "k", "experts_per_rank",
     "num_experts", "rank", "world", "max_recv", "max_tokens", "expert_rows", "entry_barrier", "has_weights",
-    "timeout_ns",
+    "timeout_ns", "replay",
 )
 
 # int32 words of the host-mapped error word: [0] set to 1 once the details below are complete,

@@ -237,19 +237,22 @@ class NativeBackend:
 
     def dispatch(self, x, weights, scales, indices, routing):
         self.check()
-        if routing is not None:
-            raise EpgenError("routing replay is not built yet for the native backend")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
-        if self.check_ids and not torch.cuda.is_current_stream_capturing() and T:
+        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing() and T:
             # eager only: one small reduction read by the host (the kernel also drops and counts them)
             if bool((indices >= cfg.num_experts).any()):
                 bad = int(indices.max())
                 raise InputError(f"dispatch: expert id {bad} >= num_experts={cfg.num_experts} (valid ids: 0.."
                                  f"{cfg.num_experts - 1}, negative = no expert)")
-        slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
+        if routing is not None:  # replay: the handle's slots and row count, no claims
+            slots, total = routing.extra["slots"], routing.extra["total"]
+        else:
+            slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
+            total = torch.empty(1, dtype=torch.int32, device=self.device)
         a = self.dargs
-        a.x, a.indices, a.slots = x.data_ptr(), indices.data_ptr(), slots.data_ptr()
+        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), total.data_ptr()
+        a.replay = int(routing is not None)
         a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
@@ -257,8 +260,42 @@ class NativeBackend:
         self._dispatch.launch(self._grid(T * k), BLOCK, a)
         self._last = "dispatch"
         self.check()
+        if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
+            dropped = int(self.dropped_count())  # strict mode reads the device (eager only)
+            if dropped:
+                raise errors.CapacityError(f"dispatch: {dropped} received row(s) past max_total_recv_tokens="
+                                           f"{cfg.max_recv_tokens} were dropped on rank {cfg.rank}")
         out_w = self.recv_w if weights is not None else None
-        return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, {"extra": {"slots": slots}}
+        return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
+            {"extra": {"slots": slots, "total": total}}
+
+    def dropped_count(self) -> torch.Tensor:
+        """Rows this rank dropped past the receive cap in the last dispatch (device int32 scalar)."""
+        return self.state[STATE_WORDS.index("dropped")]
+
+    def local_expert_count(self) -> torch.Tensor:
+        """(received row, k) pairs per local expert after the last dispatch (device int32, no host sync)."""
+        cfg = self.config
+        epr = cfg.num_experts_per_rank
+        rows = torch.arange(cfg.max_recv_tokens, device=self.device) < self.total_recv
+        local = self.recv_idx - cfg.rank * epr
+        hit = (local >= 0) & (local < epr) & rows[:, None]
+        counts = torch.zeros(epr, dtype=torch.int32, device=self.device)
+        return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
+
+    def memory_report(self) -> dict:
+        """Bytes of every workspace region (see README: the formula) plus the op's other device buffers."""
+        lay = self.layout
+        names = [n for n in lay if n != "total"]
+        ordered = sorted(names, key=lambda n: lay[n])
+        regions = {n: (lay[ordered[i + 1]] if i + 1 < len(ordered) else lay["total"]) - lay[n]
+                   for i, n in enumerate(ordered)}
+        extra = {"state": self.state.numel() * 4, "total_recv": 4}
+        if self.plan.scatter:
+            extra["combine_in_view"] = self.comb_x.numel() * self.comb_x.element_size()
+        return {"symmetric_workspace": lay["total"], "regions": regions, "other_device_buffers": extra,
+                "total_device_bytes": lay["total"] + sum(extra.values()),
+                "pinned_host_bytes": self.error.numel() * 4}
 
     def combine(self, expert_out, weights, indices, routing):
         self.check()

@@ -159,6 +159,7 @@ struct EpArgs {
   epg_i64 total_recv;
   epg_i64 peer_bases;
   epg_i64 error_word;
+  epg_i64 replay_total;
   epg_i64 off_signal;
   epg_i64 off_counter;
   epg_i64 off_recv_x;
@@ -187,6 +188,7 @@ struct EpArgs {
   epg_i64 entry_barrier;
   epg_i64 has_weights;
   epg_i64 timeout_ns;
+  epg_i64 replay;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;

@@ -155,6 +155,7 @@ struct EpArgs {
   epg_i64 total_recv;
   epg_i64 peer_bases;
   epg_i64 error_word;
+  epg_i64 replay_total;
   epg_i64 off_signal;
   epg_i64 off_counter;
   epg_i64 off_recv_x;
@@ -183,6 +184,7 @@ struct EpArgs {
   epg_i64 entry_barrier;
   epg_i64 has_weights;
   epg_i64 timeout_ns;
+  epg_i64 replay;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -302,9 +304,10 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // claims a slot with a system-scope atomic on the destination's counter; the wave copies the row
 // into the peer's receive buffer (quantized to fp8_e4m3fnuz, fp8_blockwise, scales beside the row);
 // lanes < k store the token's weights and ids.
-// A final barrier round tells every peer this rank's rows are complete; the last block publishes
-// total_recv and resets the counter (two counters alternate, so a fast peer's next dispatch
-// never meets a counter this rank has not consumed yet).
+// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
+// dropped and counted on receive. A final barrier round tells every peer this rank's rows are
+// complete; the last block publishes total_recv and resets the counter (two counters alternate,
+// so a fast peer's next dispatch never meets a counter this rank has not consumed yet).
 EPG_KERNEL void epg_dispatch__fp32__fp8_e4m3fnuz__fp8_blockwise__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int e0 = state[EPG_ST_EPOCH];
@@ -322,8 +325,10 @@ EPG_KERNEL void epg_dispatch__fp32__fp8_e4m3fnuz__fp8_blockwise__intranode(EpArg
     const epg_i64 t = it / a.k;
     const int j = (int)(it % a.k);
     const int e = idx[it];
-    int slot = -1;
-    if (e >= a.num_experts) {
+    int slot = -1;  // slot * world + destination rank; the routing handle keeps one per (token, k)
+    if (a.replay) {  // routing replay: the handle's layout, no claims
+      slot = ((const int*)a.slots)[it];
+    } else if (e >= a.num_experts) {
       if (lane == 0) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
     } else if (e >= 0) {
       const int r = e / (int)a.experts_per_rank;
@@ -333,42 +338,48 @@ EPG_KERNEL void epg_dispatch__fp32__fp8_e4m3fnuz__fp8_blockwise__intranode(EpArg
         dup |= ee >= 0 && ee < a.num_experts && ee / (int)a.experts_per_rank == r;
       }
       if (!dup) {
-        char* peer = epg_peer(a, r);
         int s = 0;
-        if (lane == 0) s = epg_atomic_add_sys((int*)(peer + a.off_counter) + parity, 1);
+        if (lane == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
         s = epg_bcast0(s);
-        if (s < a.max_recv) {
-          char* dst = peer + a.off_recv_x + s * a.wire_row_bytes;
-          char* dst_scales = peer + a.off_recv_scales + s * a.scale_row_bytes;
-          const char* src = (const char*)a.x + t * a.row_bytes;
-          for (epg_i64 base = 0; base < a.hidden; base += 8 * EPG_WAVE) {  // wave-uniform: all lanes shuffle
-            const epg_i64 elem = base + 8 * lane;
-            const bool live = elem < a.hidden;
-            float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (live) epg_load8(src + elem * 4, f);
-            epg_wire_put8(dst, dst_scales, elem, f, live);
-          }
-          if (lane < a.k) {
-            ((int*)(peer + a.off_recv_idx))[s * a.k + lane] = idx[t * a.k + lane];
-            ((float*)(peer + a.off_recv_w))[s * a.k + lane] = a.has_weights ? ((const float*)a.weights)[t * a.k + lane] : 0.f;
-          }
-          if (lane == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
-          slot = s * (int)a.world + r;  // the handle keeps (slot, rank) per (token, k)
-        } else if (lane == 0) {
-          epg_atomic_add_dev(state + EPG_ST_DROPPED, 1);
-        }
+        if (s < a.max_recv) slot = s * (int)a.world + r;  // past the cap: dropped, counted on receive
       }
     }
-    if (lane == 0) ((int*)a.slots)[it] = slot;
+    if (slot >= 0) {
+      const epg_i64 s = slot / (int)a.world;
+      char* peer = epg_peer(a, slot % (int)a.world);
+      char* dst = peer + a.off_recv_x + s * a.wire_row_bytes;
+      char* dst_scales = peer + a.off_recv_scales + s * a.scale_row_bytes;
+      const char* src = (const char*)a.x + t * a.row_bytes;
+      for (epg_i64 base = 0; base < a.hidden; base += 8 * EPG_WAVE) {  // wave-uniform: all lanes shuffle
+        const epg_i64 elem = base + 8 * lane;
+        const bool live = elem < a.hidden;
+        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (live) epg_load8(src + elem * 4, f);
+        epg_wire_put8(dst, dst_scales, elem, f, live);
+      }
+      if (lane < a.k) {
+        ((int*)(peer + a.off_recv_idx))[s * a.k + lane] = idx[t * a.k + lane];
+        ((float*)(peer + a.off_recv_w))[s * a.k + lane] = a.has_weights ? ((const float*)a.weights)[t * a.k + lane] : 0.f;
+      }
+      if (lane == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
+    }
+    if (!a.replay && lane == 0) ((int*)a.slots)[it] = slot;
   }
 
   const int bar = epg_barrier(a, ++epoch, false, 2);
   if (bar == EPG_BAR_FAIL && epg_block() == 0 && epg_thread() == 0) *(int*)a.total_recv = 0;  // after a timeout
   if (bar == EPG_BAR_LAST && epg_thread() == 0) {
-    int* counter = (int*)(epg_peer(a, a.rank) + a.off_counter) + parity;
-    const int n = epg_ld_acquire_sys(counter);
-    *(int*)a.total_recv = n < a.max_recv ? n : (int)a.max_recv;
-    *counter = 0;
+    if (a.replay) {
+      *(int*)a.total_recv = *(const int*)a.replay_total;  // the replayed dispatch's rows
+    } else {
+      int* counter = (int*)(epg_peer(a, a.rank) + a.off_counter) + parity;
+      const int n = epg_ld_acquire_sys(counter);
+      const int total = n < a.max_recv ? n : (int)a.max_recv;
+      *(int*)a.total_recv = total;
+      *(int*)a.replay_total = total;  // kept by the routing handle
+      state[EPG_ST_DROPPED] = n - total;  // rows past the receive cap, this dispatch
+      *counter = 0;
+    }
     state[EPG_ST_DISPATCHES] += 1;
   }
 }
