@@ -13,6 +13,7 @@ Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max token
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 
@@ -201,6 +202,7 @@ class NativeBackend:
                     wire_row_bytes=plan.scat_row, scale_row_bytes=plan.scat_scale_row) if plan.scatter else \
             dict(off_comb_x=lay["comb_x"], off_comb_w=lay["comb_w"], wire_row_bytes=plan.comb_row)
         self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
+        self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
         self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
         torch.cuda.synchronize(self.device)
@@ -254,6 +256,7 @@ class NativeBackend:
         a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), total.data_ptr()
         a.replay = int(routing is not None)
         a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
+        self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
@@ -268,6 +271,58 @@ class NativeBackend:
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
             {"extra": {"slots": slots, "total": total}}
+
+    def _std_moe_setup(self) -> dict:
+        """Standard-MoE buffers and kernels (bf16/fp32 payloads), made at construction."""
+        cfg = self.config
+        if cfg.dispatch_data_type is not None or cfg.dispatch_quant_type != "none":
+            raise EpgenError("enable_std_moe with fp8/fp4 payloads is not built yet in the native backend")
+        E, C, H, R, k = (cfg.num_experts_per_rank, cfg.resolved_expert_capacity, cfg.hidden_dim,
+                         cfg.max_recv_tokens, cfg.num_experts_per_token)
+        name = spec_dtype(cfg.data_type).name
+        dev = self.device
+        return {
+            "pack": kernels.load(kernels.select(self.arch, f"std_moe_pack.{name}")),
+            "unpack": kernels.load(kernels.select(self.arch, f"std_moe_unpack.{name}")),
+            "x": torch.empty((E, C, H), dtype=cfg.data_type, device=dev),
+            "count": torch.zeros(E, dtype=torch.int32, device=dev),
+            "src": torch.full((E, C), -1, dtype=torch.int32, device=dev),
+            "w": torch.zeros((E, C), dtype=torch.float32, device=dev),
+            "pair_pos": torch.full((R * k,), -1, dtype=torch.int32, device=dev),
+            "dropped": torch.zeros(E, dtype=torch.int32, device=dev),
+        }
+
+    def convert_dispatch_output(self):
+        """-> (packed_x [E, C, H], packed_count [E], packed_src [E, C] = row*k+j or -1, packed_weights [E, C]).
+
+        Buckets are ordered by (received row, k); rows of packed_x past packed_count are not written.
+        """
+        st, cfg = self._std, self.config
+        c = ctypes
+        st["pack"].launch(cfg.num_experts_per_rank, BLOCK,
+                          *(c.c_uint64(t.data_ptr()) for t in (self.recv_x, self.recv_idx, self.recv_w, self.total_recv,
+                                                               st["x"], st["count"], st["src"], st["w"], st["pair_pos"],
+                                                               st["dropped"])),
+                          c.c_int64(cfg.num_experts_per_token), c.c_int64(cfg.rank * cfg.num_experts_per_rank),
+                          c.c_int64(cfg.resolved_expert_capacity), c.c_int64(self.plan.in_row),
+                          c.c_int64(int(self._had_weights)))
+        return st["x"], st["count"], st["src"], st["w"]
+
+    def convert_combine_input(self, expert_out, routing):
+        """Weighted expert outputs [E, C, H] -> combine input rows (this op's combine buffer: zero-copy)."""
+        st, cfg = self._std, self.config
+        c = ctypes
+        items = cfg.max_recv_tokens * cfg.hidden_dim // 8
+        st["unpack"].launch(max(1, min(8 * self.num_sms, -(-items // BLOCK))), BLOCK,
+                            *(c.c_uint64(t.data_ptr()) for t in (expert_out, self.recv_idx, st["pair_pos"], st["w"],
+                                                                 self.total_recv, self.comb_x)),
+                            c.c_int64(cfg.num_experts_per_token), c.c_int64(cfg.rank * cfg.num_experts_per_rank),
+                            c.c_int64(cfg.num_experts_per_rank), c.c_int64(cfg.hidden_dim))
+        return self.comb_x
+
+    def std_moe_dropped(self) -> torch.Tensor:
+        """(row, k) pairs past an expert's capacity in the last conversion (device int32 scalar)."""
+        return self._std["dropped"].sum(dtype=torch.int32)
 
     def dropped_count(self) -> torch.Tensor:
         """Rows this rank dropped past the receive cap in the last dispatch (device int32 scalar)."""
@@ -343,7 +398,8 @@ class NativeBackend:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
-        for kern in (self._dispatch, self._combine):
+        for kern in (self._dispatch, self._combine, *((self._std["pack"], self._std["unpack"]) if self._std else ())):
             kern.close()
+        self._std = None
         self.buf = self.handle = self.peer_bases = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

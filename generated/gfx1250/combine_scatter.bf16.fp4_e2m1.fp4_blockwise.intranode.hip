@@ -51,6 +51,15 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
+EPG_DEVICE epg_u64 epg_ballot(bool p) {
+  return __builtin_amdgcn_ballot_w32(p);
+}
+EPG_DEVICE int epg_popc(epg_u64 m) { return __builtin_popcountll(m); }
+// acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
+EPG_DEVICE float epg_add_product(float acc, float w, float f) {
+#pragma clang fp contract(off)
+  return acc + w * f;
+}
 // constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
 EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------

@@ -35,6 +35,10 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
+EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
+// acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
+EPG_DEVICE float epg_add_product(float acc, float w, float f) { return __fadd_rn(acc, __fmul_rn(w, f)); }
 EPG_DEVICE epg_u64 epg_clock_ns() { epg_u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
