@@ -202,6 +202,7 @@ class NativeBackend:
                     wire_row_bytes=plan.scat_row, scale_row_bytes=plan.scat_scale_row) if plan.scatter else \
             dict(off_comb_x=lay["comb_x"], off_comb_w=lay["comb_w"], wire_row_bytes=plan.comb_row)
         self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
+        self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
         self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
@@ -348,6 +349,9 @@ class NativeBackend:
         extra = {"state": self.state.numel() * 4, "total_recv": 4}
         if self.plan.scatter:
             extra["combine_in_view"] = self.comb_x.numel() * self.comb_x.element_size()
+        for name, t in (self._std or {}).items():
+            if isinstance(t, torch.Tensor):
+                extra[f"std_moe_{name}"] = t.numel() * t.element_size()
         return {"symmetric_workspace": lay["total"], "regions": regions, "other_device_buffers": extra,
                 "total_device_bytes": lay["total"] + sum(extra.values()),
                 "pinned_host_bytes": self.error.numel() * 4}
