@@ -136,3 +136,55 @@ def test_build_and_close_ten_times_leaks_nothing():
         assert after == before, f"GPU memory {before} -> {after} after 10 ops"
         assert report["total_device_bytes"] > 0
     _run(check)
+
+
+def _affine(E):
+    g = torch.Generator().manual_seed(99)
+    return (torch.rand(E, generator=g) + 0.5).cuda(), (torch.rand(E, generator=g) - 0.5).cuda()
+
+
+def _std_moe_round(op, x, w, idx, a, b):
+    out, ow, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+    px, pc, psrc, pw = op.convert_dispatch_output()
+    first = dist.get_rank() * EPR
+    y = (a[first:first + EPR, None, None] * px.float() + b[first:first + EPR, None, None]).to(torch.bfloat16)
+    return op.combine(op.convert_combine_input(y, h), routing=h)[0]
+
+
+def _std_moe_expected(x, w, idx, a, b):
+    valid = idx >= 0
+    e = idx.clamp_min(0).long()
+    terms = w[:, :, None] * (a[e][:, :, None] * x.float()[:, None, :] + b[e][:, :, None])
+    return (terms * valid[:, :, None]).sum(1), (terms.abs() * valid[:, :, None]).sum(1)
+
+
+def test_std_moe_round_trip_and_graph():
+    def check():
+        world = dist.get_world_size()
+        a, b = _affine(EPR * world)
+        with EpDispatchCombineOp(_cfg(enable_std_moe=True, expert_capacity=T * world)) as op:
+            x, w, idx = _inputs(5, dist.get_rank())
+            got = _std_moe_round(op, x, w, idx, a, b).float()
+            want, scale = _std_moe_expected(x, w, idx, a, b)
+            # bf16 expert outputs and a bf16 result: each term and the sum round at 2^-8 relative
+            assert bool(((got - want).abs() <= scale * 2**-6 + 1e-3).all()), f"max error {(got - want).abs().max()}"
+            # graph capture of dispatch -> convert -> expert -> convert back -> combine
+            sx, sw, sidx = x.clone(), w.clone(), idx.clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                _std_moe_round(op, sx, sw, sidx, a, b)
+            torch.cuda.current_stream().wait_stream(s)
+            dist.barrier()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                res = _std_moe_round(op, sx, sw, sidx, a, b)
+            for rep in range(5):
+                x, w, idx = _inputs(40 + rep, dist.get_rank())
+                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
+                g.replay()
+                torch.cuda.synchronize()
+                want, scale = _std_moe_expected(x, w, idx, a, b)
+                assert bool(((res.float() - want).abs() <= scale * 2**-6 + 1e-3).all()), f"replay {rep}"
+        dist.barrier()
+    _run(check)
