@@ -12,7 +12,7 @@ python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; s
 tail -3 "$OUT/build.log"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 if [ "$ngpu" -ge 2 ]; then
-  timeout 300 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout 300 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 60 torchrun --nproc-per-node 2 tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
