@@ -1,7 +1,7 @@
 """epgen runtime: EP dispatch/combine ops over generated kernels (native) or torch.distributed (torch)."""
 
 from .config import EpDispatchCombineConfig
-from .errors import ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, VariantMissError
+from .errors import CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, VariantMissError
 from .op import EpDispatchCombineOp
 from .routing import RoutingHandle
 
@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "ClosedError",
+    "CapacityError",
     "EpTimeoutError",
     "VariantMissError",
 ]

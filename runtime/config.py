@@ -16,6 +16,16 @@ Payload modes (data_type is always the model dtype, bf16 or fp32):
 Combine: combine_mode None resolves to "scatter" when quant_type != "none" (wire compression of
 the combine rows: fp8_direct_cast, fp8_blockwise, fp4_blockwise), else "gather".
 
+Receive capacity: ``max_total_recv_tokens`` (0: the worst case ``world_size *
+max_num_inp_token_per_rank``; otherwise in [world_size, worst case]) rows per rank. Rows past it are
+dropped (the last ones in (source rank, token) order) and counted (``op.dropped_count()``);
+``strict_capacity=True`` makes an eager dispatch raise ``runtime.errors.CapacityError`` on every rank
+that dropped rows (inside CUDA graph capture nothing can raise: read ``dropped_count()`` after replays).
+
+Standard-MoE layout (``enable_std_moe=True``, intranode, bf16/fp32 payloads): dispatch output
+converts to per-local-expert buckets of ``expert_capacity`` rows (0: max_recv_tokens,
+``resolved_expert_capacity``); see ``EpDispatchCombineOp.convert_dispatch_output``.
+
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
 
@@ -107,6 +117,8 @@ class EpDispatchCombineConfig:
     internode_auto_ll_max_tokens: int = 512
     kernel_backend: str | None = None  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
+    expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
+    strict_capacity: bool = False  # dispatch raises CapacityError when it dropped received rows
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -143,6 +155,11 @@ class EpDispatchCombineConfig:
     def max_recv_tokens(self) -> int:
         """Rows of the receive buffer (max_total_recv_tokens, 0 -> worst case)."""
         return self.max_total_recv_tokens or self.worst_case_recv_tokens
+
+    @property
+    def resolved_expert_capacity(self) -> int:
+        """Rows per local expert of the standard-MoE packed layout (expert_capacity, 0 -> max_recv_tokens)."""
+        return self.expert_capacity or self.max_recv_tokens
 
     @property
     def resolved_backend(self) -> str:
@@ -214,7 +231,7 @@ class EpDispatchCombineConfig:
     def _check_types(self) -> None:
         ints = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                 "num_experts_per_token", "scale_dim", "scale_type_size", "max_total_recv_tokens",
-                "gpu_per_node", "internode_auto_ll_max_tokens")
+                "gpu_per_node", "internode_auto_ll_max_tokens", "expert_capacity")
         for f in ints:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -228,8 +245,9 @@ class EpDispatchCombineConfig:
                 raise self._fail(f, "must be a str or None")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise self._fail("timeout_s", "must be a number of seconds (int or float)")
-        if not isinstance(self.enable_std_moe, bool):
-            raise self._fail("enable_std_moe", "must be a bool")
+        for f in ("enable_std_moe", "strict_capacity"):
+            if not isinstance(getattr(self, f), bool):
+                raise self._fail(f, "must be a bool")
         if not isinstance(self.data_type, torch.dtype):
             raise self._fail("data_type", "must be a torch.dtype")
         for f in ("dispatch_data_type", "combine_data_type"):
@@ -242,7 +260,7 @@ class EpDispatchCombineConfig:
                   "num_experts_per_token", "internode_auto_ll_max_tokens"):
             if getattr(self, f) <= 0:
                 raise self._fail(f, "must be positive")
-        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node"):
+        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node", "expert_capacity"):
             if getattr(self, f) < 0:
                 raise self._fail(f, "must be >= 0")
         try:
@@ -259,6 +277,13 @@ class EpDispatchCombineConfig:
             raise self._fail("max_total_recv_tokens",
                              f"must be <= the worst case world_size * max_num_inp_token_per_rank = "
                              f"{self.worst_case_recv_tokens} (0 selects the worst case)")
+        if 0 < self.max_total_recv_tokens < self.world_size:
+            raise self._fail("max_total_recv_tokens",
+                             f"capacity smaller than one token per rank: must be >= world_size={self.world_size} "
+                             f"(0 selects the worst case)")
+        if self.expert_capacity > self.max_recv_tokens:
+            raise self._fail("expert_capacity", f"must be <= max_recv_tokens={self.max_recv_tokens} (rows per local "
+                                                f"expert in the standard-MoE layout; 0 selects max_recv_tokens)")
 
     def _check_names(self) -> None:
         specs = load_specs()
@@ -411,8 +436,9 @@ class EpDispatchCombineConfig:
                 raise ConfigError(f"{rule.name}: {rule.message}")
 
     def _check_built(self) -> None:
-        if self.enable_std_moe:
-            raise self._fail("enable_std_moe", "standard-MoE layout conversion is not built yet")
+        if self.enable_std_moe and self.is_internode:
+            raise ConfigError(f"enable_std_moe=True: the standard-MoE layout conversion is intranode only; "
+                              f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")
         if self.is_internode:
             raise ConfigError(f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node}: "
                               f"internode is not built yet (intranode only: gpu_per_node = world_size or 0)")

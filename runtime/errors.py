@@ -17,6 +17,26 @@ class ClosedError(EpgenError, RuntimeError):
     """The op was closed."""
 
 
+class CapacityError(EpgenError, RuntimeError):
+    """``strict_capacity=True``: a dispatch dropped received rows past ``max_total_recv_tokens``.
+
+    ``dropped``: rows this rank dropped; ``capacity``: its receive capacity (max_recv_tokens).
+    Raised eagerly only (inside CUDA graph capture nothing can raise: read ``op.dropped_count()``
+    after replays), on every rank that dropped rows; the others return normally.
+    """
+
+    def __init__(self, message: str, *, dropped: int | None = None, capacity: int | None = None):
+        self.dropped, self.capacity = dropped, capacity
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (_rebuild_capacity, (str(self), self.dropped, self.capacity))
+
+
+def _rebuild_capacity(message, dropped, capacity) -> "CapacityError":
+    return CapacityError(message, dropped=dropped, capacity=capacity)
+
+
 class VariantMissError(EpgenError, LookupError):
     """No built kernel variant matches the request."""
 

@@ -18,7 +18,8 @@ BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, 
 FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
-               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s")
+               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s",
+               "expert_capacity", "strict_capacity")
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +51,7 @@ def test_fields_in_order_with_defaults():
     assert (c.enable_std_moe, c.max_total_recv_tokens, c.gpu_per_node) == (False, 0, 0)
     assert (c.internode_kernel, c.internode_auto_ll_max_tokens, c.kernel_backend) == ("auto", 512, None)
     assert c.timeout_s == 30.0
+    assert (c.expert_capacity, c.strict_capacity, c.resolved_expert_capacity) == (0, False, 32)
 
 
 def test_frozen_kw_only_hashable():
@@ -90,7 +92,7 @@ def test_torch_dtype_names_from_specs():
 # --- types and ranges ------------------------------------------------------------------------
 INT_FIELDS = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
               "num_experts_per_token", "scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node",
-              "internode_auto_ll_max_tokens")
+              "internode_auto_ll_max_tokens", "expert_capacity")
 
 
 @pytest.mark.parametrize("field", INT_FIELDS)
@@ -109,7 +111,8 @@ def test_positive_fields(field, value):
     rejects(f"^{field}={value}: must be positive$", **kw)
 
 
-@pytest.mark.parametrize("field", ["scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node"])
+@pytest.mark.parametrize("field", ["scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node",
+                                   "expert_capacity"])
 def test_non_negative_fields(field):
     rejects(f"^{field}=-1: must be >= 0$", **{field: -1})
 
@@ -125,6 +128,7 @@ def test_rank_range(rank):
     ("dispatch_quant_type", None, "must be a str"),
     ("internode_kernel", b"v2", "must be a str"),
     ("enable_std_moe", 1, "must be a bool"),
+    ("strict_capacity", None, "must be a bool"),
     ("kernel_backend", 3, "must be a str or None"),
     ("data_type", "bfloat16", "must be a torch.dtype"),
     ("dispatch_data_type", "bf16", "must be a torch.dtype or None"),
@@ -234,9 +238,39 @@ def test_scales_zero_for_float_payloads(field, dtype):
             data_type=dtype, **{field: 4})
 
 
-# --- not built yet ----------------------------------------------------------------------------
-def test_std_moe_not_built_yet():
-    rejects(r"^enable_std_moe=True: standard-MoE layout conversion is not built yet$", enable_std_moe=True)
+def test_max_total_recv_tokens_at_least_one_token_per_rank():
+    make(max_total_recv_tokens=2)  # world_size=2
+    make(world_size=1, max_total_recv_tokens=1)
+    for bad in (1,):
+        rejects(r"^max_total_recv_tokens=1: capacity smaller than one token per rank: must be >= world_size=2",
+                max_total_recv_tokens=bad)
+    rejects(r"^max_total_recv_tokens=3: capacity smaller than one token per rank: must be >= world_size=4",
+            world_size=4, max_total_recv_tokens=3)
+
+
+def test_expert_capacity():
+    assert make(expert_capacity=5).resolved_expert_capacity == 5
+    assert make(max_total_recv_tokens=8).resolved_expert_capacity == 8
+    assert make(max_total_recv_tokens=8, expert_capacity=8).resolved_expert_capacity == 8
+    rejects(r"^expert_capacity=9: must be <= max_recv_tokens=8 ", max_total_recv_tokens=8, expert_capacity=9)
+    rejects(r"^expert_capacity=33: must be <= max_recv_tokens=32 ", expert_capacity=33)
+    rejects(r"^expert_capacity=-1: must be >= 0$", expert_capacity=-1)
+    rejects(r"^expert_capacity=1.0: must be an int$", expert_capacity=1.0)
+    rejects(r"^expert_capacity=True: must be an int$", expert_capacity=True)
+    rejects(r"^strict_capacity=1: must be a bool$", strict_capacity=1)
+    assert make(strict_capacity=True).key != make().key
+
+
+# --- standard MoE, and what is not built yet -----------------------------------------------------
+def test_std_moe_accepted_intranode():
+    c = make(enable_std_moe=True, expert_capacity=4)
+    assert c.enable_std_moe and c.resolved_expert_capacity == 4
+    make(enable_std_moe=True, data_type=torch.float32)
+
+
+def test_std_moe_internode_rejected():
+    rejects(r"^enable_std_moe=True: the standard-MoE layout conversion is intranode only; world_size=16 > "
+            r"gpu_per_node=8 is internode$", world_size=16, gpu_per_node=8, enable_std_moe=True)
 
 
 @pytest.mark.parametrize("kernel", ["v2", "v2_ll", "auto"])

@@ -96,6 +96,8 @@ def valid_fields(draw) -> dict:
         internode_auto_ll_max_tokens=draw(st.integers(1, 2 ** 20)),
         kernel_backend=draw(st.sampled_from([None, "torch", "native"])),
         timeout_s=draw(st.one_of(st.just(30.0), st.floats(1e-6, 1e9), st.integers(1, 10 ** 6))),
+        expert_capacity=draw(st.one_of(st.just(0), st.integers(0, ws * max_in))),
+        strict_capacity=draw(st.booleans()),
     )
 
 
@@ -152,7 +154,9 @@ def check_invariants(cfg: EpDispatchCombineConfig, env: str | None) -> None:
         assert cfg.dispatch_dtype == cfg.data_type == cfg.combine_dtype
     two_per_byte = cfg.dispatch_data_type == torch.float4_e2m1fn_x2
     assert cfg.dispatch_payload_cols * (2 if two_per_byte else 1) == cfg.hidden_dim
-    assert not cfg.is_internode and not cfg.enable_std_moe and cfg.topology_names == ("intranode",)
+    assert not cfg.is_internode and cfg.topology_names == ("intranode",)
+    assert cfg.world_size <= cfg.max_recv_tokens and 0 < cfg.resolved_expert_capacity <= cfg.max_recv_tokens
+    assert type(cfg.enable_std_moe) is bool and type(cfg.strict_capacity) is bool
     expected_backend = env or cfg.kernel_backend or ("native" if torch.cuda.is_available() else "torch")
     assert cfg.resolved_backend == expected_backend in rconfig.KERNEL_BACKENDS
     # a value: hashable, equal to its copies, pickles
