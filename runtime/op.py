@@ -15,6 +15,12 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
   combine_in_view() -> tensor [max_recv_tokens, hidden_dim]
   reset() -> None;  close() -> None
   check() -> None (optional): raise runtime.errors.EpTimeoutError if a kernel gave up waiting
+  MoE integration (each optional; without one the op uses the plain-torch reference in runtime/moe.py
+  on the last dispatch's outputs, except dropped_count, which the backend must provide):
+  dropped_count() -> int32 scalar tensor; local_expert_count() -> int32 [num_experts_per_rank];
+  convert_dispatch_output() -> (packed_x, packed_count, packed_src, packed_weights);
+  std_moe_dropped() -> int32 scalar tensor; convert_combine_input(expert_out, routing) -> [R, H];
+  memory_report() -> dict (else the op reports the native workspace formula of README.md)
 
 Before the backend is built, every rank's config is compared over the process group
 (``check_config_agreement``): a config differing between ranks, or one that does not match the
@@ -46,7 +52,8 @@ import torch
 
 from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from .errors import ClosedError, ConfigError, EpgenError, InputError
+from . import moe
+from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
 _UIDS = itertools.count(1)
@@ -139,6 +146,9 @@ class EpDispatchCombineOp:
         self.config = config
         self.uid = next(_UIDS)
         self._closed = False
+        self._seq = 0  # dispatches that moved data (returned, or raised CapacityError)
+        self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
+        self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
         self._backend = _make_backend(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -164,6 +174,7 @@ class EpDispatchCombineOp:
             "routing_replay": False,
             "internode": False,
             "max_recv_tokens": self.config.max_recv_tokens,
+            "std_moe": self.config.enable_std_moe,
         }
         caps.update(self._backend.capabilities)
         return caps
@@ -242,10 +253,18 @@ class EpDispatchCombineOp:
             if routing.num_tokens != num_tokens:
                 raise InputError(f"dispatch: routing replay needs the same token count: the handle has "
                                  f"{routing.num_tokens} tokens, x has {num_tokens}")
-        *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
+        self._last = self._packed = None  # the buffers are about to change
+        try:
+            *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
+        except CapacityError:
+            self._seq += 1  # the data moved; dropped_count() reports it
+            raise
+        self._seq += 1
+        out, out_w, _, out_i, total = outs
+        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_i": out_i, "total": total}
         if not return_routing:
             return tuple(outs)
-        handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, **fields)
+        handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, seq=self._seq, **fields)
         return (*outs, handle)
 
     def combine(self, expert_out, weights=None, indices=None, routing=None):
@@ -275,6 +294,101 @@ class EpDispatchCombineOp:
         self._check_open("combine_in_view")
         return self._backend.combine_in_view()
 
+    # --- MoE integration -------------------------------------------------------------------------
+    def dropped_count(self) -> torch.Tensor:
+        """int32 scalar tensor on the device: rows this rank dropped on receive (past max_recv_tokens) in
+        the last dispatch, the last ones in (source rank, token) order. No host sync: after CUDA graph
+        replays (where strict_capacity cannot raise) read it here."""
+        self._check_open("dropped_count")
+        if not self._seq:
+            raise InputError("dropped_count: no dispatch yet")
+        own = getattr(self._backend, "dropped_count", None)
+        if own is None:
+            raise EpgenError(f"dropped_count: the {self._backend.name} backend does not report receive drops")
+        return own()
+
+    def local_expert_count(self) -> torch.Tensor:
+        """int32 [num_experts_per_rank] on the device: after the last dispatch, the (received row, column)
+        pairs whose expert id is local (id // num_experts_per_rank == rank), per local expert; every
+        column counts (a token naming a local expert twice counts twice). No host sync."""
+        self._check_open("local_expert_count")
+        last = self._need_dispatch("local_expert_count")
+        own = getattr(self._backend, "local_expert_count", None)
+        if own is not None:
+            return own()
+        cfg = self.config
+        return moe.local_expert_count(last["out_i"], last["total"], cfg.rank, cfg.num_experts_per_rank)
+
+    def convert_dispatch_output(self):
+        """Standard-MoE layout of the last dispatch (needs enable_std_moe=True; bf16/fp32 payloads).
+
+        -> (packed_x [E, C, H] dispatch out dtype, packed_count int32 [E], packed_src int32 [E, C],
+        packed_weights float32 [E, C]); E = num_experts_per_rank, C = config.resolved_expert_capacity.
+        Each local (received row i, column j) pair (see local_expert_count) goes to its expert's next
+        slot, in ascending i then j; packed_src = i * k + j (-1 past the count), packed_weights =
+        out_weights[i, j] (1.0 when dispatch had no weights; 0 past the count), packed_x = row i
+        (zeros past the count), packed_count = min(pairs, C). Pairs past C are dropped and counted
+        (std_moe_dropped). Tensors may be the op's buffers: valid until the next conversion.
+        """
+        self._check_open("convert_dispatch_output")
+        self._need_std_moe("convert_dispatch_output")
+        last = self._need_dispatch("convert_dispatch_output")
+        own = getattr(self._backend, "convert_dispatch_output", None)
+        cfg = self.config
+        if own is not None:
+            packed_x, count, src, w = own()
+            dropped = None
+        else:
+            packed_x, count, src, w, dropped = moe.pack(last["out"], last["out_w"], last["out_i"], last["total"],
+                                                        cfg.rank, cfg.num_experts_per_rank,
+                                                        cfg.resolved_expert_capacity)
+        self._packed = {"seq": last["seq"], "src": src, "w": w, "dropped": dropped}
+        return packed_x, count, src, w
+
+    def std_moe_dropped(self) -> torch.Tensor:
+        """int32 scalar tensor on the device: pairs the last convert_dispatch_output dropped past capacity."""
+        self._check_open("std_moe_dropped")
+        self._need_std_moe("std_moe_dropped")
+        packed = self._need_packed("std_moe_dropped")
+        own = getattr(self._backend, "std_moe_dropped", None)
+        return own() if own is not None else packed["dropped"]
+
+    def convert_combine_input(self, expert_out, routing) -> torch.Tensor:
+        """Expert outputs in the standard-MoE layout -> combine input [max_recv_tokens, hidden_dim].
+
+        expert_out: [num_experts_per_rank, resolved_expert_capacity, hidden_dim], combine dtype, slot for
+        slot with the last convert_dispatch_output; routing: the handle of that dispatch. Row i of the
+        result = 0.0 (float32) + packed_weights[e, p] * expert_out[e, p] (float32 product, then added) for
+        each packed pair (e, p) with packed_src[e, p] = i * k + j, in ascending j; one rounding to the
+        combine dtype; rows without a pair are 0. combine(result, routing=routing) then gives
+        sum_j w_j * expert_j(x) per token (weights are applied here, once).
+        """
+        self._check_open("convert_combine_input")
+        self._need_std_moe("convert_combine_input")
+        self._check_handle("convert_combine_input", routing)
+        packed = self._need_packed("convert_combine_input")
+        if routing.seq != packed["seq"]:
+            raise InputError("convert_combine_input: routing handle is not from the dispatch that "
+                             "convert_dispatch_output converted last")
+        cfg = self.config
+        shape = (cfg.num_experts_per_rank, cfg.resolved_expert_capacity, cfg.hidden_dim)
+        self._check_tensor("convert_combine_input", "expert_out", expert_out, cfg.combine_dtype, shape=shape)
+        own = getattr(self._backend, "convert_combine_input", None)
+        if own is not None:
+            return own(expert_out, routing)
+        return moe.unpack(expert_out, packed["src"], packed["w"], cfg.max_recv_tokens, cfg.num_experts_per_token,
+                          cfg.combine_dtype)
+
+    def memory_report(self) -> dict:
+        """Bytes per buffer of this op, and a "formula" string: the backend's own report when it has one,
+        else the native workspace formula (README.md, Runtime) evaluated for this config."""
+        self._check_open("memory_report")
+        own = getattr(self._backend, "memory_report", None)
+        report = dict(own()) if own is not None else native_workspace(self.config, self.dispatch_out_dtype,
+                                                                      self.wire_dtype)
+        report.setdefault("formula", NATIVE_WORKSPACE_FORMULA)
+        return report
+
     def check(self) -> None:
         """Raise EpTimeoutError if a device-side wait of this op expired (see docs/GUARANTEES.md).
 
@@ -289,12 +403,14 @@ class EpDispatchCombineOp:
     def reset(self) -> None:
         """Collective: clear the backend's signals, counters and error state (after a timeout, on every rank)."""
         self._check_open("reset")
+        self._last = self._packed = None  # outputs and handles from before a reset are stale
         self._backend.reset()
 
     def close(self) -> None:
         """Release the backend; idempotent. Every later call raises ClosedError."""
         if not self._closed:
             self._closed = True
+            self._last = self._packed = None
             self._backend.close()
 
     def __enter__(self):
@@ -308,6 +424,27 @@ class EpDispatchCombineOp:
         return f"EpDispatchCombineOp(uid={self.uid}, backend={self._backend.name}, {state})"
 
     # --- checks --------------------------------------------------------------------------------
+    def _need_dispatch(self, what: str) -> dict:
+        if self._last is None:
+            raise InputError(f"{what}: no dispatch yet (or the last one raised, or the op was reset): "
+                             f"dispatch first")
+        return self._last
+
+    def _need_std_moe(self, what: str) -> None:
+        cfg = self.config
+        if not cfg.enable_std_moe:
+            raise InputError(f"{what}: the standard-MoE layout conversion requires enable_std_moe=True in the config")
+        if cfg.prequantized or cfg.dispatch_quant_type != "none":
+            raise InputError(f"{what}: the standard-MoE layout of {self.dispatch_out_dtype} payloads "
+                             f"(dispatch_data_type={cfg.dispatch_data_type}, dispatch_quant_type="
+                             f"{cfg.dispatch_quant_type!r}) is not built yet (bf16/fp32 payloads only)")
+
+    def _need_packed(self, what: str) -> dict:
+        self._need_dispatch(what)
+        if self._packed is None:
+            raise InputError(f"{what}: call convert_dispatch_output() after the dispatch first")
+        return self._packed
+
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise ClosedError(f"{what}: this EpDispatchCombineOp is closed")
@@ -334,3 +471,51 @@ class EpDispatchCombineOp:
                              f"uid {self.uid}); use the handle returned by this op's dispatch")
         if routing.config_key != self.config.key:
             raise InputError(f"{call}: routing handle was made for a different config (stale handle)")
+
+
+NATIVE_WORKSPACE_FORMULA = (
+    "per rank, bytes = 4*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
+    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d, every region rounded up to 256 bytes "
+    "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
+    "scat_s, scat_w, std_moe_x); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
+    "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
+    "E_local = num_experts_per_rank")
+_REGION_ALIGN = 256
+
+
+def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.dtype,
+                     wire_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+    """The native workspace formula (README.md) for this config: {"regions": {name: bytes}, "total_bytes",
+    "formula"}; each region rounded up to 256 bytes."""
+    from .config import load_specs
+
+    cfg = config
+    R, W, T, H, k = (cfg.max_recv_tokens, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.hidden_dim,
+                     cfg.num_experts_per_token)
+    cols = cfg.hidden_dim // 2 if cfg.dispatch_quant_type == "fp4_blockwise" else cfg.dispatch_payload_cols
+    wire_row = cols * dispatch_out_dtype.itemsize  # fp8: 1 byte per element; fp4: two per byte (cols = H/2)
+    specs = load_specs()
+    if cfg.dispatch_quant_type != "none":
+        q = specs.quants[cfg.dispatch_quant_type]
+        scale_row = (H // q.block) * (4 if cfg.dispatch_quant_type == "fp8_blockwise" else 1)
+    else:
+        scale_row = cfg.scale_dim * cfg.scale_type_size
+    c = cfg.combine_dtype.itemsize
+    regions = [("signal", 4 * W), ("counter", 8), ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
+               ("recv_w", R * 4 * k), ("recv_idx", R * 4 * k), ("recv_src", R * 4)]
+    if cfg.resolved_combine_mode == "scatter":
+        q = specs.quants[cfg.quant_type]
+        if cfg.quant_type == "none":
+            scat_row, scat_scale_row = H * c, 0
+        else:
+            scat_row = H if q.wire_kind == "fp8" else H // 2
+            scat_scale_row = {"fp8_blockwise": (H // 128) * 4, "fp4_blockwise": H // 32}.get(cfg.quant_type, 0)
+        regions += [("scat_x", T * W * scat_row), ("scat_s", T * W * scat_scale_row), ("scat_w", T * W * 4 * k)]
+    else:
+        regions += [("comb_x", R * H * c), ("comb_w", R * 4 * k)]
+    if cfg.enable_std_moe:
+        regions.append(("std_moe_x", cfg.num_experts_per_rank * cfg.resolved_expert_capacity * H
+                        * dispatch_out_dtype.itemsize))
+    sized = {name: -(-n // _REGION_ALIGN) * _REGION_ALIGN for name, n in regions}
+    return {"backend": "native (formula)", "regions": sized, "total_bytes": sum(sized.values()),
+            "formula": NATIVE_WORKSPACE_FORMULA}

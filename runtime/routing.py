@@ -29,4 +29,8 @@ class RoutingHandle:
     # [num_tokens, world_size] int64: each local token's destination ranks in the order of their first
     # appearance among its top-k ids, then -1 (the gather combine's summation order)
     dest_order: torch.Tensor | None = None
+    # rows the dispatching rank dropped on receive past max_recv_tokens (a replay drops the same)
+    recv_dropped: int = 0
+    # the op's dispatch counter at the dispatch that made this handle (checks of convert_combine_input)
+    seq: int = 0
     extra: dict[str, Any] = attrs.field(factory=dict)

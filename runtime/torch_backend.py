@@ -24,8 +24,15 @@ e4m3, ``wire_dtype`` torch.float8_e4m3fn, numerics format "ocp"):
   ascending destination-rank order, then rounds once to the combine dtype. Weights travel as
   float32 and are added in the same order.
 
-Data-dependent errors (expert id out of range, receive overflow) are detected after the gather
-from every rank's data, so all ranks raise the same InputError and stay in step.
+Data-dependent errors (expert id out of range) are detected after the gather from every rank's
+data, so all ranks raise the same InputError and stay in step. Receive overflow is not an error:
+rows past max_recv_tokens are dropped (the last ones in (source rank, token) order) and counted;
+a token's dropped row contributes nothing to its combine. strict_capacity=True raises CapacityError
+on each rank that dropped rows (after the data moved; the other ranks return normally).
+
+Routing replay (dispatch(..., routing=handle)): the handle's plan is reused verbatim: the new rows,
+weights, indices and scales land in exactly the rows the handle's dispatch used (same total_recv, same
+drops); the new indices are moved as data and do not route.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch.distributed as dist
 
 from . import numerics
 from .config import EpDispatchCombineConfig
-from .errors import ConfigError, InputError
+from .errors import CapacityError, ConfigError, InputError
 
 FP8_FORMAT = "ocp"  # this backend's FP8 e4m3 (torch.float8_e4m3fn)
 
@@ -140,10 +147,11 @@ class TorchBackend:
             self.group = None
             self.device = torch.device("cpu")
         self._in_view: torch.Tensor | None = None
+        self._dropped: torch.Tensor | None = None
 
     @property
     def capabilities(self) -> dict:
-        return {"graph_capture": False, "routing_replay": False}
+        return {"graph_capture": False, "routing_replay": True}
 
     # --- collectives -----------------------------------------------------------------------------
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -167,12 +175,18 @@ class TorchBackend:
         return x, None, x.dtype
 
     def dispatch(self, x, weights, scales, indices, routing):
-        if routing is not None:
-            raise NotImplementedError("routing replay is not built yet")
+        """Fresh routing, or a replay of ``routing``'s plan (same rows, same total_recv, same drops).
+
+        Receive cap: every rank's rows are numbered in (source rank, token) order; rows numbered at or
+        past max_recv_tokens are dropped (never written) and counted (``dropped_count``).
+        """
         cfg, dev = self.config, self.device
         world, me, epr = cfg.world_size, cfg.rank, cfg.num_experts_per_rank
-        max_in, k = cfg.max_num_inp_token_per_rank, cfg.num_experts_per_token
+        max_in, k, rows_max = cfg.max_num_inp_token_per_rank, cfg.num_experts_per_token, cfg.max_recv_tokens
         n = x.shape[0]
+        if routing is not None and (routing.recv_src is None or routing.send_plan is None
+                                    or routing.total_recv is None):
+            raise InputError("dispatch: this routing handle carries no torch-backend plan")
 
         payload, pscales, out_dtype = self._dispatch_payload(x, scales)
         x_pad = torch.zeros(max_in, payload.shape[1], dtype=payload.dtype, device=dev)
@@ -194,41 +208,58 @@ class TorchBackend:
                 raise InputError(f"dispatch: rank {src} passed expert id {int(bad[0])} >= num_experts="
                                  f"{cfg.num_experts} (world_size * num_experts_per_rank); negative ids mean "
                                  f"'no expert'")
-        masks = [destination_mask(idx, epr, world) for idx in all_idx]
-        sent = torch.stack([m.sum(0) for m in masks])  # [src, dst] rows
-        recv = sent.sum(0)
-        if int(recv.max()) > cfg.max_recv_tokens:
-            r = int(recv.argmax())
-            raise InputError(f"dispatch: rank {r} would receive {int(recv[r])} rows, more than max_recv_tokens="
-                             f"{cfg.max_recv_tokens} (config max_total_recv_tokens)")
-        offsets = torch.cumsum(sent, 0) - sent  # [src, dst]: first slot of src's rows on dst
+        if routing is None:
+            masks = [destination_mask(idx, epr, world) for idx in all_idx]
+            sent = torch.stack([m.sum(0) for m in masks])  # [src, dst] rows addressed
+            offsets = torch.cumsum(sent, 0) - sent  # [src, dst]: (source rank, token) number of src's first row
+            addressed = int(sent[:, me].sum())
+            total = min(addressed, rows_max)
+            recv_src = torch.empty(total, 2, dtype=torch.int64, device=dev)
+            for src in range(world):
+                tok = masks[src][:, me].nonzero().squeeze(1)
+                lo = int(offsets[src, me])
+                kept = tok[:max(0, min(tok.numel(), rows_max - lo))]
+                recv_src[lo:lo + kept.numel(), 0], recv_src[lo:lo + kept.numel(), 1] = src, kept
+            send_plan = []
+            for dst in range(world):
+                tok = masks[me][:, dst].nonzero().squeeze(1)
+                slots = offsets[me, dst] + torch.arange(tok.numel(), device=dev)
+                keep = slots < rows_max  # rows past dst's cap are dropped there: nothing comes back
+                send_plan.append((tok[keep], slots[keep]))
+            fields = {"total_recv": total, "send_plan": tuple(send_plan), "recv_src": recv_src,
+                      "dest_order": destination_order(indices, epr, world), "recv_dropped": addressed - total}
+        else:  # replay: the handle's rows, plan and drops; the new indices travel as data only
+            total, recv_src = routing.total_recv, routing.recv_src
+            fields = {"total_recv": total, "send_plan": routing.send_plan, "recv_src": recv_src,
+                      "dest_order": routing.dest_order, "recv_dropped": routing.recv_dropped}
+        dropped = fields["recv_dropped"]
 
         all_x, all_w = self._all_gather(x_pad), self._all_gather(w_pad)
         all_s = self._all_gather(s_pad) if s_pad is not None else None
-        total, rows_max = int(recv[me]), cfg.max_recv_tokens
         out = torch.zeros(rows_max, x_pad.shape[1], dtype=x_pad.dtype, device=dev)
         out_s = torch.zeros(rows_max, s_pad.shape[1], dtype=s_pad.dtype, device=dev) if s_pad is not None else None
         out_w = torch.zeros(rows_max, k, dtype=torch.float32, device=dev)
         out_i = torch.full((rows_max, k), -1, dtype=torch.int32, device=dev)
-        recv_src = torch.empty(total, 2, dtype=torch.int64, device=dev)
         for src in range(world):
-            tok = masks[src][:, me].nonzero().squeeze(1)
-            lo = int(offsets[src, me])
-            rows = slice(lo, lo + tok.numel())
-            out[rows], out_w[rows], out_i[rows] = all_x[src][tok], all_w[src][tok], all_idx[src][tok]
+            sel = (recv_src[:, 0] == src).nonzero().squeeze(1)  # this source's rows, in slot order
+            tok = recv_src[sel, 1]
+            out[sel], out_w[sel], out_i[sel] = all_x[src][tok], all_w[src][tok], all_idx[src][tok]
             if out_s is not None:
-                out_s[rows] = all_s[src][tok]
-            recv_src[rows, 0], recv_src[rows, 1] = src, tok
-
-        send_plan = []
-        for dst in range(world):
-            tok = masks[me][:, dst].nonzero().squeeze(1)
-            send_plan.append((tok, offsets[me, dst] + torch.arange(tok.numel(), device=dev)))
+                out_s[sel] = all_s[src][tok]
+        self._dropped = torch.tensor(dropped, dtype=torch.int32, device=dev)
+        if dropped and cfg.strict_capacity:
+            raise CapacityError(f"dispatch: rank {me} dropped {dropped} received row(s) past its receive "
+                                f"capacity max_recv_tokens={rows_max} (strict_capacity=True)",
+                                dropped=dropped, capacity=rows_max)
         total_recv = torch.tensor([total], dtype=torch.int32, device=dev)
-        fields = {"total_recv": total, "send_plan": tuple(send_plan), "recv_src": recv_src,
-                  "dest_order": destination_order(indices, epr, world)}
         return (out.view(out_dtype), (out_w if weights is not None else None), out_s, out_i, total_recv,
                 fields)
+
+    def dropped_count(self) -> torch.Tensor:
+        """int32 scalar on the device: rows this rank dropped on receive in the last dispatch."""
+        if self._dropped is None:
+            raise InputError("dropped_count: no dispatch yet")
+        return self._dropped
 
     # --- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out, weights, indices, routing):
@@ -259,7 +290,7 @@ class TorchBackend:
 
         n, world = routing.num_tokens, cfg.world_size
         slot_of = torch.full((n, world), -1, dtype=torch.int64, device=dev)  # [token, rank] -> slot there
-        for dst, (tok, slots) in enumerate(routing.send_plan):
+        for dst, (tok, slots) in enumerate(routing.send_plan):  # (-1: none, or dropped past dst's cap)
             slot_of[tok, dst] = slots
         acc = torch.zeros(n, hidden, dtype=torch.float32, device=dev)
         acc_w = torch.zeros(n, cfg.num_experts_per_token, dtype=torch.float32, device=dev)
@@ -276,7 +307,7 @@ class TorchBackend:
             for step in range(world):
                 ranks = routing.dest_order[:, step]
                 for dst in range(world):
-                    tok = (ranks == dst).nonzero().squeeze(1)
+                    tok = ((ranks == dst) & (slot_of[:, dst] >= 0)).nonzero().squeeze(1)
                     if tok.numel():
                         add(tok, dst, slot_of[tok, dst])
         return acc.to(cfg.combine_dtype), (acc_w if weights is not None else None)
@@ -288,8 +319,41 @@ class TorchBackend:
                                         dtype=self.config.combine_dtype, device=self.device)
         return self._in_view
 
+    def memory_report(self) -> dict:
+        """Bytes of what this backend allocates (it keeps no workspace: fresh tensors per call)."""
+        cfg = self.config
+        R, W, T, H, k = (cfg.max_recv_tokens, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.hidden_dim,
+                         cfg.num_experts_per_token)
+        cols = cfg.hidden_dim // 2 if cfg.dispatch_quant_type == "fp4_blockwise" else cfg.dispatch_payload_cols
+        wire_row = cols  # bytes: one per element for fp8/fp4 payloads and quantized rows
+        if cfg.dispatch_quant_type == "none" and not cfg.prequantized:
+            wire_row = cols * cfg.data_type.itemsize
+        if cfg.dispatch_quant_type != "none":
+            block = cfg.dispatch_quant_block
+            scale_row = (H // block) * (4 if cfg.dispatch_quant_type == "fp8_blockwise" else 1)
+        else:
+            scale_row = cfg.scale_dim * cfg.scale_type_size
+        c = cfg.combine_dtype.itemsize
+        buffers = {
+            "dispatch_out_x": R * wire_row, "dispatch_out_scales": R * scale_row, "dispatch_out_weights": R * k * 4,
+            "dispatch_out_indices": R * k * 4, "combine_in_view": R * H * c if self._in_view is not None else 0,
+            "dispatch_gather_staging": W * T * (wire_row + scale_row + 8 * k),
+            "combine_gather_staging": W * R * (H * c + 4 * k),
+        }
+        if cfg.enable_std_moe:
+            C, E = cfg.resolved_expert_capacity, cfg.num_experts_per_rank
+            buffers["std_moe_packed_x"] = E * C * H * cfg.data_type.itemsize
+            buffers["std_moe_packed_meta"] = E * (4 + C * 8)
+        return {"backend": "torch", "buffers": buffers, "total_bytes": sum(buffers.values()),
+                "formula": "torch backend, per call (fresh tensors, no persistent workspace): dispatch outputs "
+                           "R*(wire_row + scale_row + 8k) + staging W*T*(wire_row + scale_row + 8k); combine "
+                           "staging W*R*(H*c + 4k); combine_in_view R*H*c once used; std-MoE E_local*C*(H*d + 8) "
+                           "+ 4*E_local"}
+
     def reset(self) -> None:
-        """Nothing persists between calls in this backend."""
+        """Nothing persists between calls in this backend but the last drop count."""
+        self._dropped = None
 
     def close(self) -> None:
         self._in_view = None
+        self._dropped = None

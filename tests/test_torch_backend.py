@@ -125,12 +125,11 @@ def bad_input_context(rank, world):
     idx = all_ranks_routing(cfg)(6)
     out, out_w, _, _, total, handle = op.dispatch(x, w, None, idx, return_routing=True)
     other_handle = other.dispatch(x, w, None, idx, return_routing=True)[-1]
-    small = EpDispatchCombineOp(_cfg(rank, world, max_num_inp_token_per_rank=16, max_total_recv_tokens=world))
     bad_idx = idx.clone()
     if rank == 0:
         bad_idx[2, 1] = cfg.num_experts
     return types.SimpleNamespace(op=op, cfg=cfg, x=x, w=w, idx=idx, out=out, out_w=out_w, total=int(total),
-                                 handle=handle, other_handle=other_handle, small=small, bad_idx=bad_idx)
+                                 handle=handle, other_handle=other_handle, bad_idx=bad_idx)
 
 
 def _big(c):
@@ -163,10 +162,12 @@ BAD_CASES = {
     "scales": (InputError, "scales must be None", lambda c: c.op.dispatch(c.x, c.w, torch.ones(6, 1), c.idx)),
     "expert_id_too_big": (InputError, r"rank 0 passed expert id (\d+) >= num_experts=\1",
                           lambda c: c.op.dispatch(c.x, c.w, None, c.bad_idx)),
-    "recv_overflow": (InputError, "would receive .* rows, more than max_recv_tokens=",
-                      lambda c: c.small.dispatch(c.x, c.w, None, c.idx)),
-    "replay": (NotImplementedError, "routing replay is not built yet",
-               lambda c: c.op.dispatch(c.x, c.w, None, c.idx, routing=c.handle)),
+    "convert_without_std_moe": (InputError, r"requires enable_std_moe=True",
+                                lambda c: c.op.convert_dispatch_output()),
+    "convert_back_without_std_moe": (InputError, r"requires enable_std_moe=True",
+                                     lambda c: c.op.convert_combine_input(c.out, c.handle)),
+    "std_moe_dropped_without_std_moe": (InputError, r"requires enable_std_moe=True",
+                                        lambda c: c.op.std_moe_dropped()),
     "replay_other_op": (InputError, "from another op",
                         lambda c: c.op.dispatch(c.x, c.w, None, c.idx, routing=c.other_handle)),
     "replay_token_count": (InputError, "same token count",
@@ -294,7 +295,7 @@ def test_capabilities(no_env):
     assert caps["quant_types"] == ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise")
     assert caps["dispatch_quant_types"] == ("none", "fp8_blockwise", "fp4_blockwise")
     assert caps["payload_dtypes"] == (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2)
-    assert caps["graph_capture"] is False and caps["routing_replay"] is False
+    assert caps["graph_capture"] is False and caps["routing_replay"] is True and caps["std_moe"] is False
     assert caps["max_recv_tokens"] == 128
     view = op.combine_in_view()
     assert view.shape == (128, 64) and view.dtype == torch.bfloat16
