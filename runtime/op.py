@@ -328,7 +328,9 @@ class EpDispatchCombineOp:
         slot, in ascending i then j; packed_src = i * k + j (-1 past the count), packed_weights =
         out_weights[i, j] (1.0 when dispatch had no weights; 0 past the count), packed_x = row i
         (zeros past the count), packed_count = min(pairs, C). Pairs past C are dropped and counted
-        (std_moe_dropped). Tensors may be the op's buffers: valid until the next conversion.
+        (std_moe_dropped); the default C = max_recv_tokens drops nothing unless rows name a local
+        expert more than once (an expert may get up to max_recv_tokens * k pairs). Tensors may be the
+        op's buffers: valid until the next conversion.
         """
         self._check_open("convert_dispatch_output")
         self._need_std_moe("convert_dispatch_output")
