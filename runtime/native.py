@@ -268,7 +268,8 @@ class NativeBackend:
             dropped = int(self.dropped_count())  # strict mode reads the device (eager only)
             if dropped:
                 raise errors.CapacityError(f"dispatch: {dropped} received row(s) past max_total_recv_tokens="
-                                           f"{cfg.max_recv_tokens} were dropped on rank {cfg.rank}")
+                                           f"{cfg.max_recv_tokens} were dropped on rank {cfg.rank}",
+                                           dropped=dropped, capacity=cfg.max_recv_tokens)
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
             {"extra": {"slots": slots, "total": total}}

@@ -327,7 +327,8 @@ class EpDispatchCombineOp:
         Each local (received row i, column j) pair (see local_expert_count) goes to its expert's next
         slot, in ascending i then j; packed_src = i * k + j (-1 past the count), packed_weights =
         out_weights[i, j] (1.0 when dispatch had no weights; 0 past the count), packed_x = row i
-        (zeros past the count), packed_count = min(pairs, C). Pairs past C are dropped and counted
+        (unspecified past the count: the torch backend writes zeros, the native one leaves them as
+        they are), packed_count = min(pairs, C). Pairs past C are dropped and counted
         (std_moe_dropped); the default C = max_recv_tokens drops nothing unless rows name a local
         expert more than once (an expert may get up to max_recv_tokens * k pairs). Tensors may be the
         op's buffers: valid until the next conversion.
