@@ -18,7 +18,8 @@ from typing import Any
 
 import attrs
 
-SPEC_FILES = ("targets", "dtypes", "quant", "topologies", "kernels", "rules", "profiles")
+SPEC_FILES = ("targets", "dtypes", "quant", "topologies", "kernels", "rules", "profiles", "tuning")
+TUNING_ROLES = ("dispatch", "combine")
 
 
 class SpecError(Exception):
@@ -129,6 +130,14 @@ class Profile:
 
 
 @_frozen
+class Bucket:
+    """Launch geometry for calls of at most max_tokens tokens per rank (0 = no limit)."""
+    max_tokens: int
+    blocks: int
+    threads: int
+
+
+@_frozen
 class Specs:
     root: Path
     targets: dict[str, Target]
@@ -139,7 +148,8 @@ class Specs:
     families: dict[str, Family]
     rules: tuple[Rule, ...]
     profiles: dict[str, Profile]
-    digest: str  # sha256 of all spec texts, part of every cache key
+    tuning: dict[tuple[str, str], tuple[Bucket, ...]]  # (target, role) -> ascending buckets
+    digest: str  # sha256 of the spec texts that shape generated sources (all but tuning.toml)
 
 
 # Enumerated values (a typo in the spec is an error, not a silently different variant).
@@ -344,7 +354,8 @@ def load(root: Path | str | None = None) -> Specs:
         if not path.is_file():
             raise SpecError(f"{path}:1: spec file missing")
         srcs[name], data[name] = _read(path)
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        if name != "tuning":  # launch geometry is runtime data: it changes no generated source
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
 
     # targets.toml holds [target.*] and [toolchain.*]
     tsrc, tdata = srcs["targets"], data["targets"]
@@ -402,9 +413,10 @@ def load(root: Path | str | None = None) -> Specs:
         if p not in profiles:
             raise _fail(srcs["profiles"], 1, f"profile {p!r} must be declared")
 
+    tuning = _load_tuning(srcs["tuning"], data["tuning"], targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
                  topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
-                 digest=digest.hexdigest())
+                 tuning=tuning, digest=digest.hexdigest())
 
 
 def _load_rules(src: _Source, data: dict) -> list[Rule]:
@@ -432,3 +444,48 @@ def _load_rules(src: _Source, data: dict) -> list[Rule]:
         seen[rule.name] = line
         rules.append(rule)
     return rules
+
+
+def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[tuple[str, str], tuple[Bucket, ...]]:
+    unknown = [k for k in data if k != "tuning"]
+    if unknown:
+        raise _fail(src, src.table_line(unknown[0]), f"unknown top-level table '{unknown[0]}' (expected [[tuning.TARGET.ROLE]])")
+    out = {}
+    for tname, roles in data.get("tuning", {}).items():
+        if tname not in targets:
+            raise _fail(src, src.table_line(f"tuning.{tname}"), f"tuning for unknown target {tname!r} (known: {', '.join(targets)})")
+        wave = targets[tname].wave_size
+        for role, buckets in roles.items():
+            hdr = f"tuning.{tname}.{role}"
+            if role not in TUNING_ROLES:
+                raise _fail(src, src.table_line(hdr), f"[[{hdr}]]: unknown role {role!r} (known: {', '.join(TUNING_ROLES)})")
+            if not isinstance(buckets, list) or not buckets:
+                raise _fail(src, src.table_line(hdr), f"{hdr} must be an array of tables: [[{hdr}]]")
+            recs = []
+            for i, b in enumerate(buckets):
+                rec = _record(Bucket, src, hdr, b, occurrence=i)
+                line = src.table_line(hdr, i)
+                if rec.max_tokens < 0 or rec.blocks < 0:
+                    raise _fail(src, line, f"[[{hdr}]] max_tokens and blocks must be >= 0")
+                if rec.threads <= 0 or rec.threads > 1024 or rec.threads % wave:
+                    raise _fail(src, line, f"[[{hdr}]] threads = {rec.threads}: a multiple of the wave size {wave}, at most 1024")
+                last = i == len(buckets) - 1
+                if (rec.max_tokens == 0) != last:
+                    raise _fail(src, line, f"[[{hdr}]] only the last bucket has max_tokens = 0 (no limit), and it must")
+                if recs and rec.max_tokens and rec.max_tokens <= recs[-1].max_tokens:
+                    raise _fail(src, line, f"[[{hdr}]] buckets must ascend: max_tokens {rec.max_tokens} after {recs[-1].max_tokens}")
+                recs.append(rec)
+            out[(tname, role)] = tuple(recs)
+    for tname in targets:
+        for role in TUNING_ROLES:
+            if (tname, role) not in out:
+                raise _fail(src, 1, f"no [[tuning.{tname}.{role}]] buckets")
+    return out
+
+
+def geometry(specs: Specs, target: str, role: str, tokens: int) -> Bucket:
+    """The bucket of specs/tuning.toml that a call of `tokens` tokens per rank takes."""
+    for b in specs.tuning[(target, role)]:
+        if b.max_tokens == 0 or tokens <= b.max_tokens:
+            return b
+    raise AssertionError("the loader guarantees an unlimited last bucket")

@@ -28,7 +28,7 @@ from .config import EpDispatchCombineConfig, spec_dtype
 from . import errors
 from .errors import EpgenError, InputError
 
-BLOCK = 512
+BLOCK = 512  # threads per block of the std-MoE kernels (the EP kernels take specs/tuning.toml)
 _ALIGN = 256
 _SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
 
@@ -222,9 +222,19 @@ class NativeBackend:
     def capabilities(self) -> dict:
         return {"graph_capture": True, "arch": self.arch, "kernels": (self._dispatch.symbol, self._combine.symbol)}
 
-    def _grid(self, work_items: int) -> int:
-        waves = BLOCK // self.wave
-        return max(1, min(self.num_sms, -(-work_items // waves)))
+    def _geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int]:
+        """(blocks, threads) from specs/tuning.toml for this call's token count, or the config's override.
+
+        Combine grids are capped at one block per multiprocessor (their barrier needs them resident);
+        dispatch grids never exceed one wave per work item.
+        """
+        cfg = self.config
+        b = kernels.gspecs.geometry(kernels.gspecs.load(), self.arch, role, tokens)
+        threads = cfg.launch_threads or b.threads
+        blocks = cfg.launch_blocks or b.blocks or self.num_sms
+        if role == "combine":
+            return min(blocks, self.num_sms), threads
+        return max(1, min(blocks, -(-work_items // (threads // self.wave)))), threads
 
     def check(self) -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting (reads pinned host memory only)."""
@@ -261,7 +271,7 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
-        self._dispatch.launch(self._grid(T * k), BLOCK, a)
+        self._dispatch.launch(*self._geometry("dispatch", T, T * k), a)
         self._last = "dispatch"
         self.check()
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
@@ -372,8 +382,7 @@ class NativeBackend:
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.entry_barrier = int(self._last == "combine")
-        # every block takes part in the barrier: one block per multiprocessor (co-resident)
-        self._combine.launch(self.num_sms, BLOCK, a)
+        self._combine.launch(*self._geometry("combine", T, T), a)
         self._last = "combine"
         self.check()
         return out, out_w

@@ -1,0 +1,122 @@
+"""Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
+
+torchrun --nproc-per-node 2 -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--write]
+
+For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
+median, correctness-gated like the benchmark) for every candidate (blocks, threads) and keeps the
+fastest; with --write, rank 0 rewrites this target's entries of specs/tuning.toml (the other
+targets' entries are kept as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from generator import specs as gspecs
+
+from . import EpDispatchCombineConfig, EpDispatchCombineOp
+from .bench import _graph_time, _stats
+from .kernels import device_arch
+
+TUNING = gspecs.default_root() / "tuning.toml"
+HEADER_END = "# `python -m runtime.tune`"
+
+
+def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str) -> str:
+    """specs/tuning.toml text for these buckets (targets and roles in a stable order)."""
+    out = [header.rstrip("\n"), ""]
+    for (target, role) in sorted(tuning, key=lambda tr: (tr[0], gspecs.TUNING_ROLES.index(tr[1]))):
+        for b in tuning[(target, role)]:
+            out += [f"[[tuning.{target}.{role}]]", f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}",
+                    f"threads = {b.threads}", ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str:
+    """Replace `target`'s buckets in the tuning file at `path`; returns the new text (validated)."""
+    specs = gspecs.load(path.parent)
+    text = path.read_text()
+    header = text[: text.index("[[tuning.")]
+    tuning = {key: list(b) for key, b in specs.tuning.items()}
+    for role, buckets in new.items():
+        tuning[(target, role)] = buckets
+    return render(tuning, header)
+
+
+def buckets_from(best: dict[int, tuple[int, int]]) -> list[gspecs.Bucket]:
+    """Measured token counts -> buckets: each count ends a bucket; the largest one is unlimited."""
+    counts = sorted(best)
+    return [gspecs.Bucket(max_tokens=0 if t == counts[-1] else t, blocks=best[t][0], threads=best[t][1])
+            for t in counts]
+
+
+def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int) -> tuple[float, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
+                                  num_experts_per_rank=experts // world, num_experts_per_token=k,
+                                  kernel_backend="native", launch_blocks=blocks, launch_threads=threads)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(T, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
+    with EpDispatchCombineOp(cfg) as op:
+        view = op.combine_in_view()
+        out, _, _, _, _, h = op.dispatch(x, None, None, idx, return_routing=True)
+        view.copy_(out)
+        comb, _ = op.combine(view, routing=h)
+        U = torch.zeros(T, world, device="cuda").scatter_(1, idx.long() // (experts // world), 1.0).sum(1)
+        if not torch.equal(comb, (x.float() * U[:, None]).to(torch.bfloat16)):
+            raise SystemExit(f"rank {rank}: identity check failed at blocks={blocks} threads={threads}")
+        held = {}
+
+        def disp():
+            held["out"], _, _, _, _, held["h"] = op.dispatch(x, None, None, idx, return_routing=True)
+
+        def comb_leg():
+            op.combine(view, routing=held["h"])
+
+        d_ms, c_ms = _graph_time([disp, comb_leg], 10, 20)
+        return _stats(d_ms)[0] * 1e3, _stats(c_ms)[0] * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 0])
+    p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    best = {"dispatch": {}, "combine": {}}
+    for T in args.tokens:
+        for blocks, threads in itertools.product(args.blocks, args.threads):
+            d, c = measure(T, args.hidden, args.topk, args.experts, blocks, threads)
+            if dist.get_rank() == 0:
+                print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4}: dispatch {d:8.1f} us  combine {c:8.1f} us")
+            for role, t in (("dispatch", d), ("combine", c)):
+                if T not in best[role] or t < best[role][T][2]:
+                    best[role][T] = (blocks, threads, t)
+    if dist.get_rank() == 0:
+        arch = device_arch(torch.device("cuda"))
+        new = {role: buckets_from({T: v[:2] for T, v in per.items()}) for role, per in best.items()}
+        for role, bs in new.items():
+            print(f"{arch} {role}: " + ", ".join(f"<= {b.max_tokens or 'any'}: {b.blocks or 'SMs'} x {b.threads}" for b in bs))
+        if args.write:
+            TUNING.write_text(rewrite(TUNING, arch, new))
+            print(f"rewrote {TUNING}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Tuning tables: loading (located errors), bucket selection, the native launch geometry, the tuner's rewrite."""
+
+import types
+
+import pytest
+
+from generator import specs as S
+from runtime import tune
+from runtime.native import NativeBackend
+
+
+def _write(spec_copy, text):
+    (spec_copy / "tuning.toml").write_text(text)
+
+
+def _table(target_lines):
+    roles = {("sm_90", r): ["max_tokens = 0\nblocks = 0\nthreads = 512"] for r in S.TUNING_ROLES}
+    roles.update(target_lines)
+    out = []
+    for t in ("gfx942", "gfx950", "gfx1250"):
+        for r in S.TUNING_ROLES:
+            out.append(f"[[tuning.{t}.{r}]]\nmax_tokens = 0\nblocks = 0\nthreads = 512\n")
+    for (t, r), bodies in roles.items():
+        out += [f"[[tuning.{t}.{r}]]\n{b}\n" for b in bodies]
+    return "\n".join(out)
+
+
+def test_buckets_select_by_tokens(spec_copy):
+    _write(spec_copy, _table({("sm_90", "dispatch"): ["max_tokens = 128\nblocks = 32\nthreads = 256",
+                                                      "max_tokens = 0\nblocks = 0\nthreads = 512"]}))
+    specs = S.load(spec_copy)
+    assert S.geometry(specs, "sm_90", "dispatch", 1) == S.Bucket(max_tokens=128, blocks=32, threads=256)
+    assert S.geometry(specs, "sm_90", "dispatch", 128).blocks == 32
+    assert S.geometry(specs, "sm_90", "dispatch", 129) == S.Bucket(max_tokens=0, blocks=0, threads=512)
+
+
+@pytest.mark.parametrize("bodies,message", [
+    (["max_tokens = 0\nblocks = 0\nthreads = 100"], "multiple of the wave size"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 2048"], "at most 1024"),
+    (["max_tokens = 128\nblocks = 0\nthreads = 512"], "only the last bucket"),
+    (["max_tokens = 256\nblocks = 0\nthreads = 512", "max_tokens = 128\nblocks = 0\nthreads = 512",
+      "max_tokens = 0\nblocks = 0\nthreads = 512"], "must ascend"),
+    (["max_tokens = 0\nblocks = -1\nthreads = 512"], ">= 0"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512\nwarps = 4"], "unknown key 'warps'"),
+])
+def test_bad_tables_are_located(spec_copy, bodies, message):
+    _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
+    with pytest.raises(S.SpecError, match=message) as e:
+        S.load(spec_copy)
+    assert "tuning.toml:" in str(e.value)
+
+
+def test_unknown_target_and_missing_role(spec_copy):
+    _write(spec_copy, _table({("sm_80", "dispatch"): ["max_tokens = 0\nblocks = 0\nthreads = 512"]}))
+    with pytest.raises(S.SpecError, match="unknown target 'sm_80'"):
+        S.load(spec_copy)
+    text = _table({}).replace("[[tuning.gfx950.combine]]\nmax_tokens = 0\nblocks = 0\nthreads = 512\n", "")
+    _write(spec_copy, text)
+    with pytest.raises(S.SpecError, match=r"no \[\[tuning.gfx950.combine\]\] buckets"):
+        S.load(spec_copy)
+
+
+def test_tuner_rewrite_round_trip(spec_copy):
+    path = spec_copy / "tuning.toml"
+    new = {"dispatch": tune.buckets_from({128: (32, 256), 4096: (64, 512)}),
+           "combine": tune.buckets_from({128: (16, 512), 4096: (0, 512)})}
+    text = tune.rewrite(path, "sm_90", new)
+    path.write_text(text)
+    specs = S.load(spec_copy)
+    assert S.geometry(specs, "sm_90", "dispatch", 100) == S.Bucket(max_tokens=128, blocks=32, threads=256)
+    assert S.geometry(specs, "sm_90", "dispatch", 8192) == S.Bucket(max_tokens=0, blocks=64, threads=512)
+    assert S.geometry(specs, "sm_90", "combine", 1).blocks == 16
+    assert specs.tuning[("gfx950", "dispatch")] == S.load().tuning[("gfx950", "dispatch")]
+    assert text.startswith("# Launch geometry")  # the header comment is kept
+
+
+def test_native_geometry_takes_table_and_override():
+    fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32,
+                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0))
+    geo = NativeBackend._geometry
+    assert geo(fake, "combine", 4096, 4096) == (132, 512)  # table: one block per SM
+    assert geo(fake, "dispatch", 1, 8) == (1, 512)  # never more blocks than waves of work
+    assert geo(fake, "dispatch", 4096, 32768) == (132, 512)
+    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256)
+    assert geo(fake, "combine", 1, 1) == (132, 256)  # combine capped at one block per SM
+    assert geo(fake, "dispatch", 4096, 32768) == (500, 256)
