@@ -26,6 +26,13 @@ Standard-MoE layout (``enable_std_moe=True``, intranode, bf16/fp32 payloads): di
 converts to per-local-expert buckets of ``expert_capacity`` rows (0: max_recv_tokens,
 ``resolved_expert_capacity``); see ``EpDispatchCombineOp.convert_dispatch_output``.
 
+Internode (``world_size > gpu_per_node``; ranks node-major, node = rank // gpu_per_node): the torch
+backend runs it (``internode_kernel`` "v2" hierarchical, "v2_ll" one copy per destination rank, "auto"
+per call: the call's largest per-rank token count <= ``internode_auto_ll_max_tokens`` picks "v2_ll");
+gather combine only, ``quant_type`` and ``dispatch_quant_type`` "none" (rule internode_quant_none;
+pre-quantized fp8/fp4 payloads are allowed), no std-MoE. The op checks the real host layout at
+construction (``EPGEN_EMULATE_NODES=1`` skips it) and rejects the native backend (not built yet).
+
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
 
@@ -47,6 +54,7 @@ import torch
 from .errors import ConfigError
 
 BACKEND_ENV = "EPGEN_KERNEL_BACKEND"
+EMULATE_NODES_ENV = "EPGEN_EMULATE_NODES"  # "1": treat the gpu_per_node grouping as given (one-host tests)
 KERNEL_BACKENDS = ("native", "torch")
 INTERNODE_KERNELS = ("v2", "v2_ll", "auto")
 COMBINE_MODES = ("gather", "scatter")
@@ -439,9 +447,10 @@ class EpDispatchCombineConfig:
         if self.enable_std_moe and self.is_internode:
             raise ConfigError(f"enable_std_moe=True: the standard-MoE layout conversion is intranode only; "
                               f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")
-        if self.is_internode:
-            raise ConfigError(f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node}: "
-                              f"internode is not built yet (intranode only: gpu_per_node = world_size or 0)")
+        if self.is_internode and self.resolved_combine_mode != "gather":
+            raise ConfigError(f"{self._combine_mode_words()}: internode (world_size={self.world_size} > "
+                              f"gpu_per_node={self.gpu_per_node}) combines with combine_mode='gather' only "
+                              f"(the scatter combine is intranode only)")
 
     def _resolve_backend(self) -> str:
         env = os.environ.get(BACKEND_ENV)

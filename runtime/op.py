@@ -47,10 +47,12 @@ in the combine dtype (combine_data_type, else data_type) and returns that dtype.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 
 import torch
 
-from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
+from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
 from . import moe
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
@@ -117,6 +119,73 @@ def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
         raise ConfigError("config mismatch between ranks: " + "; ".join(parts))
 
 
+def emulate_nodes() -> bool:
+    """Is the node-emulation switch on? ``EPGEN_EMULATE_NODES=1`` only (unset, "" or "0": off); never
+    inferred. Any other value is a ConfigError."""
+    value = os.environ.get(EMULATE_NODES_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"environment {EMULATE_NODES_ENV}={value!r}: must be '1' (emulate the gpu_per_node "
+                          f"grouping on one host, for tests), '0' or unset")
+    return value == "1"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
+    """Collective over ``group``: the real host layout must match ``gpu_per_node``.
+
+    Gathers every rank's ``socket.gethostname()`` and emulation switch with one ``all_gather_object``.
+    Ranks are node-major (node = rank // gpu_per_node): the ranks of one node must share a hostname and
+    different nodes must have different hostnames, else ConfigError on every rank naming the
+    mismatch. ``EPGEN_EMULATE_NODES=1`` (on every rank) treats the grouping as given: several
+    emulated nodes on one host (tests). Without torch.distributed or with one rank: nothing to check.
+    """
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), emulate_nodes())
+    if not (dist.is_available() and dist.is_initialized()) or config.world_size == 1:
+        return
+    g = group if group is not None else dist.group.WORLD
+    everyone: list = [None] * config.world_size
+    dist.all_gather_object(everyone, mine, group=g)
+    switches = [e for _, e in everyone]
+    if len(set(switches)) > 1:
+        on = [r for r, e in enumerate(switches) if e]
+        raise ConfigError(f"{EMULATE_NODES_ENV}=1 is set on {_ranks_text(on)} only: set it on every rank or none")
+    if switches[0]:
+        return
+    gpn = config.resolved_gpu_per_node
+    hosts = [h for h, _ in everyone]
+    problems = []
+    node_host = {}
+    for node in range(config.world_size // gpn):
+        ranks = list(range(node * gpn, (node + 1) * gpn))
+        names = sorted({hosts[r] for r in ranks})
+        if len(names) > 1:
+            parts = [f"{name!r} ({_ranks_text([r for r in ranks if hosts[r] == name])})" for name in names]
+            problems.append(f"node {node} (ranks {ranks[0]}-{ranks[-1]}) spans hosts {', '.join(parts)}")
+        node_host[node] = names[0]
+    by_host: dict = {}
+    for node, name in node_host.items():
+        by_host.setdefault(name, []).append(node)
+    for name, nodes in by_host.items():
+        if len(nodes) > 1:
+            problems.append(f"nodes {', '.join(map(str, nodes))} are all on host {name!r}")
+    if problems:
+        raise ConfigError(f"gpu_per_node={config.gpu_per_node}: the host layout does not match (ranks are "
+                          f"node-major, node = rank // {gpn}): " + "; ".join(problems)
+                          + f". Set gpu_per_node to the ranks per host, or {EMULATE_NODES_ENV}=1 on every rank "
+                            f"to emulate nodes on one host (tests)")
+
+
+def native_internode_error(config: EpDispatchCombineConfig) -> ConfigError:
+    return ConfigError(f"kernel_backend='native' (resolved), world_size={config.world_size} > gpu_per_node="
+                       f"{config.gpu_per_node}: native internode kernels are not built yet (use "
+                       f"kernel_backend='torch' or EPGEN_KERNEL_BACKEND=torch for the reference backend)")
+
+
 def _make_backend(config: EpDispatchCombineConfig, group):
     name = config.resolved_backend
     if name == "torch":
@@ -124,6 +193,8 @@ def _make_backend(config: EpDispatchCombineConfig, group):
 
         return TorchBackend(config, group)
     if name == "native":
+        if config.is_internode:
+            raise native_internode_error(config)
         try:
             from .native import NativeBackend
         except EpgenError:
@@ -143,6 +214,9 @@ class EpDispatchCombineOp:
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
         check_config_agreement(config, group)  # collective; before anything is allocated
+        if config.is_internode and config.resolved_backend == "native":
+            raise native_internode_error(config)  # on every rank alike (the configs agree)
+        check_host_layout(config, group)  # collective
         self.config = config
         self.uid = next(_UIDS)
         self._closed = False
@@ -155,6 +229,12 @@ class EpDispatchCombineOp:
     @property
     def device(self) -> torch.device:
         return self._backend.device
+
+    @property
+    def last_internode_kernel(self) -> str | None:
+        """The internode route ("v2" or "v2_ll") the last dispatch or combine took; None intranode or
+        before the first call. With internode_kernel="auto" it tells which one the call's token count picked."""
+        return getattr(self._backend, "last_internode_kernel", None)
 
     @property
     def closed(self) -> bool:

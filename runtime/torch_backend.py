@@ -30,6 +30,32 @@ rows past max_recv_tokens are dropped (the last ones in (source rank, token) ord
 a token's dropped row contributes nothing to its combine. strict_capacity=True raises CapacityError
 on each rank that dropped rows (after the data moved; the other ranks return normally).
 
+Internode (config.is_internode; G = gpu_per_node, ranks node-major: node(r) = r // G, local index
+loc(r) = r % G). Both routes give exactly the intranode results (same received rows in the same
+slots, same combine arithmetic): only how the bytes travel differs. Every rank still all_gathers
+the token counts and expert ids (metadata: the whole plan, ``slots_all``, is computed alike
+everywhere, so senders, forwarders and receivers agree on every message without extra
+headers); each row travels as one byte record (payload | scales | weights | ids), verbatim, through
+``all_to_all_single`` on the op's group (uneven splits, zero where a rank has nothing for a peer).
+
+* "v2_ll" (low latency): one copy per (token, kept destination rank), one all_to_all. Combine: each
+  destination sends each received row straight back to its origin (one all_to_all).
+* "v2" (hierarchical), two all_to_alls per leg. Dispatch stage 1 (between nodes, "rails"): source s
+  sends one copy per (token, destination node M) that has a kept destination on M, to its node peer
+  p = M*G + loc(s) (the same local index on M; every non-zero split of this stage connects ranks of
+  one rail, loc equal). Stage 2 (inside node M): p forwards each row it received to the final ranks
+  d on its node that keep it; d receives from each local forwarder p the rows of the sources of
+  p's rail, in ascending source then token order, and puts them in their slots. Combine reverses
+  both stages: d sends each row to its node peer of the origin's rail, which forwards it to the
+  origin. The forwarder does not pre-reduce a token's rows of its node (the native design would):
+  a partial sum would change the float32 summation order, and this backend must match the intranode
+  arithmetic exactly, so the inter-node leg of the combine carries one row per (token, destination
+  rank). The stages run on the whole group (zero splits outside the rail / node) rather than on
+  rail and node subgroups: no extra communicators, same bytes per link.
+* "auto": per dispatch, v2_ll when the call's largest per-rank token count (gathered anyway, so every
+  rank picks alike) is <= internode_auto_ll_max_tokens, else v2. A combine takes its handle's route.
+  ``last_internode_kernel`` says which route the last call took.
+
 Routing replay (dispatch(..., routing=handle)): the handle's plan is reused verbatim: the new rows,
 weights, indices and scales land in exactly the rows the handle's dispatch used (same total_recv, same
 drops); the new indices are moved as data and do not route.
@@ -124,6 +150,18 @@ def _decode(payload, scales, quant_type):
     raise ValueError(f"unknown quant_type {quant_type!r}")
 
 
+def _records(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Row-aligned tensors [n, ...] -> one uint8 record per row [n, sum of row bytes], and the byte widths."""
+    flat = [p.contiguous().view(torch.uint8).reshape(p.shape[0], p.shape[1:].numel() * p.element_size())
+            for p in parts]
+    return torch.cat(flat, 1), [f.shape[1] for f in flat]
+
+
+def _unrecord(records: torch.Tensor, widths: list[int], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of ``_records``: the parts, with the dtypes of ``like``."""
+    return [c.contiguous().view(t.dtype) for c, t in zip(records.split(widths, 1), like)]
+
+
 class TorchBackend:
     """See the module docstring; the interface is described in runtime/op.py."""
 
@@ -148,10 +186,11 @@ class TorchBackend:
             self.device = torch.device("cpu")
         self._in_view: torch.Tensor | None = None
         self._dropped: torch.Tensor | None = None
+        self.last_internode_kernel: str | None = None
 
     @property
     def capabilities(self) -> dict:
-        return {"graph_capture": False, "routing_replay": True}
+        return {"graph_capture": False, "routing_replay": True, "internode": True}
 
     # --- collectives -----------------------------------------------------------------------------
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -162,6 +201,102 @@ class TorchBackend:
         parts = [torch.empty_like(flat) for _ in range(self.config.world_size)]
         dist.all_gather(parts, flat, group=self.group)
         return [p.view(t.dtype).view(t.shape) for p in parts]
+
+    def _exchange(self, send: list[torch.Tensor], recv_counts: list[int], width: int) -> list[torch.Tensor]:
+        """all_to_all_single of byte records: send[r] ([n_r, width] uint8) goes to rank r; -> what each
+        rank sent here (recv_counts[r] records from rank r)."""
+        buf = torch.cat(send) if send else torch.empty(0, width, dtype=torch.uint8, device=self.device)
+        out = torch.empty(sum(recv_counts), width, dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(out, buf.contiguous(), recv_counts, [t.shape[0] for t in send], group=self.group)
+        return list(out.split(recv_counts))
+
+    def _route(self, counts: list[int]) -> str | None:
+        """The internode route of a dispatch with these per-rank token counts (None: intranode)."""
+        cfg = self.config
+        if not cfg.is_internode:
+            return None
+        if cfg.internode_kernel != "auto":
+            return cfg.internode_kernel
+        return "v2_ll" if max(counts) <= cfg.internode_auto_ll_max_tokens else "v2"
+
+    def _internode_move(self, route: str, rows: list[torch.Tensor], slots_all, width: int,
+                        back: bool) -> list[torch.Tensor]:
+        """Move byte records along ``route``; -> per peer rank, its records in the order the receiver wants.
+
+        Dispatch (back=False): rows[0] [n_me, width] are this rank's token records; returns, per
+        source s, the records of s's tokens kept here, in token (= slot) order.
+        Combine (back=True): rows[0] [rows_max, width] are this rank's received-row records by slot;
+        returns, per destination d, the records d sends back for this rank's tokens kept on d, in
+        token order (the order of send_plan[d]).
+        """
+        cfg = self.config
+        world, me, gpn = cfg.world_size, cfg.rank, cfg.resolved_gpu_per_node
+        node, loc = me // gpn, me % gpn
+        mine = rows[0]
+        empty = mine[:0]
+
+        def kept(s, d):  # tokens of s kept on d, ascending, and their slots on d
+            col = slots_all[s][:, d]
+            tok = (col >= 0).nonzero().squeeze(1)
+            return tok, col[tok]
+
+        def n_kept(s, d) -> int:
+            return int((slots_all[s][:, d] >= 0).sum())
+
+        if route == "v2_ll":
+            if not back:
+                send = [mine[kept(me, d)[0]] for d in range(world)]
+                return self._exchange(send, [n_kept(s, me) for s in range(world)], width)
+            send = [mine[kept(s, me)[1]] for s in range(world)]
+            return self._exchange(send, [n_kept(me, d) for d in range(world)], width)
+
+        rail = [s for s in range(world) if s % gpn == loc]  # this rank's rail: one rank per node
+        my_node = range(node * gpn, (node + 1) * gpn)
+
+        def to_node(s, m):  # tokens of s with a kept destination on node m, ascending
+            block = slots_all[s][:, m * gpn:(m + 1) * gpn]
+            return (block >= 0).any(1).nonzero().squeeze(1)
+
+        if not back:
+            # stage 1 (between nodes, along the rail): one copy per (token, destination node)
+            send1 = [mine[to_node(me, p // gpn)] if p % gpn == loc else empty for p in range(world)]
+            recv1 = [int(to_node(s, node).numel()) if s % gpn == loc else 0 for s in range(world)]
+            got1 = self._exchange(send1, recv1, width)
+            # stage 2 (inside the node): forward what arrived to the final ranks that keep it
+            send2 = []
+            for d in range(world):
+                if d // gpn != node:
+                    send2.append(empty)
+                    continue
+                parts = [got1[s][slots_all[s][to_node(s, node), d] >= 0] for s in rail]
+                send2.append(torch.cat(parts))
+            recv2 = [sum(n_kept(s, me) for s in range(p % gpn, world, gpn)) if p in my_node else 0
+                     for p in range(world)]
+            got2 = self._exchange(send2, recv2, width)
+            out = [empty] * world  # per source, in token order
+            for p in my_node:
+                srcs = list(range(p % gpn, world, gpn))
+                for s, part in zip(srcs, got2[p].split([n_kept(s, me) for s in srcs])):
+                    out[s] = part
+            return out
+
+        # combine, stage 2 reversed (inside the node): each received row to the origin's node peer
+        send2 = [torch.cat([mine[kept(s, me)[1]] for s in range(p % gpn, world, gpn)]) if p in my_node else empty
+                 for p in range(world)]
+        recv2 = [sum(n_kept(s, d) for s in rail) if d in my_node else 0 for d in range(world)]
+        got2 = self._exchange(send2, recv2, width)
+        by_dst = {d: dict(zip(rail, got2[d].split([n_kept(s, d) for s in rail]))) for d in my_node}
+        # stage 1 reversed (between nodes, along the rail): the forwarder sends every row on, unreduced
+        send1 = [torch.cat([by_dst[d][s] for d in my_node]) if s in rail else empty for s in range(world)]
+        recv1 = [sum(n_kept(me, d) for d in range(p // gpn * gpn, (p // gpn + 1) * gpn)) if p % gpn == loc else 0
+                 for p in range(world)]
+        got1 = self._exchange(send1, recv1, width)
+        out = [empty] * world  # per destination, in token order
+        for p in rail:
+            dsts = list(range(p // gpn * gpn, (p // gpn + 1) * gpn))
+            for d, part in zip(dsts, got1[p].split([n_kept(me, d) for d in dsts])):
+                out[d] = part
+        return out
 
     # --- dispatch --------------------------------------------------------------------------------
     def _dispatch_payload(self, x, scales):
@@ -228,24 +363,50 @@ class TorchBackend:
                 send_plan.append((tok[keep], slots[keep]))
             fields = {"total_recv": total, "send_plan": tuple(send_plan), "recv_src": recv_src,
                       "dest_order": destination_order(indices, epr, world), "recv_dropped": addressed - total}
+            if cfg.is_internode:  # the whole plan: [T_src, world] slot on each destination, -1 none/dropped
+                slots_all = []
+                for src, m in enumerate(masks):
+                    pos = torch.cumsum(m.long(), 0) - 1 + offsets[src]
+                    slots_all.append(torch.where(m & (pos < rows_max), pos, -1))
+                fields["extra"] = {"slots_all": tuple(slots_all)}
         else:  # replay: the handle's rows, plan and drops; the new indices travel as data only
             total, recv_src = routing.total_recv, routing.recv_src
             fields = {"total_recv": total, "send_plan": routing.send_plan, "recv_src": recv_src,
                       "dest_order": routing.dest_order, "recv_dropped": routing.recv_dropped}
+            if cfg.is_internode:
+                if "slots_all" not in routing.extra:
+                    raise InputError("dispatch: this routing handle carries no internode plan")
+                fields["extra"] = {"slots_all": routing.extra["slots_all"]}
         dropped = fields["recv_dropped"]
 
-        all_x, all_w = self._all_gather(x_pad), self._all_gather(w_pad)
-        all_s = self._all_gather(s_pad) if s_pad is not None else None
         out = torch.zeros(rows_max, x_pad.shape[1], dtype=x_pad.dtype, device=dev)
         out_s = torch.zeros(rows_max, s_pad.shape[1], dtype=s_pad.dtype, device=dev) if s_pad is not None else None
         out_w = torch.zeros(rows_max, k, dtype=torch.float32, device=dev)
         out_i = torch.full((rows_max, k), -1, dtype=torch.int32, device=dev)
-        for src in range(world):
-            sel = (recv_src[:, 0] == src).nonzero().squeeze(1)  # this source's rows, in slot order
-            tok = recv_src[sel, 1]
-            out[sel], out_w[sel], out_i[sel] = all_x[src][tok], all_w[src][tok], all_idx[src][tok]
-            if out_s is not None:
-                out_s[sel] = all_s[src][tok]
+        route = self._route(counts)
+        self.last_internode_kernel = route
+        if route is not None:
+            fields["extra"] = {**fields["extra"], "route": route}
+            slots_all = fields["extra"]["slots_all"]
+            parts = [x_pad[:n], w_pad[:n], i_pad[:n]] + ([s_pad[:n]] if s_pad is not None else [])
+            records, widths = _records(parts)
+            got = self._internode_move(route, [records], slots_all, records.shape[1], back=False)
+            recv = torch.zeros(rows_max, records.shape[1], dtype=torch.uint8, device=dev)
+            for src in range(world):
+                col = slots_all[src][:, me]
+                recv[col[col >= 0]] = got[src]
+            targets = [out, out_w, out_i] + ([out_s] if out_s is not None else [])
+            for t, part in zip(targets, _unrecord(recv[:total], widths, targets)):
+                t[:total] = part
+        else:
+            all_x, all_w = self._all_gather(x_pad), self._all_gather(w_pad)
+            all_s = self._all_gather(s_pad) if s_pad is not None else None
+            for src in range(world):
+                sel = (recv_src[:, 0] == src).nonzero().squeeze(1)  # this source's rows, in slot order
+                tok = recv_src[sel, 1]
+                out[sel], out_w[sel], out_i[sel] = all_x[src][tok], all_w[src][tok], all_idx[src][tok]
+                if out_s is not None:
+                    out_s[sel] = all_s[src][tok]
         self._dropped = torch.tensor(dropped, dtype=torch.int32, device=dev)
         if dropped and cfg.strict_capacity:
             raise CapacityError(f"dispatch: rank {me} dropped {dropped} received row(s) past its receive "
@@ -277,16 +438,31 @@ class TorchBackend:
         payload, scales = encode_rows(expert_out[:total], quant)
         p_pad = torch.zeros(rows_max, payload.shape[1], dtype=payload.dtype, device=dev)
         p_pad[:total] = payload
-        all_p = self._all_gather(p_pad)
-        all_s = None
-        if scales is not None:
-            s_pad = torch.zeros(rows_max, scales.shape[1], dtype=scales.dtype, device=dev)
-            s_pad[:total] = scales
-            all_s = self._all_gather(s_pad)
         w_pad = torch.zeros(rows_max, cfg.num_experts_per_token, dtype=torch.float32, device=dev)
         if weights is not None:
             w_pad[:total] = weights[:total]
-        all_w = self._all_gather(w_pad)
+        all_s = None
+        route = routing.extra.get("route") if cfg.is_internode else None
+        self.last_internode_kernel = route
+        if route is not None:  # gather combine only (no scales): rows travel back along the route
+            slots_all = routing.extra["slots_all"]
+            records, widths = _records([p_pad, w_pad])
+            got = self._internode_move(route, [records], slots_all, records.shape[1], back=True)
+            all_p, all_w = [], []
+            for dst in range(cfg.world_size):  # laid out by slot on dst, as the intranode gather has them
+                col = slots_all[cfg.rank][:, dst]
+                back = torch.zeros_like(records)
+                back[col[col >= 0]] = got[dst]
+                p_back, w_back = _unrecord(back, widths, [p_pad, w_pad])
+                all_p.append(p_back)
+                all_w.append(w_back)
+        else:
+            all_p = self._all_gather(p_pad)
+            if scales is not None:
+                s_pad = torch.zeros(rows_max, scales.shape[1], dtype=scales.dtype, device=dev)
+                s_pad[:total] = scales
+                all_s = self._all_gather(s_pad)
+            all_w = self._all_gather(w_pad)
 
         n, world = routing.num_tokens, cfg.world_size
         slot_of = torch.full((n, world), -1, dtype=torch.int64, device=dev)  # [token, rank] -> slot there

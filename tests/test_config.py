@@ -274,9 +274,18 @@ def test_std_moe_internode_rejected():
 
 
 @pytest.mark.parametrize("kernel", ["v2", "v2_ll", "auto"])
-def test_internode_not_built_yet(kernel):
-    c_kw = dict(world_size=16, gpu_per_node=8, internode_kernel=kernel)
-    rejects(r"^world_size=16 > gpu_per_node=8: internode is not built yet", **c_kw)
+def test_internode_accepted(kernel):
+    c = make(world_size=16, gpu_per_node=8, internode_kernel=kernel)
+    assert c.is_internode and c.resolved_gpu_per_node == 8
+    assert c.topology_names == {"v2": ("internode_v2",), "v2_ll": ("internode_v2_ll",)}.get(
+        kernel, ("internode_v2", "internode_v2_ll"))
+    assert make(world_size=16, gpu_per_node=8, kernel_backend="native").is_internode  # the op rejects native
+
+
+def test_internode_scatter_rejected():
+    rejects(r"^combine_mode='scatter': internode \(world_size=16 > gpu_per_node=8\) combines with "
+            r"combine_mode='gather' only \(the scatter combine is intranode only\)$",
+            world_size=16, gpu_per_node=8, combine_mode="scatter")
 
 
 # --- spec rules (the generator's rule engine, the spec's own words) -----------------------------

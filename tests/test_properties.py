@@ -154,7 +154,13 @@ def check_invariants(cfg: EpDispatchCombineConfig, env: str | None) -> None:
         assert cfg.dispatch_dtype == cfg.data_type == cfg.combine_dtype
     two_per_byte = cfg.dispatch_data_type == torch.float4_e2m1fn_x2
     assert cfg.dispatch_payload_cols * (2 if two_per_byte else 1) == cfg.hidden_dim
-    assert not cfg.is_internode and cfg.topology_names == ("intranode",)
+    assert cfg.is_internode == (cfg.world_size > cfg.resolved_gpu_per_node)
+    assert cfg.world_size % cfg.resolved_gpu_per_node == 0
+    if cfg.is_internode:  # gather only, no quantized wire, no std-MoE
+        assert cfg.resolved_combine_mode == "gather" and cfg.quant_type == cfg.dispatch_quant_type == "none"
+        assert not cfg.enable_std_moe and "intranode" not in cfg.topology_names
+    else:
+        assert cfg.topology_names == ("intranode",)
     assert cfg.world_size <= cfg.max_recv_tokens and 0 < cfg.resolved_expert_capacity <= cfg.max_recv_tokens
     assert type(cfg.enable_std_moe) is bool and type(cfg.strict_capacity) is bool
     expected_backend = env or cfg.kernel_backend or ("native" if torch.cuda.is_available() else "torch")
