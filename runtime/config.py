@@ -127,6 +127,8 @@ class EpDispatchCombineConfig:
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
     strict_capacity: bool = False  # dispatch raises CapacityError when it dropped received rows
+    launch_blocks: int = 0  # EP kernel grid override; 0: specs/tuning.toml
+    launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -239,7 +241,8 @@ class EpDispatchCombineConfig:
     def _check_types(self) -> None:
         ints = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                 "num_experts_per_token", "scale_dim", "scale_type_size", "max_total_recv_tokens",
-                "gpu_per_node", "internode_auto_ll_max_tokens", "expert_capacity")
+                "gpu_per_node", "internode_auto_ll_max_tokens", "expert_capacity", "launch_blocks",
+                "launch_threads")
         for f in ints:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -268,9 +271,12 @@ class EpDispatchCombineConfig:
                   "num_experts_per_token", "internode_auto_ll_max_tokens"):
             if getattr(self, f) <= 0:
                 raise self._fail(f, "must be positive")
-        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node", "expert_capacity"):
+        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node", "expert_capacity",
+                  "launch_blocks", "launch_threads"):
             if getattr(self, f) < 0:
                 raise self._fail(f, "must be >= 0")
+        if self.launch_threads % 32 or self.launch_threads > 1024:
+            raise self._fail("launch_threads", "must be a multiple of 32 and at most 1024 (0: specs/tuning.toml)")
         try:
             finite = math.isfinite(self.timeout_s)
         except OverflowError:  # an int too large for a float

@@ -19,7 +19,7 @@ FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s",
-               "expert_capacity", "strict_capacity")
+               "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads")
 
 
 @pytest.fixture(autouse=True)
@@ -530,3 +530,16 @@ def test_backend_fixed_at_construction(monkeypatch):
     monkeypatch.setenv(rconfig.BACKEND_ENV, "torch")
     assert c.resolved_backend == "native"
     assert attrs.evolve(c).resolved_backend == "torch"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("launch_blocks", -1, "must be >= 0"),
+    ("launch_threads", -32, "must be >= 0"),
+    ("launch_threads", 100, "multiple of 32"),
+    ("launch_threads", 2048, "at most 1024"),
+])
+def test_launch_geometry_override_is_validated(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16,
+                                num_experts_per_rank=4, num_experts_per_token=2, kernel_backend="torch",
+                                **{field: value})
