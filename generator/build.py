@@ -17,9 +17,6 @@ from .cache import Entry, cache_key, usable_dir
 from .model import Variant, enumerate_variants
 from .specs import Specs
 
-GENERATED = Path(__file__).resolve().parent.parent / "generated"
-
-
 def generated_root(specs: Specs) -> Path:
     """generated/ beside the specs/ folder in use (the project's own, or a copy's)."""
     return specs.root.resolve().parent / "generated"

@@ -45,7 +45,7 @@ def select(arch: str, name: str):
     variants, rejected = enumerate_variants(specs, [arch], "all")
     for v in variants:
         if v.name == name:
-            manifest = gbuild.GENERATED / arch / "manifest.json"
+            manifest = gbuild.generated_root(specs) / arch / "manifest.json"
             entries = json.loads(manifest.read_text())["variants"] if manifest.exists() else {}
             if name not in entries:
                 raise VariantMissError(f"no variant {key} in {manifest}: run python -m generator build --arch {arch}")
@@ -66,7 +66,7 @@ def code_object(v) -> bytes:
         raise VariantMissError(f"{v.key} is not built and cannot be built here ({e}); build it where a "
                                f"toolchain exists: python -m generator build --arch {v.target.name} "
                                f"--only '{v.name}'") from None
-    source = gbuild.GENERATED / v.target.name / v.file
+    source = gbuild.generated_root(gspecs.load()) / v.target.name / v.file
     res = gbuild.compile_variant(v, source, usable_dir(), tools)
     if not res.ok:
         raise EpgenError(f"{v.key}: {res.status}: {res.message}")
