@@ -13,12 +13,12 @@ import json
 import torch
 
 from generator import build as gbuild
-from generator import specs as gspecs
 from generator import toolchain as gtoolchain
 from generator.abi import EP_ARGS
 from generator.cache import usable_dir
 from generator.model import enumerate_variants
 
+from .config import load_specs
 from .errors import EpgenError, VariantMissError
 
 
@@ -37,7 +37,7 @@ def device_arch(device: torch.device) -> str:
 
 def select(arch: str, name: str):
     """The Variant `name` for `arch`, or VariantMissError naming the key, the reason and what exists."""
-    specs = gspecs.load()
+    specs = load_specs()
     key = f"{arch}/{name}"
     if arch not in specs.targets:
         raise VariantMissError(f"no variant {key}: target {arch!r} is not declared in specs/targets.toml "
@@ -66,7 +66,7 @@ def code_object(v) -> bytes:
         raise VariantMissError(f"{v.key} is not built and cannot be built here ({e}); build it where a "
                                f"toolchain exists: python -m generator build --arch {v.target.name} "
                                f"--only '{v.name}'") from None
-    source = gbuild.generated_root(gspecs.load()) / v.target.name / v.file
+    source = gbuild.generated_root(load_specs()) / v.target.name / v.file
     res = gbuild.compile_variant(v, source, usable_dir(), tools)
     if not res.ok:
         raise EpgenError(f"{v.key}: {res.status}: {res.message}")

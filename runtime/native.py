@@ -21,10 +21,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
 from . import kernels
-from .config import EpDispatchCombineConfig, spec_dtype
+from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from . import errors
 from .errors import EpgenError, InputError
 
@@ -62,7 +63,7 @@ class Plan:
 
     @classmethod
     def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
-        specs = kernels.gspecs.load()
+        specs = load_specs()
         H = cfg.hidden_dim
         fp8 = "fp8_e4m3fn" if target.fp8_e4m3 == "ocp" else "fp8_e4m3fnuz"
         wire_of = {"fp8": fp8, "fp4": "fp4_e2m1"}
@@ -146,7 +147,7 @@ class NativeBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = kernels.device_arch(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        target = kernels.gspecs.load().targets.get(self.arch)
+        target = load_specs().targets.get(self.arch)
         if target is None:
             kernels.select(self.arch, "dispatch")  # raises the miss error naming the declared targets
         self.wave = target.wave_size
@@ -229,7 +230,7 @@ class NativeBackend:
         dispatch grids never exceed one wave per work item.
         """
         cfg = self.config
-        b = kernels.gspecs.geometry(kernels.gspecs.load(), self.arch, role, tokens)
+        b = gspecs.geometry(load_specs(), self.arch, role, tokens)
         threads = cfg.launch_threads or b.threads
         blocks = cfg.launch_blocks or b.blocks or self.num_sms
         if role == "combine":

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from runtime import EpDispatchCombineConfig, kernels
+from runtime.config import load_specs
 from runtime.native import Plan
 
 BASE = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64, num_experts_per_rank=8,
@@ -25,7 +26,7 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_plan_names_declared_variants(arch, mode):
     cfg = EpDispatchCombineConfig(**BASE, **MODES[mode])
-    target = kernels.gspecs.load().targets[arch]
+    target = load_specs().targets[arch]
     misses = {("gfx942", "fp4_quant"): "fp4_conversion_target",  # no FP4 conversion instructions
               ("gfx942", "fp8_payload"): "fp8_native_ocp"}          # gfx942 payloads are float8_e4m3fnuz
     if (arch, mode) in misses:
@@ -40,7 +41,7 @@ def test_plan_names_declared_variants(arch, mode):
 
 
 def test_plan_sizes():
-    t = kernels.gspecs.load().targets["sm_90"]
+    t = load_specs().targets["sm_90"]
     p = Plan.of(EpDispatchCombineConfig(**BASE, **MODES["fp8_quant"]), t)
     assert (p.in_row, p.wire_row, p.scale_row, p.scale_cols) == (7168 * 2, 7168, 56 * 4, 56)
     assert p.out_dtype == torch.float8_e4m3fn and p.scatter and (p.scat_row, p.scat_scale_row) == (7168, 56 * 4)

@@ -19,3 +19,12 @@ def collective_assert(err) -> None:
     dist.all_gather_object(errs, err)
     bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
     assert not bad, "; ".join(bad)
+
+
+def run_collective(check) -> None:
+    """Run check() on every rank; any rank's assertion failure fails every rank (none is left waiting)."""
+    try:
+        err = check()
+    except AssertionError as e:
+        err = str(e) or "assertion failed"
+    collective_assert(err)

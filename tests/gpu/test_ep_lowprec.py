@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 from tests.ep_oracle import multiplicity, random_routing
-from tests.gpu.dist_util import collective_assert, init_dist
+from tests.gpu.dist_util import init_dist, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -27,14 +27,6 @@ BF16 = torch.bfloat16
 def dist_env():
     init_dist()
     yield
-
-
-def _run(check):
-    try:
-        err = check()
-    except AssertionError as e:
-        err = str(e) or "assertion failed"
-    collective_assert(err)
 
 
 def _inputs(seed, rank):
@@ -88,7 +80,7 @@ def test_payload_dispatch_is_byte_exact(payload):
             want_s = torch.stack([enc[r][1][t] for r, t in srcs]) if n else got_s
             assert torch.equal(got_s.view(torch.uint8), want_s.view(torch.uint8)), "scales differ"
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 @pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
@@ -108,7 +100,7 @@ def test_in_kernel_quantization_is_bit_exact(mode):
             assert torch.equal(got_q, q), f"{mode}: {(got_q != q).sum()} bytes differ"
             assert torch.equal(got_s.view(torch.uint8), s.view(torch.uint8)), f"{mode}: scales differ"
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def _wire_roundtrip(rows_bf16, quant, fmt):
@@ -155,7 +147,7 @@ def test_scatter_identity(quant):
             assert bool((err <= U[:, None] * TOL[quant](x.float(), amax) + 2**-7 * x.float().abs() * U[:, None]).all()), \
                 f"{quant}: max error {err.max()}"
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def test_scatter_gather_parity_bf16():
@@ -169,7 +161,7 @@ def test_scatter_gather_parity_bf16():
                 res.append(op.combine(expert, routing=h)[0].cpu())
             dist.barrier()
         assert torch.equal(res[0], res[1]), f"{(res[0] != res[1]).any(1).sum()} rows differ"
-    _run(check)
+    run_collective(check)
 
 
 def test_graph_fp8_dispatch_identity_fp8_combine():
@@ -209,4 +201,4 @@ def test_graph_fp8_dispatch_identity_fp8_combine():
                 assert torch.equal(comb.cpu(), want.to(BF16)), f"replay {rep}: {(comb.cpu() != want.to(BF16)).any(1).sum()} rows differ"
                 assert torch.allclose(comb_w.cpu(), w * U[:, None], rtol=1e-6, atol=0)
         dist.barrier()
-    _run(check)
+    run_collective(check)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from tests.ep_oracle import multiplicity, random_routing
-from tests.gpu.dist_util import collective_assert, init_dist
+from tests.gpu.dist_util import init_dist, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -41,14 +41,6 @@ def _inputs(seed, rank):
     return x.cuda(), w.cuda(), random_routing(g, T, K, EPR * dist.get_world_size()).cuda()
 
 
-def _run(check):
-    try:
-        err = check()
-    except AssertionError as e:
-        err = str(e) or "assertion failed"
-    collective_assert(err)
-
-
 def test_routing_replay_lands_in_the_same_rows():
     def check():
         with EpDispatchCombineOp(_cfg()) as op:
@@ -65,7 +57,7 @@ def test_routing_replay_lands_in_the_same_rows():
             U = torch.tensor(multiplicity(idx.cpu(), EPR), dtype=torch.float32, device="cuda")
             assert torch.equal(comb, (y.float() * U[:, None]).to(torch.bfloat16))
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def test_local_expert_counts_sum_to_valid_pairs():
@@ -81,7 +73,7 @@ def test_local_expert_counts_sum_to_valid_pairs():
             dist.all_reduce(valid)
             assert int(total) == int(valid), (int(total), int(valid))
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def test_cap_drops_exactly_the_counted_rows():
@@ -104,7 +96,7 @@ def test_cap_drops_exactly_the_counted_rows():
             slots = h.extra["slots"]
             assert int((slots // dist.get_world_size()).max()) < cap
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def test_zero_copy_and_staged_combine_agree():
@@ -119,7 +111,7 @@ def test_zero_copy_and_staged_combine_agree():
             zero_copy, _ = op.combine(view, routing=h)
             assert torch.equal(staged, zero_copy)
         dist.barrier()
-    _run(check)
+    run_collective(check)
 
 
 def test_build_and_close_ten_times_leaks_nothing():
@@ -135,7 +127,7 @@ def test_build_and_close_ten_times_leaks_nothing():
         after = torch.cuda.memory_allocated()
         assert after == before, f"GPU memory {before} -> {after} after 10 ops"
         assert report["total_device_bytes"] > 0
-    _run(check)
+    run_collective(check)
 
 
 def _affine(E):
@@ -187,4 +179,4 @@ def test_std_moe_round_trip_and_graph():
                 want, scale = _std_moe_expected(x, w, idx, a, b)
                 assert bool(((res.float() - want).abs() <= scale * 2**-6 + 1e-3).all()), f"replay {rep}"
         dist.barrier()
-    _run(check)
+    run_collective(check)
