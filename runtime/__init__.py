@@ -4,6 +4,7 @@ from .config import EpDispatchCombineConfig
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, VariantMissError
 from .op import EpDispatchCombineOp
 from .routing import RoutingHandle
+from .workspace import release_workspaces
 
 __all__ = [
     "EpDispatchCombineConfig",
@@ -16,4 +17,5 @@ __all__ = [
     "CapacityError",
     "EpTimeoutError",
     "VariantMissError",
+    "release_workspaces",
 ]

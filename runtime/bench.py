@@ -128,9 +128,16 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         def comb_staged():  # expert output in a tensor of its own: combine stages it first
             op.combine(held["out"], routing=held["h"])
 
+        def disp_replay():  # the same rows again through the handle's slots: no slot claims
+            op.dispatch(x, w, None, idx, routing=held["h"])
+
         d_ms, _, c_ms = _graph_time([disp, expert, comb], inner, reps)
         _, s_ms = _graph_time([disp, comb_staged], inner, reps)
+        _, r_ms, _, _ = _graph_time([disp, disp_replay, expert, comb], inner, reps)
         (d_med, d_p99), (c_med, c_p99), (s_med, _) = _stats(d_ms), _stats(c_ms), _stats(s_ms)
+        r_med = _stats(r_ms)[0]
+        geometry = {role: op._backend._geometry(role, T, T * k if role == "dispatch" else T)
+                    for role in ("dispatch", "combine")}
         b_med = d_med + c_med
         sent = int(U.sum())
         a2a_in = torch.randn(sent + (world - sent % world) % world, hidden, device="cuda").to(dtype)
@@ -148,6 +155,12 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "torch": torch.__version__, "world_size": world, "dtype": str(dtype).replace("torch.", ""), "quant": "none",
         "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "graph": True,
         "dispatch_us": d_med * 1e3, "dispatch_p99_us": d_p99 * 1e3,
+        "dispatch_replay_us": r_med * 1e3,
+        "dispatch_replay_note": "routing replay of the same rows right after a dispatch (no slot claims; "
+                                "includes the dispatch->dispatch entry barrier)",
+        "dispatch_blocks": geometry["dispatch"][0], "combine_blocks": geometry["combine"][0],
+        "dispatch_threads": geometry["dispatch"][1], "combine_threads": geometry["combine"][1],
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "combine_us": c_med * 1e3, "combine_p99_us": c_p99 * 1e3, "combine_staged_us": s_med * 1e3,
         "combine_input": "combine_in_view (zero-copy); combine_staged_us: separate tensor, staged", "dispatch_combine_us": b_med * 1e3,
         "nccl_a2a_us": n_med * 1e3, "recv_rows": n_recv, "remote_rows": remote_rows,
@@ -252,11 +265,12 @@ def main(argv=None) -> int:
                 for r in rows + low:
                     f.write(json.dumps(r, sort_keys=True) + "\n")
         print(f"{'dtype':>8} {'tokens':>6} {'hidden':>6} {'disp us':>8} {'comb us':>8} {'staged':>8} {'nccl us':>8} {'disp x':>6} {'comb x':>6} "
-              f"{'disp link GB/s':>14} {'comb link GB/s':>14}")
+              f"{'disp link GB/s':>14} {'comb link GB/s':>14} {'replay us':>9} {'blocks d/c':>10}")
         for r in rows:
             print(f"{r['dtype']:>8} {r['tokens_per_rank']:>6} {r['hidden']:>6} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} {r['combine_staged_us']:>8.1f} "
                   f"{r['nccl_a2a_us']:>8.1f} {r['dispatch_vs_nccl']:>6.2f} {r['combine_vs_nccl']:>6.2f} "
-                  f"{r['dispatch_link_GBps']:>14.1f} {r['combine_link_GBps']:>14.1f}")
+                  f"{r['dispatch_link_GBps']:>14.1f} {r['combine_link_GBps']:>14.1f} {r['dispatch_replay_us']:>9.1f} "
+                  f"{r['dispatch_blocks']:>5}/{r['combine_blocks']:<4}")
         for r in low:
             m = r["modes"]
             print(f"T={r['tokens_per_rank']} H={r['hidden']}: dispatch bf16 {m['bf16_gather']['dispatch_us']:.1f} us, "

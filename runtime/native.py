@@ -24,10 +24,11 @@ import torch.distributed as dist
 from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
-from . import kernels
+from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from . import errors
 from .errors import EpgenError, InputError
+from .routing import ordered_slots
 
 BLOCK = 512  # threads per block of the std-MoE kernels (the EP kernels take specs/tuning.toml)
 _ALIGN = 256
@@ -135,8 +136,6 @@ class NativeBackend:
             raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
         if not dist.is_initialized():
             raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
-        import torch.distributed._symmetric_memory as symm_mem
-
         cfg = self.config = config
         self.group = group or dist.group.WORLD
         if dist.get_world_size(self.group) != cfg.world_size or dist.get_rank(self.group) != cfg.rank:
@@ -161,9 +160,8 @@ class NativeBackend:
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
 
         self.layout = lay = plan.layout(cfg)
-        self.buf = symm_mem.empty(lay["total"], dtype=torch.uint8, device=self.device)
-        self.buf.zero_()
-        self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
+        self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
+        self.buf, self.handle = self._ws.buf, self._ws.handle
         ptrs = getattr(self.handle, "buffer_ptrs_dev", None)
         self.peer_bases = None
         if not ptrs:
@@ -207,6 +205,7 @@ class NativeBackend:
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
         self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
+        self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
@@ -261,12 +260,14 @@ class NativeBackend:
                                  f"{cfg.num_experts - 1}, negative = no expert)")
         if routing is not None:  # replay: the handle's slots and row count, no claims
             slots, total = routing.extra["slots"], routing.extra["total"]
+        elif self.capped:  # below the worst case: (source rank, token) order decides who is dropped
+            slots, total = self._ordered_slots(indices)
         else:
             slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
             total = torch.empty(1, dtype=torch.int32, device=self.device)
         a = self.dargs
         a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), total.data_ptr()
-        a.replay = int(routing is not None)
+        a.replay = int(routing is not None or self.capped)
         a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
@@ -284,6 +285,24 @@ class NativeBackend:
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
             {"extra": {"slots": slots, "total": total}}
+
+    def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots under a receive cap: rows numbered in (source rank, token) order (routing.ordered_slots),
+        so the same rows are kept and dropped on every run; the counts cross ranks in one small
+        all-gather on the op's group. The kernel then runs in replay mode on these slots."""
+        cfg = self.config
+        W = cfg.world_size
+
+        def gather(counts):
+            every = torch.empty(W * W, dtype=counts.dtype, device=counts.device)
+            workspace.all_gather_single(every, counts, self.group)
+            return every.view(W, W)
+
+        slots, total, dropped = ordered_slots(indices, cfg.rank, W, cfg.num_experts_per_rank, cfg.num_experts,
+                                              cfg.max_recv_tokens, gather)
+        self.state[STATE_WORDS.index("dropped")].copy_(dropped)
+        self.state[STATE_WORDS.index("bad_ids")].add_((indices >= cfg.num_experts).sum().to(torch.int32))
+        return slots, total
 
     def _std_moe_setup(self) -> dict:
         """Standard-MoE buffers and kernels (bf16/fp32 payloads), made at construction."""
@@ -413,8 +432,11 @@ class NativeBackend:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
+        """Unload the kernels, free the op's device buffers and give the workspace back to the pool."""
+        torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
         for kern in (self._dispatch, self._combine, *((self._std["pack"], self._std["unpack"]) if self._std else ())):
             kern.close()
-        self._std = None
-        self.buf = self.handle = self.peer_bases = None
+        workspace.release(self._ws)
+        self._ws = self._std = self.dargs = self.cargs = None
+        self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

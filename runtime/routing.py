@@ -1,8 +1,9 @@
-"""RoutingHandle: what dispatch learned about where each token went, for combine (and replay)."""
+"""RoutingHandle: what dispatch learned about where each token went, for combine (and replay);
+ordered_slots: the native backend's deterministic slot layout under a receive cap."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -34,3 +35,41 @@ class RoutingHandle:
     # the op's dispatch counter at the dispatch that made this handle (checks of convert_combine_input)
     seq: int = 0
     extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+def send_counts(indices: torch.Tensor, world_size: int, experts_per_rank: int, num_experts: int):
+    """-> (send [T, k] bool, dest [T, k] int64, hot [T, W] int64).
+
+    One row per (token, destination rank): the first of a token's k ids naming that rank sends it;
+    ids < 0 or >= num_experts send nothing. hot[t, r] = 1 when token t sends a row to rank r.
+    """
+    T, k = indices.shape
+    e = indices.long()
+    valid = (e >= 0) & (e < num_experts)
+    dest = torch.where(valid, e // experts_per_rank, -1)
+    earlier = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril(-1)  # [j, jj]: jj < j
+    send = valid & ~((dest[:, :, None] == dest[:, None, :]) & earlier).any(-1)
+    hot = torch.zeros(T, world_size, dtype=torch.int64, device=indices.device)
+    hot.scatter_add_(1, dest.clamp_min(0), send.long())
+    return send, dest, hot
+
+
+def ordered_slots(indices: torch.Tensor, rank: int, world_size: int, experts_per_rank: int, num_experts: int,
+                  capacity: int, all_gather: Callable[[torch.Tensor], torch.Tensor]):
+    """Receive slots numbered in (source rank, token) order, the same on every run.
+
+    all_gather(counts [W]) -> [W, W] (row s: source s's rows to each destination) is the only
+    exchange. Returns (slots [T, k] int32 = row * W + destination, -1 for no row or a row at or past
+    `capacity`; total [1] int32 rows this rank receives, at most capacity; dropped int64 scalar).
+    Everything stays on indices' device: no host synchronisation, so it can be graph-captured.
+    """
+    W = world_size
+    send, dest, hot = send_counts(indices, W, experts_per_rank, num_experts)
+    every = all_gather(hot.sum(0))                                        # [source, destination]
+    ahead = every[:rank].sum(0) + hot.cumsum(0) - hot                     # [T, W]: rows before it at dst
+    row = ahead.gather(1, dest.clamp_min(0))
+    keep = send & (row < capacity)
+    slots = torch.where(keep, row * W + dest, -1).to(torch.int32)
+    arriving = every[:, rank].sum()
+    total = arriving.clamp(max=capacity)
+    return slots, total.to(torch.int32).view(1), arriving - total

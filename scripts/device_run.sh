@@ -14,7 +14,11 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 
 if [ "$ngpu" -ge 2 ]; then
   timeout 300 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 60 torchrun --nproc-per-node 2 tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
+  if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
+    timeout 300 torchrun --nproc-per-node 2 -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
+    cp specs/tuning.toml "$OUT/tuning.toml"
+  fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death tune bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -92,9 +92,12 @@ def test_config_mismatch_detected_at_construction():
     assert "2048" in msg and "4096" in msg and "hidden_dim" in msg, msg
 
 
+SOAK_SHAPE = (256, 2048, 8, 16)  # tokens, hidden, k, experts per rank
+
+
 def _soak(iters: int) -> tuple[int, int]:
     """Run the soak; returns (rows checked, rows wrong). Every tensor it makes dies with it."""
-    T, H, k, epr = 256, 2048, 8, 16
+    T, H, k, epr = SOAK_SHAPE
     E = epr * dist.get_world_size()
     with EpDispatchCombineOp(_cfg(T, H, k, epr)) as op:
         gen = torch.Generator(device="cuda").manual_seed(77 + dist.get_rank())
@@ -137,12 +140,15 @@ def test_soak():
     import gc
 
     iters = int(os.environ.get("EPGEN_SOAK_ITERS", "5000"))
+    # an op of the soak's shape built and closed first: its workspace (and torch's one-time rendezvous
+    # bookkeeping) is pooled, so before/after compare the soak alone (build/close: test_ep_moe.py)
+    EpDispatchCombineOp(_cfg(*SOAK_SHAPE)).close()
     torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()
+    mem0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     rows, nbad = _soak(iters)
     gc.collect()
     torch.cuda.synchronize()
-    mem1 = torch.cuda.memory_allocated()
+    mem1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     print(f"rank {dist.get_rank()}: soak {iters} iterations, {rows} rows checked, {nbad} rows wrong, "
-          f"GPU memory allocated before {mem0} after {mem1}")
+          f"GPU memory allocated before {mem0} after {mem1}, device free before {free0} after {free1}")
     collective_assert(None if nbad == 0 and mem1 == mem0 else f"{nbad} rows wrong, memory {mem0} -> {mem1}")

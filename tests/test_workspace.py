@@ -1,0 +1,83 @@
+"""The symmetric-workspace pool (runtime/workspace.py) and the ordered slot layout under a receive cap
+(runtime/routing.ordered_slots), on CPU: 2 gloo ranks with a stand-in allocator, and all ranks of a
+routing simulated in one process against the (source rank, token) oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_dist import get_world
+from ep_oracle import expected_received, random_routing
+from runtime import workspace
+from runtime.routing import ordered_slots, send_counts
+
+
+def scn_pool(rank, world):
+    import torch.distributed as dist
+
+    workspace.release_workspaces()
+    made = []
+
+    def fake(nbytes, device, group):
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8), object()
+
+    dev, g = torch.device("cpu"), dist.group.WORLD
+    a = workspace.acquire(64, dev, g, fake)
+    a.buf.fill_(7)
+    workspace.release(a)
+    b = workspace.acquire(64, dev, g, fake)  # every rank holds the same one: reused, zeroed
+    assert b is a and int(b.buf.sum()) == 0 and made == [64]
+    c = workspace.acquire(64, dev, g, fake)  # pool empty: fresh, next sequence number
+    assert c.seq == a.seq + 1 and made == [64, 64]
+    workspace.release(a)
+    if rank == 0:  # only rank 0 gives c back: the ranks would take different buffers
+        workspace.release(c)
+    # rank 0's pool now offers c, rank 1's offers a: they disagree, so every rank allocates afresh
+    d = workspace.acquire(64, dev, g, fake)
+    assert d is not a and d is not c and len(made) == 3
+    seqs = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(seqs, torch.tensor([d.seq]))
+    other = workspace.acquire(128, dev, g, fake)  # another size: its own key
+    assert other.buf.numel() == 128
+    workspace.release(other)
+    freed = workspace.release_workspaces()
+    return [int(s) for s in seqs], len(made), freed
+
+
+def test_pool_reuses_only_what_every_rank_holds():
+    res = get_world(2).run(scn_pool)
+    for seqs, made, freed in res:
+        assert seqs[0] == seqs[1], f"ranks use different workspaces: {seqs}"
+        assert made == 4 and freed >= 128
+    assert res[0][0] == res[1][0]
+
+
+def _simulate(all_idx, epr, num_experts, cap):
+    W = len(all_idx)
+    every = torch.stack([send_counts(i, W, epr, num_experts)[2].sum(0) for i in all_idx])
+    return [ordered_slots(all_idx[r], r, W, epr, num_experts, cap, lambda counts: every) for r in range(W)]
+
+
+@pytest.mark.parametrize("world,cap", [(2, 5), (2, 1000), (3, 17), (4, 1)])
+def test_ordered_slots_number_rows_in_source_token_order(world, cap):
+    epr, k = 3, 4
+    E = epr * world
+    g = torch.Generator().manual_seed(world * 100 + cap)
+    all_idx = [random_routing(g, n, k, E) for n in (9, 0, 13, 7)[:world]]
+    all_idx[0][0, 1] = E + 2  # an out-of-range id sends nothing
+    res = _simulate(all_idx, epr, E, cap)
+    for dst in range(world):
+        want = expected_received([torch.where(i >= E, -1, i) for i in all_idx], dst, epr)
+        got = {}
+        for src, (slots, _, _) in enumerate(res):
+            for t, j in (slots % world == dst).nonzero().tolist():
+                s = int(slots[t, j])
+                if s >= 0:
+                    assert s // world not in got, f"two rows in slot {s // world} of rank {dst}"
+                    got[s // world] = (src, t)
+        kept = min(cap, len(want))
+        assert [got[i] for i in range(len(got))] == want[:kept]
+        _, total, dropped = res[dst]
+        assert int(total) == kept and int(dropped) == len(want) - kept
