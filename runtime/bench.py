@@ -136,7 +136,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         _, r_ms, _, _ = _graph_time([disp, disp_replay, expert, comb], inner, reps)
         (d_med, d_p99), (c_med, c_p99), (s_med, _) = _stats(d_ms), _stats(c_ms), _stats(s_ms)
         r_med = _stats(r_ms)[0]
-        geometry = {role: op._backend._geometry(role, T, T * k if role == "dispatch" else T)
+        geometry = {role: op._backend._geometry(role, T, T * world if role == "dispatch" else T)
                     for role in ("dispatch", "combine")}
         b_med = d_med + c_med
         sent = int(U.sum())

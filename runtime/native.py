@@ -273,7 +273,7 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
-        self._dispatch.launch(*self._geometry("dispatch", T, T * k), a)
+        self._dispatch.launch(*self._geometry("dispatch", T, T * cfg.world_size), a)
         self._last = "dispatch"
         self.check()
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():

@@ -276,10 +276,11 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
   for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
 
-// Dispatch (fp4_e2m1, intranode): one wave per (token, k). A k whose destination rank
-// an earlier k of the same token already targets is dropped (one row per (token, rank)). Lane 0
-// claims a slot with a system-scope atomic on the destination's counter; the wave copies the row
-// into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim);
+// Dispatch (fp4_e2m1, intranode): one wave per (token, destination rank), so every
+// wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
+// idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
+// (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
+// counter; the wave copies the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim);
 // lanes < k store the token's weights and ids.
 // With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. A final barrier round tells every peer this rank's rows are
@@ -295,31 +296,36 @@ EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
-  const epg_i64 items = a.num_tokens * a.k;
+  const epg_i64 items = a.num_tokens * a.world;
   const int* idx = (const int*)a.indices;
+  int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
   for (epg_i64 it = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; it < items; it += (epg_i64)epg_nblocks() * waves) {
-    const epg_i64 t = it / a.k;
-    const int j = (int)(it % a.k);
-    const int e = idx[it];
-    int slot = -1;  // slot * world + destination rank; the routing handle keeps one per (token, k)
+    const epg_i64 t = it / a.world;
+    const int r = (int)(it % a.world);
+    // the first k naming rank r sends; the other k of rank r, and (on the rank-0 item) ids naming no
+    // rank, get no slot; ids >= num_experts are counted
+    int jf = -1;
+    for (int jj = 0; jj < a.k; ++jj) {
+      const int ee = idx[t * a.k + jj];
+      const bool ok = ee >= 0 && ee < a.num_experts;
+      const bool mine = ok && ee / (int)a.experts_per_rank == r;
+      if (mine && jf < 0) {
+        jf = jj;
+      } else if (!a.replay && lane == 0 && (mine || (r == 0 && !ok))) {
+        slots[t * a.k + jj] = -1;
+        if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
+      }
+    }
+    if (jf < 0) continue;  // wave-uniform: every lane read the same ids
+    int slot = -1;
     if (a.replay) {  // routing replay: the handle's layout, no claims
-      slot = ((const int*)a.slots)[it];
-    } else if (e >= a.num_experts) {
-      if (lane == 0) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
-    } else if (e >= 0) {
-      const int r = e / (int)a.experts_per_rank;
-      bool dup = false;
-      for (int jj = 0; jj < j; ++jj) {
-        const int ee = idx[t * a.k + jj];
-        dup |= ee >= 0 && ee < a.num_experts && ee / (int)a.experts_per_rank == r;
-      }
-      if (!dup) {
-        int s = 0;
-        if (lane == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
-        s = epg_bcast0(s);
-        if (s < a.max_recv) slot = s * (int)a.world + r;  // past the cap: dropped, counted on receive
-      }
+      slot = slots[t * a.k + jf];
+    } else {
+      int s = 0;
+      if (lane == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
+      s = epg_bcast0(s);
+      if (s < a.max_recv) slot = s * (int)a.world + r;  // past the cap: dropped, counted on receive
     }
     if (slot >= 0) {
       const epg_i64 s = slot / (int)a.world;
@@ -333,7 +339,7 @@ EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
       }
       if (lane == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
     }
-    if (!a.replay && lane == 0) ((int*)a.slots)[it] = slot;
+    if (!a.replay && lane == 0) slots[t * a.k + jf] = slot;
   }
 
   const int bar = epg_barrier(a, ++epoch, false, 2);

@@ -131,15 +131,18 @@ def test_build_and_close_ten_times_leaks_nothing():
         EpDispatchCombineOp(_cfg()).close()  # the first op of this shape fills the workspace pool
         torch.cuda.synchronize()
         before, free_before = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-        for _ in range(10):
+        def build_use_close() -> dict:  # every tensor it makes dies with it
             op = EpDispatchCombineOp(_cfg())
             x, w, idx = _inputs(6, dist.get_rank())
-            _, _, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+            h = op.dispatch(x, w, None, idx, return_routing=True)[-1]
             op.combine(op.combine_in_view(), routing=h)
             report = op.memory_report()
             op.close()
             op.close()  # idempotent
-            del h
+            return report
+
+        for _ in range(10):
+            report = build_use_close()
         torch.cuda.synchronize()
         after, free_after = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
         print(f"rank {dist.get_rank()}: 10 ops built, used and closed: torch allocated {before} -> {after} B, "
