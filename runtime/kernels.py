@@ -84,6 +84,9 @@ class CudaKernel:
         self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
         self.function = self._check(cu.cuModuleGetFunction(self.module, symbol.encode()), "cuModuleGetFunction")
         self.symbol = symbol
+        # the most threads per block this kernel can launch with (its registers per thread decide)
+        self.max_threads = int(self._check(cu.cuFuncGetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "cuFuncGetAttribute"))
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)
@@ -114,6 +117,8 @@ class HipKernel:
         self.symbol = symbol
         self.module = self._check(hip.hipModuleLoadData(image), "hipModuleLoadData")
         self.function = self._check(hip.hipModuleGetFunction(self.module, symbol.encode()), "hipModuleGetFunction")
+        self.max_threads = int(self._check(hip.hipFuncGetAttribute(
+            hip.hipFunction_attribute.HIP_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "hipFuncGetAttribute"))
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)

@@ -159,6 +159,7 @@ class NativeBackend:
         self._dispatch = kernels.load(kernels.select(self.arch, plan.dispatch_variant))
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
 
+        self._check_geometry()
         self.layout = lay = plan.layout(cfg)
         self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
         self.buf, self.handle = self._ws.buf, self._ws.handle
@@ -221,6 +222,19 @@ class NativeBackend:
     @property
     def capabilities(self) -> dict:
         return {"graph_capture": True, "arch": self.arch, "kernels": (self._dispatch.symbol, self._combine.symbol)}
+
+    def _check_geometry(self) -> None:
+        """Every thread count this op can launch with (tuning table or config) fits its kernels: raise now,
+        before any memory is allocated, rather than at a launch."""
+        cfg = self.config
+        for role, kern in (("dispatch", self._dispatch), ("combine", self._combine)):
+            counts = {cfg.launch_threads} if cfg.launch_threads else \
+                {b.threads for b in load_specs().tuning.get((self.arch, role), ())}
+            too_many = sorted(t for t in counts if t > kern.max_threads)
+            if too_many:
+                where = "launch_threads" if cfg.launch_threads else f"specs/tuning.toml [tuning.{self.arch}.{role}]"
+                raise EpgenError(f"{where}: {too_many[-1]} threads per block, but {kern.symbol} launches with at "
+                                 f"most {kern.max_threads} on this device (its registers per thread decide)")
 
     def _geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int]:
         """(blocks, threads) from specs/tuning.toml for this call's token count, or the config's override.

@@ -23,6 +23,7 @@ from generator import specs as gspecs
 
 from . import EpDispatchCombineConfig, EpDispatchCombineOp
 from .bench import _graph_time, _stats
+from .errors import EpgenError
 from .kernels import device_arch
 
 TUNING = gspecs.default_root() / "tuning.toml"
@@ -100,7 +101,12 @@ def main(argv=None) -> int:
     best = {"dispatch": {}, "combine": {}}
     for T in args.tokens:
         for blocks, threads in itertools.product(args.blocks, args.threads):
-            d, c = measure(T, args.hidden, args.topk, args.experts, blocks, threads)
+            try:
+                d, c = measure(T, args.hidden, args.topk, args.experts, blocks, threads)
+            except EpgenError as exc:  # raised alike on every rank, at construction
+                if dist.get_rank() == 0:
+                    print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4}: skipped: {exc}")
+                continue
             if dist.get_rank() == 0:
                 print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4}: dispatch {d:8.1f} us  combine {c:8.1f} us")
             for role, t in (("dispatch", d), ("combine", c)):

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build the device's variants, run the GPU tests, benchmark, print a table.
 #   (via the device tool)  bash scripts/device_run.sh
+# Environment: EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
+# specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -10,10 +12,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
 tail -3 "$OUT/build.log"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
-if [ "$ngpu" -ge 2 ]; then
-  timeout 300 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+if [ -z "${NO_TESTS:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
+fi
+if [ "$ngpu" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
+  timeout 400 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 60 torchrun --nproc-per-node 2 tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
+fi
+if [ "$ngpu" -ge 2 ]; then
   if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
     timeout 300 torchrun --nproc-per-node 2 -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
