@@ -26,12 +26,13 @@ Standard-MoE layout (``enable_std_moe=True``, intranode, bf16/fp32 payloads): di
 converts to per-local-expert buckets of ``expert_capacity`` rows (0: max_recv_tokens,
 ``resolved_expert_capacity``); see ``EpDispatchCombineOp.convert_dispatch_output``.
 
-Internode (``world_size > gpu_per_node``; ranks node-major, node = rank // gpu_per_node): the torch
-backend runs it (``internode_kernel`` "v2" hierarchical, "v2_ll" one copy per destination rank, "auto"
+Internode (``world_size > gpu_per_node``; ranks node-major, node = rank // gpu_per_node): both
+backends run it (``internode_kernel`` "v2" hierarchical, "v2_ll" one copy per destination rank, "auto"
 per call: the call's largest per-rank token count <= ``internode_auto_ll_max_tokens`` picks "v2_ll");
 gather combine only, ``quant_type`` and ``dispatch_quant_type`` "none" (rule internode_quant_none;
 pre-quantized fp8/fp4 payloads are allowed), no std-MoE. The op checks the real host layout at
-construction (``EPGEN_EMULATE_NODES=1`` skips it) and rejects the native backend (not built yet).
+construction (``EPGEN_EMULATE_NODES=1`` skips it). The native backend runs it on generated record kernels
+around NCCL/RCCL all_to_all_single (runtime/internode.py).
 
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).

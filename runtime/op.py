@@ -1,6 +1,7 @@
 """EpDispatchCombineOp: the public facade. Validates every input, then delegates to a backend.
 
-A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBackend``) is built as
+A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBackend``,
+``runtime.internode.NativeInternodeBackend``) is built as
 ``Backend(config, group)`` and provides:
 
   name: str; device: torch.device; capabilities: dict (merged over the op's defaults)
@@ -180,12 +181,6 @@ def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
                             f"to emulate nodes on one host (tests)")
 
 
-def native_internode_error(config: EpDispatchCombineConfig) -> ConfigError:
-    return ConfigError(f"kernel_backend='native' (resolved), world_size={config.world_size} > gpu_per_node="
-                       f"{config.gpu_per_node}: native internode kernels are not built yet (use "
-                       f"kernel_backend='torch' or EPGEN_KERNEL_BACKEND=torch for the reference backend)")
-
-
 def _make_backend(config: EpDispatchCombineConfig, group):
     name = config.resolved_backend
     if name == "torch":
@@ -193,17 +188,16 @@ def _make_backend(config: EpDispatchCombineConfig, group):
 
         return TorchBackend(config, group)
     if name == "native":
-        if config.is_internode:
-            raise native_internode_error(config)
         try:
             from .native import NativeBackend
+            from .internode import NativeInternodeBackend
         except EpgenError:
             raise
         except Exception as e:  # ImportError, or a vendor binding failing to load
             raise EpgenError(f"kernel backend 'native' is unavailable: importing runtime.native failed "
                              f"({type(e).__name__}: {e}); use kernel_backend='torch' or "
                              f"EPGEN_KERNEL_BACKEND=torch for the reference backend") from e
-        return NativeBackend(config, group)
+        return (NativeInternodeBackend if config.is_internode else NativeBackend)(config, group)
     raise ConfigError(f"unknown kernel backend {name!r}")  # the config validates this already
 
 
@@ -214,8 +208,6 @@ class EpDispatchCombineOp:
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
         check_config_agreement(config, group)  # collective; before anything is allocated
-        if config.is_internode and config.resolved_backend == "native":
-            raise native_internode_error(config)  # on every rank alike (the configs agree)
         check_host_layout(config, group)  # collective
         self.config = config
         self.uid = next(_UIDS)

@@ -18,7 +18,7 @@ import torch
 
 from ep_dist import get_world, shutdown_all
 from ep_oracle import make_inputs
-from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError
 from runtime import config as rconfig
 from test_torch_backend import check_round
 
@@ -135,8 +135,8 @@ def scn_native_internode(rank, world):
     with _env(**{EMU: "1", rconfig.BACKEND_ENV: None}):
         try:
             EpDispatchCombineOp(_cfg(rank, gpu_per_node=GPN, kernel_backend="native"))
-        except ConfigError as e:
-            return str(e)
+        except EpgenError as e:
+            return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -192,9 +192,43 @@ def test_emulation_switch_must_agree():
     assert all(m == f"{EMU}=1 is set on rank 1 only: set it on every rank or none" for m in msgs), msgs
 
 
-def test_native_internode_rejected_at_op_construction():
+def test_native_internode_needs_a_gpu_here():
+    # the config, rules and host layout pass; the native internode backend then wants its GPU
     msgs = get_world(WORLD).run(scn_native_internode)
-    assert all(m and "native internode kernels are not built yet" in m for m in msgs), msgs
+    assert all(m and m.startswith("EpgenError: kernel backend 'native' needs a GPU") for m in msgs), msgs
+
+
+@pytest.mark.parametrize("world,gpn", [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (6, 3)])
+@pytest.mark.parametrize("route", ["v2", "v2_ll"])
+def test_native_exchange_splits_pair_up(world, gpn, route):
+    """What every rank sends to a peer in a stage is what that peer expects from it, and the cells
+    delivered add up to every source's tokens (each rank receives one cell per (source, token))."""
+    from runtime.internode import exchange_splits
+
+    g = torch.Generator().manual_seed(world * 10 + gpn)
+    counts = torch.randint(0, 50, (world,), generator=g).tolist()
+    sp = [exchange_splits(route, counts, r, gpn) for r in range(world)]
+    stages = ["d1"] if route == "v2_ll" else ["d1", "d2"]
+    for stage in stages:
+        for r in range(world):
+            for p in range(world):
+                assert sp[r][stage][0][p] == sp[p][stage][1][r], (stage, r, p)
+    for r in range(world):
+        assert sum(sp[r][stages[-1]][1]) == sum(counts)
+        if route == "v2":  # stage 1 stays on the rail, stage 2 inside the node
+            assert all(n == 0 or p % gpn == r % gpn for p, n in enumerate(sp[r]["d1"][0]))
+            assert all(n == 0 or p // gpn == r // gpn for p, n in enumerate(sp[r]["d2"][0]))
+
+
+def test_native_record_layout():
+    from runtime.internode import record_layout
+
+    lay = record_layout(row_bytes=14336, scale_bytes=56 * 4, k=8, gpn=4)
+    assert lay["off_w"] == 14336 + 224 and lay["off_ids"] == lay["off_w"] + 32
+    assert lay["off_rows"] == lay["off_ids"] + 32 and lay["off_src"] == lay["off_rows"] + 16
+    assert lay["rec"] % 16 == 0 and lay["rec"] >= lay["off_src"] + 4 and lay["rec"] - (lay["off_src"] + 4) < 16
+    odd = record_layout(row_bytes=64, scale_bytes=3, k=1, gpn=1)  # e8m0 scales: weights realigned to 4
+    assert odd["off_w"] == 68
 
 
 # --- in-process: configs and switches ----------------------------------------------------------
@@ -202,7 +236,7 @@ def test_config_accepts_internode():
     for kernel in rconfig.INTERNODE_KERNELS:
         c = _cfg(0, gpu_per_node=GPN, internode_kernel=kernel)
         assert c.is_internode and c.resolved_gpu_per_node == GPN
-    c = _cfg(3, gpu_per_node=GPN, kernel_backend="native")  # native: rejected by the op, not the config
+    c = _cfg(3, gpu_per_node=GPN, kernel_backend="native")
     assert c.is_internode and c.resolved_backend == "native"
     _cfg(0, gpu_per_node=GPN, dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.float32,
          scale_dim=1, scale_type_size=4)
@@ -230,7 +264,7 @@ def test_config_internode_errors():
 
 def test_native_internode_in_process(monkeypatch):
     monkeypatch.delenv(rconfig.BACKEND_ENV, raising=False)
-    with pytest.raises(ConfigError, match=r"native internode kernels are not built yet \(use kernel_backend='torch'"):
+    with pytest.raises(EpgenError, match=r"^kernel backend 'native' needs a GPU"):
         EpDispatchCombineOp(_cfg(0, gpu_per_node=GPN, kernel_backend="native"))
 
 

@@ -78,9 +78,19 @@ def test_native_geometry_takes_table_and_override():
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32,
                                  config=types.SimpleNamespace(launch_blocks=0, launch_threads=0))
     geo = NativeBackend._geometry
-    assert geo(fake, "combine", 4096, 4096) == (132, 512)  # table: one block per SM
-    assert geo(fake, "dispatch", 1, 8) == (1, 512)  # never more blocks than waves of work
-    assert geo(fake, "dispatch", 4096, 32768) == (132, 512)
+    from runtime.config import load_specs
+
+    def table(role, tokens):
+        b = S.geometry(load_specs(), "sm_90", role, tokens)
+        return b.blocks or 132, b.threads
+
+    blocks, threads = table("combine", 4096)
+    assert geo(fake, "combine", 4096, 4096) == (min(blocks, 132), threads)  # combine: at most one block per SM
+    blocks, threads = table("dispatch", 1)
+    assert geo(fake, "dispatch", 1, 8) == (min(blocks, -(-8 // (threads // 32))), threads)  # no more blocks than work
+    assert geo(fake, "dispatch", 1, 8)[0] < 132
+    blocks, threads = table("dispatch", 4096)
+    assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
     fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256)
     assert geo(fake, "combine", 1, 1) == (132, 256)  # combine capped at one block per SM
     assert geo(fake, "dispatch", 4096, 32768) == (500, 256)

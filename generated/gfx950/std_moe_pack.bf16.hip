@@ -141,6 +141,18 @@ EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
   v.w = (epg_u32)epg_f32_to_bf16(acc[6]) | ((epg_u32)epg_f32_to_bf16(acc[7]) << 16);
   return v;
 }
+
+// Copy n16 16-byte vectors with one wave, four loads in flight per lane.
+EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
+  int c = lane;
+  for (; c + 3 * EPG_WAVE < n16; c += 4 * EPG_WAVE) {
+    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + EPG_WAVE));
+    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * EPG_WAVE)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * EPG_WAVE));
+    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + EPG_WAVE), v1);
+    epg_st16(dst + 16 * (epg_i64)(c + 2 * EPG_WAVE), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * EPG_WAVE), v3);
+  }
+  for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+}
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   epg_u32 r = __builtin_amdgcn_cvt_pk_fp8_f32(epg_fp8_sat(a), epg_fp8_sat(b), 0, false);

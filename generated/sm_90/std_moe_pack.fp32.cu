@@ -115,6 +115,18 @@ EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
   v.x = epg_f32_bits(acc[0]); v.y = epg_f32_bits(acc[1]); v.z = epg_f32_bits(acc[2]); v.w = epg_f32_bits(acc[3]);
   return v;
 }
+
+// Copy n16 16-byte vectors with one wave, four loads in flight per lane.
+EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
+  int c = lane;
+  for (; c + 3 * EPG_WAVE < n16; c += 4 * EPG_WAVE) {
+    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + EPG_WAVE));
+    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * EPG_WAVE)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * EPG_WAVE));
+    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + EPG_WAVE), v1);
+    epg_st16(dst + 16 * (epg_i64)(c + 2 * EPG_WAVE), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * EPG_WAVE), v3);
+  }
+  for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+}
 // FP8 e4m3 (OCP): cvt.rn.satfinite saturates to +-448 and keeps NaN.
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   unsigned short lo, hi;

@@ -1,0 +1,348 @@
+"""The native internode backend: generated record kernels around NCCL/RCCL all_to_all_single.
+
+Transport: ``torch.distributed.all_to_all_single`` on the op's group (NCCL on NVIDIA, RCCL on AMD),
+a transport that already runs across hosts. Kernels (specs/kernels.toml, families internode_*) turn
+tokens into fixed-size byte records ("cells") and back; the collectives move the cells. Everything
+is stream-ordered and host-sync free, so a dispatch -> expert -> combine sequence can be captured in
+a CUDA graph (the token counts of every rank are exchanged on the host, over a gloo side group, and
+are fixed for the graph's replays like every shape in it).
+
+Layout (W ranks, G = gpu_per_node, N = W / G nodes, node(r) = r // G, loc(r) = r % G). Receive rows
+are numbered in (source rank, token) order (routing.ordered_slots, one small device all-gather of
+per-destination counts), so the rows every rank receives, the rows dropped past max_total_recv_tokens
+and therefore every result are the same on every run and on both routes.
+
+A cell is payload | scales | weights (k f32) | ids (k i32) | rows (G i32) | source (i32), 16-byte
+aligned; rows[g] is the receive row on local rank g of the cell's destination node (-1: none).
+
+* v2_ll: one cell per (destination rank, token): grid [W, T] -> one all_to_all -> unpack.
+* v2: one cell per (destination node, token), sent along the rail to the rank of the same local index
+  on that node (stage 1, between nodes); the forwarder copies each cell to the grid of every local
+  rank it names (internode_forward) and a second all_to_all delivers them inside the node (stage 2).
+* combine reverses the dispatch's exchanges: the expert side packs each received cell's row into a
+  return cell in arrival order (internode_combine_pack); v2's forwarder regroups the return cells by
+  origin (a strided copy) and sends them on, unreduced; the origin sums a token's rows in fp32 in k
+  order of first appearance (internode_reduce), the intranode gather's order: identical results.
+
+Cells per (source, destination) pair are the source's whole token count: a row is sent only where the
+routing names it, but the cell grid is dense, so the bytes on the wire are W x T records per rank
+for v2_ll and N x T for stage 1 of v2 (hence v2_ll for small batches; "auto" picks by token count).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import kernels, workspace
+from .config import EpDispatchCombineConfig, load_specs, spec_dtype
+from .errors import EpgenError, InputError
+from .routing import ordered_slots
+
+WAVES_PER_BLOCK = 8
+_TOPOLOGY = {"v2": "internode_v2", "v2_ll": "internode_v2_ll"}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def record_layout(row_bytes: int, scale_bytes: int, k: int, gpn: int) -> dict[str, int]:
+    """Byte offsets inside one dispatch cell, and its size `rec` (16-byte aligned)."""
+    off_w = _align(row_bytes + scale_bytes, 4)
+    off_ids = off_w + 4 * k
+    off_rows = off_ids + 4 * k
+    off_src = off_rows + 4 * gpn
+    return {"off_w": off_w, "off_ids": off_ids, "off_rows": off_rows, "off_src": off_src,
+            "rec": _align(off_src + 4, 16)}
+
+
+def exchange_splits(route: str, counts: list[int], rank: int, gpn: int) -> dict[str, list]:
+    """Cells each rank sends to / receives from every rank, per stage (the same on every rank's view).
+
+    counts[s] = tokens of source s in this call. Returns {"d1": (send, recv), "d2": (send, recv) (v2),
+    "n1": cells this rank forwards (v2)}; combine uses the same lists swapped."""
+    W = len(counts)
+    T = counts[rank]
+    if route == "v2_ll":
+        return {"d1": ([T] * W, list(counts))}
+    loc, node = rank % gpn, rank // gpn
+    rail = [s for s in range(W) if s % gpn == loc]
+    send1 = [T if p % gpn == loc else 0 for p in range(W)]
+    recv1 = [counts[s] if s in rail else 0 for s in range(W)]
+    n1 = sum(counts[s] for s in rail)
+    mine = range(node * gpn, (node + 1) * gpn)
+    send2 = [n1 if p in mine else 0 for p in range(W)]
+    recv2 = [sum(counts[s] for s in range(W) if s % gpn == p % gpn) if p in mine else 0 for p in range(W)]
+    return {"d1": (send1, recv1), "d2": (send2, recv2), "n1": n1, "rail": rail}
+
+
+class NativeInternodeBackend:
+    name = "native"
+
+    def __init__(self, config: EpDispatchCombineConfig, group=None):
+        if not torch.cuda.is_available():
+            raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
+        if not dist.is_initialized():
+            raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
+        cfg = self.config = config
+        self.group = group or dist.group.WORLD
+        if dist.get_world_size(self.group) != cfg.world_size or dist.get_rank(self.group) != cfg.rank:
+            raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
+                             f"{dist.get_rank(self.group)} of {dist.get_world_size(self.group)}")
+        if cfg.dispatch_quant_type != "none" or cfg.quant_type != "none":
+            raise EpgenError("native internode moves payloads verbatim: dispatch_quant_type and quant_type "
+                             "must be 'none' (rule internode_quant_none)")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.arch = kernels.device_arch(self.device)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if load_specs().targets.get(self.arch) is None:
+            kernels.select(self.arch, "internode_pack")  # raises the miss error naming the declared targets
+        W, G, k, H = cfg.world_size, cfg.resolved_gpu_per_node, cfg.num_experts_per_token, cfg.hidden_dim
+        self.gpn = G
+        payload, comb = spec_dtype(cfg.dispatch_dtype).name, spec_dtype(cfg.combine_dtype).name
+        # every kernel a call can take, loaded now
+        self.routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
+        self.kern = {}
+        for route in self.routes:
+            topo = _TOPOLOGY[route]
+            names = {"pack": f"internode_pack.{payload}.{topo}", "unpack": f"internode_unpack.{payload}.{topo}",
+                     "cpack": f"internode_combine_pack.{comb}.{topo}", "reduce": f"internode_reduce.{comb}.{topo}"}
+            if route == "v2":
+                names["forward"] = f"internode_forward.{payload}.{topo}"
+            self.kern[route] = {role: kernels.load(kernels.select(self.arch, n)) for role, n in names.items()}
+
+        elem = torch.empty((), dtype=cfg.dispatch_dtype).element_size()
+        self.row_bytes = cfg.dispatch_payload_cols * elem  # fp4_x2: one byte per element (two values)
+        self.scale_bytes = cfg.scale_dim * cfg.scale_type_size if cfg.dispatch_scales_dtype is not None else 0
+        self.comb_row = H * torch.empty((), dtype=cfg.combine_dtype).element_size()
+        for what, n in (("payload row", self.row_bytes), ("combine row", self.comb_row)):
+            if n % 16:
+                raise EpgenError(f"native internode: a {what} must be a multiple of 16 bytes, got {n} "
+                                 f"(hidden_dim={H})")
+        self.lay = record_layout(self.row_bytes, self.scale_bytes, k, G)
+        self.brec = _align(self.comb_row + 4 * k, 16)
+        R, Tm = cfg.max_recv_tokens, cfg.max_num_inp_token_per_rank
+        cells = W * Tm
+        dev = self.device
+        u8 = dict(dtype=torch.uint8, device=dev)
+        rec, brec = self.lay["rec"], self.brec
+        self.send, self.recv = torch.empty(cells * rec, **u8), torch.empty(cells * rec, **u8)
+        self.mid = torch.empty(cells * rec, **u8) if "v2" in self.routes else None
+        self.back_a, self.back_b = torch.empty(cells * brec, **u8), torch.empty(cells * brec, **u8)
+        self.recv_x = torch.empty((R, self.row_bytes), **u8).view(cfg.dispatch_dtype)
+        self.recv_scales = None
+        if self.scale_bytes:
+            self.recv_scales = torch.empty((R, self.scale_bytes), **u8).view(cfg.dispatch_scales_dtype)
+        self.recv_w = torch.zeros((R, k), dtype=torch.float32, device=dev)
+        self.recv_idx = torch.full((R, k), -1, dtype=torch.int32, device=dev)
+        self.recv_src = torch.full((R,), -1, dtype=torch.int32, device=dev)
+        self.comb_x = torch.empty((R, H), dtype=cfg.combine_dtype, device=dev)
+        self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.dropped = torch.zeros((), dtype=torch.int32, device=dev)
+        self.bad_ids = torch.zeros((), dtype=torch.int32, device=dev)
+        # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
+        ranks = dist.get_process_group_ranks(self.group)
+        self.host_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.last_internode_kernel: str | None = None
+        self._grid_cells = 0  # cells of the last dispatch's receive grid (combine walks them)
+        self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)
+
+    # --- facts ---------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> dict:
+        return {"graph_capture": True, "routing_replay": True, "internode": True, "arch": self.arch,
+                "transport": "all_to_all_single (NCCL/RCCL) on the op's group",
+                "kernels": tuple(k.symbol for route in self.routes for k in self.kern[route].values())}
+
+    def check(self) -> None:
+        """Nothing to poll: waits happen inside NCCL/RCCL (their own timeouts apply)."""
+
+    def _counts(self, T: int) -> list[int]:
+        mine = torch.tensor([T], dtype=torch.int64)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.config.world_size)]
+        dist.all_gather(every, mine, group=self.host_group)
+        return [int(c) for c in every]
+
+    def _route(self, counts: list[int]) -> str:
+        cfg = self.config
+        if cfg.internode_kernel != "auto":
+            return cfg.internode_kernel
+        return "v2_ll" if max(counts) <= cfg.internode_auto_ll_max_tokens else "v2"
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_cells: list[int], in_cells: list[int], size: int):
+        dist.all_to_all_single(out[: sum(out_cells) * size], inp[: sum(in_cells) * size],
+                               [c * size for c in out_cells], [c * size for c in in_cells], group=self.group)
+
+    def _launch(self, kern, items: int, *args) -> None:
+        if items <= 0:
+            return
+        waves = WAVES_PER_BLOCK
+        blocks = max(1, min(4 * self.num_sms, -(-items // waves)))
+        kern.launch(blocks, waves * load_specs().targets[self.arch].wave_size, *args)
+
+    # --- dispatch / combine --------------------------------------------------------------------
+    def dispatch(self, x, weights, scales, indices, routing):
+        cfg = self.config
+        c = ctypes
+        W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
+        T = x.shape[0]
+        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing() and T:
+            if bool((indices >= cfg.num_experts).any()):
+                raise InputError(f"dispatch: expert id {int(indices.max())} >= num_experts={cfg.num_experts} "
+                                 f"(valid ids: 0..{cfg.num_experts - 1}, negative = no expert)")
+        counts = self._counts(T)
+        if routing is not None:
+            ex = routing.extra
+            if tuple(counts) != ex["counts"]:
+                raise InputError(f"dispatch: routing replay needs every rank's token count unchanged: the "
+                                 f"handle has {list(ex['counts'])}, this call {counts}")
+            slots, total, route = ex["slots"], ex["total"], ex["route"]
+        else:
+            route = self._route(counts)
+
+            def gather(cnt):
+                every = torch.empty(W * W, dtype=cnt.dtype, device=cnt.device)
+                workspace.all_gather_single(every, cnt, self.group)
+                return every.view(W, W)
+
+            slots, total, dropped = ordered_slots(indices, rank, W, cfg.num_experts_per_rank, cfg.num_experts,
+                                                  cfg.max_recv_tokens, gather)
+            self.dropped.copy_(dropped)
+            self.bad_ids.add_((indices >= cfg.num_experts).sum().to(torch.int32))
+        kern, lay, rec = self.kern[route], self.lay, self.lay["rec"]
+        sp = exchange_splits(route, counts, rank, G)
+        groups = W if route == "v2_ll" else W // G
+        ptr = lambda t: c.c_uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+        self._launch(kern["pack"], groups * T, ptr(x), ptr(scales), ptr(weights), ptr(indices), ptr(slots),
+                     ptr(self.send), c.c_int64(T), c.c_int64(k), c.c_int64(W), c.c_int64(G), c.c_int64(groups),
+                     c.c_int64(self.row_bytes), c.c_int64(self.scale_bytes), c.c_int64(int(weights is not None)),
+                     c.c_int64(rec), *(c.c_int64(lay[n]) for n in ("off_w", "off_ids", "off_rows", "off_src")),
+                     c.c_int64(rank), c.c_int64(cfg.max_num_inp_token_per_rank))
+        send1, recv1 = sp["d1"]
+        if route == "v2_ll":
+            self._a2a(self.recv, self.send, recv1, send1, rec)
+        else:
+            self._a2a(self.mid, self.send, recv1, send1, rec)  # stage 1: along the rail
+            n1 = sp["n1"]
+            self._launch(kern["forward"], G * n1, ptr(self.mid), ptr(self.send), c.c_int64(n1), c.c_int64(G),
+                         c.c_int64(rec), c.c_int64(lay["off_rows"]))
+            send2, recv2 = sp["d2"]
+            self._a2a(self.recv, self.send, recv2, send2, rec)  # stage 2: inside the node
+        ncells = sum(counts)
+        self._launch(kern["unpack"], ncells, ptr(self.recv), c.c_int64(ncells), ptr(self.recv_x),
+                     ptr(self.recv_scales), ptr(self.recv_w), ptr(self.recv_idx), ptr(self.recv_src),
+                     c.c_int64(rank % G), c.c_int64(k), c.c_int64(self.row_bytes), c.c_int64(self.scale_bytes),
+                     c.c_int64(rec), *(c.c_int64(lay[n]) for n in ("off_w", "off_ids", "off_rows", "off_src")))
+        self.total_recv.copy_(total)
+        self._grid_cells = ncells
+        self.last_internode_kernel = route
+        if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
+            from .errors import CapacityError
+            n = int(self.dropped)
+            if n:
+                raise CapacityError(f"dispatch: {n} received row(s) past max_total_recv_tokens="
+                                    f"{cfg.max_recv_tokens} were dropped on rank {rank}", dropped=n,
+                                    capacity=cfg.max_recv_tokens)
+        out_w = self.recv_w if weights is not None else None
+        return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
+            {"extra": {"slots": slots, "total": total, "route": route, "counts": tuple(counts)}}
+
+    def combine(self, expert_out, weights, indices, routing):
+        cfg = self.config
+        c = ctypes
+        ex = routing.extra
+        if "route" not in ex:
+            raise InputError("combine: the routing handle carries no internode plan")
+        W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
+        slots, route, counts = ex["slots"], ex["route"], list(ex["counts"])
+        T = slots.shape[0]
+        kern, rec, brec = self.kern[route], self.lay["rec"], self.brec
+        ptr = lambda t: c.c_uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+        ncells = sum(counts)
+        self._launch(kern["cpack"], ncells, ptr(self.recv), c.c_int64(ncells), ptr(expert_out), ptr(weights),
+                     c.c_int64(int(weights is not None)), c.c_int64(expert_out.shape[0]), ptr(self.back_a), c.c_int64(rank % G), c.c_int64(k),
+                     c.c_int64(rec), c.c_int64(self.lay["off_rows"]), c.c_int64(self.comb_row), c.c_int64(brec))
+        sp = exchange_splits(route, counts, rank, G)
+        send1, recv1 = sp["d1"]
+        if route == "v2_ll":
+            self._a2a(self.back_b, self.back_a, send1, recv1, brec)  # the dispatch exchange reversed
+        else:
+            send2, recv2 = sp["d2"]
+            n1 = sp["n1"]
+            self._a2a(self.back_b, self.back_a, send2, recv2, brec)  # stage 2 reversed: [local d][n1 cells]
+            # regroup by origin: [d][rail source s][T_s] -> [s][d][T_s], unreduced
+            by_d = self.back_b[: G * n1 * brec].view(G, n1, brec)
+            off, parts = 0, []
+            for s in sp["rail"]:
+                parts.append(by_d[:, off:off + counts[s]].reshape(-1))
+                off += counts[s]
+            if parts:
+                torch.cat(parts, out=self.back_a[: G * n1 * brec])
+            self._a2a(self.back_b, self.back_a, [G * n for n in send1], [G * n for n in recv1], brec)
+        out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
+        out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
+        if T:
+            threads = 256
+            items = T * (self.comb_row // 16)
+            kern["reduce"].launch(max(1, min(4 * self.num_sms, -(-items // threads))), threads, ptr(self.back_b),
+                                  ptr(slots), c.c_int64(T), c.c_int64(k), c.c_int64(W), ptr(out), ptr(out_w),
+                                  c.c_int64(int(weights is not None)), c.c_int64(self.comb_row), c.c_int64(brec))
+        self.last_internode_kernel = route
+        return out, out_w
+
+    def combine_in_view(self) -> torch.Tensor:
+        return self.comb_x
+
+    # --- MoE integration, lifecycle ------------------------------------------------------------
+    def dropped_count(self) -> torch.Tensor:
+        return self.dropped
+
+    def local_expert_count(self) -> torch.Tensor:
+        cfg = self.config
+        epr = cfg.num_experts_per_rank
+        rows = torch.arange(cfg.max_recv_tokens, device=self.device) < self.total_recv
+        local = self.recv_idx - cfg.rank * epr
+        hit = (local >= 0) & (local < epr) & rows[:, None]
+        counts = torch.zeros(epr, dtype=torch.int32, device=self.device)
+        return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
+
+    def counters(self) -> dict[str, int]:
+        return {"bad_ids": int(self.bad_ids), "dropped": int(self.dropped)}
+
+    def memory_report(self) -> dict:
+        named = {"send_cells": self.send, "recv_cells": self.recv, "forward_cells": self.mid,
+                 "return_cells_a": self.back_a, "return_cells_b": self.back_b, "recv_x": self.recv_x,
+                 "recv_scales": self.recv_scales, "recv_w": self.recv_w, "recv_idx": self.recv_idx,
+                 "recv_src": self.recv_src, "combine_in_view": self.comb_x}
+        sizes = {n: t.numel() * t.element_size() for n, t in named.items() if t is not None}
+        return {"symmetric_workspace": 0, "regions": sizes, "other_device_buffers": {"total_recv": 4},
+                "total_device_bytes": sum(sizes.values()) + 4, "pinned_host_bytes": 0,
+                "cell_bytes": self.lay["rec"], "return_cell_bytes": self.brec}
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.total_recv.zero_()
+        self.dropped.zero_()
+        self.bad_ids.zero_()
+        self._grid_cells = 0
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for route in self.routes:
+            for kern in self.kern[route].values():
+                kern.close()
+        self.kern = {}
+        if self.host_group is not None:
+            dist.destroy_process_group(self.host_group)
+            self.host_group = None
+        self.send = self.recv = self.mid = self.back_a = self.back_b = None
+        self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None
+        self.total_recv = self.dropped = self.bad_ids = None
