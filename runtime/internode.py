@@ -60,6 +60,19 @@ def record_layout(row_bytes: int, scale_bytes: int, k: int, gpn: int) -> dict[st
             "rec": _align(off_src + 4, 16)}
 
 
+_HOST_GROUPS: dict[tuple, object] = {}
+
+
+def host_group(group):
+    """A gloo group over `group`'s ranks for the host-side token counts, made once per process and
+    kept (creating and destroying gloo groups per op can meet a previous group's stale rendezvous)."""
+    key = (id(dist.group.WORLD), group.group_name)
+    if key not in _HOST_GROUPS:
+        ranks = dist.get_process_group_ranks(group)
+        _HOST_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[key]
+
+
 def exchange_splits(route: str, counts: list[int], rank: int, gpn: int) -> dict[str, list]:
     """Cells each rank sends to / receives from every rank, per stage (the same on every rank's view).
 
@@ -145,8 +158,7 @@ class NativeInternodeBackend:
         self.dropped = torch.zeros((), dtype=torch.int32, device=dev)
         self.bad_ids = torch.zeros((), dtype=torch.int32, device=dev)
         # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
-        ranks = dist.get_process_group_ranks(self.group)
-        self.host_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.host_group = host_group(self.group)
         self.last_internode_kernel: str | None = None
         self._grid_cells = 0  # cells of the last dispatch's receive grid (combine walks them)
         self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
@@ -340,9 +352,7 @@ class NativeInternodeBackend:
             for kern in self.kern[route].values():
                 kern.close()
         self.kern = {}
-        if self.host_group is not None:
-            dist.destroy_process_group(self.host_group)
-            self.host_group = None
+        self.host_group = None  # shared by every op on this group: kept (see host_group)
         self.send = self.recv = self.mid = self.back_a = self.back_b = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None
         self.total_recv = self.dropped = self.bad_ids = None

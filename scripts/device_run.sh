@@ -16,7 +16,7 @@ if [ -z "${NO_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
-  timeout 400 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout 400 torchrun --nproc-per-node 2 -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 60 torchrun --nproc-per-node 2 tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ]; then

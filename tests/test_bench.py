@@ -1,0 +1,375 @@
+"""The benchmark's accounting, bandwidth arithmetic and correctness gate (runtime/bench.py), on CPU.
+
+Accounting and bandwidths against hand-computed routings; the identity gate on the torch backend
+over 2 gloo ranks (tests/ep_dist.py): it passes on clean data and raises GateError, on every rank
+and naming the right source rank and row count, when one received row is damaged; a CPU smoke run
+of a whole benchmark point (eager only: no graphs on CPU) checks the JSON record and that
+scripts/plot_bench.py reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ep_dist import get_world
+from ep_oracle import expected_received, make_inputs, multiplicity
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime import bench
+from runtime.bench import (GateError, accounting, bandwidths, dequantize_rows, identity_expected, identity_gate,
+                           quantize_blocks, row_bytes, rows_per_destination)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ids(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting
+# ---------------------------------------------------------------------------------------------
+def test_all_rows_to_one_rank():
+    # world 2, 4 experts per rank: every id of rank 0's tokens lives on rank 1
+    idx = _ids([[4, 5, 6, 7], [7, 6, 5, 4], [4, 4, 4, 4]])
+    assert rows_per_destination(idx, 2, 4) == [0, 3]
+    acc = accounting(idx, 0, 2, 4, 14336, recv_per_source=[0, 5])
+    assert acc["sent_per_dest"] == [0, 3] and acc["recv_per_source"] == [0, 5]
+    assert (acc["sent_rows"], acc["local_rows"], acc["remote_rows"]) == (3, 0, 3)
+    assert (acc["recv_rows"], acc["recv_remote_rows"]) == (5, 5)
+    assert acc["dispatch_logical_bytes"] == 5 * 14336  # every row rank 0 receives
+    assert acc["dispatch_link_bytes"] == 3 * 14336  # every row it sends crosses
+    assert acc["combine_logical_bytes"] == acc["combine_link_bytes"] == 3 * 14336  # its 3 rows come back
+
+
+def test_repeated_experts_on_one_rank_send_one_row():
+    # rank 1 of 2, 4 experts per rank: token 0 names 4 experts of rank 0 (one row), token 1 two on each
+    # rank (one row each), token 2 the same local expert 4 times (one local row)
+    idx = _ids([[0, 1, 2, 3], [0, 5, 1, 6], [5, 5, 5, 5]])
+    assert rows_per_destination(idx, 2, 4) == [2, 2]
+    acc = accounting(idx, 1, 2, 4, 10, recv_per_source=[7, 2])
+    assert (acc["sent_rows"], acc["local_rows"], acc["remote_rows"]) == (4, 2, 2)
+    assert (acc["recv_rows"], acc["recv_remote_rows"]) == (9, 7)
+    assert (acc["dispatch_logical_bytes"], acc["dispatch_link_bytes"]) == (90, 20)
+    assert (acc["combine_logical_bytes"], acc["combine_link_bytes"]) == (40, 20)
+
+
+def test_negative_ids_send_nothing():
+    idx = _ids([[-1, -1, -1, -1], [-1, 3, -1, 3], [-1, -1, 6, -1]])
+    assert rows_per_destination(idx, 2, 4) == [1, 1]
+    assert rows_per_destination(_ids([[-1, -1], [-5, -1]]), 2, 4) == [0, 0]
+    assert rows_per_destination(torch.empty(0, 4, dtype=torch.int32), 2, 4) == [0, 0]
+    acc = accounting(idx, 0, 2, 4, 8, recv_per_source=[1, 0])
+    assert (acc["sent_rows"], acc["remote_rows"], acc["recv_rows"]) == (2, 1, 1)
+
+
+def test_world_four():
+    # world 4, 2 experts per rank (rank = id // 2), rank 2's view
+    idx = _ids([[0, 1, 2],    # ranks {0, 1}
+                [4, 5, -1],   # {2}
+                [7, 6, 3],    # {3, 1}
+                [-1, -1, -1],  # none
+                [0, 4, 5]])   # {0, 2}
+    assert rows_per_destination(idx, 4, 2) == [2, 2, 2, 1]
+    acc = accounting(idx, 2, 4, 2, 100, recv_per_source=[3, 0, 2, 4], combine_row_bytes=200)
+    assert (acc["sent_rows"], acc["local_rows"], acc["remote_rows"]) == (7, 2, 5)
+    assert (acc["recv_rows"], acc["recv_remote_rows"]) == (9, 7)
+    assert (acc["dispatch_row_bytes"], acc["combine_row_bytes"]) == (100, 200)
+    assert (acc["dispatch_logical_bytes"], acc["dispatch_link_bytes"]) == (900, 500)
+    assert (acc["combine_logical_bytes"], acc["combine_link_bytes"]) == (1400, 1000)
+
+
+def test_accounting_rejects_inconsistent_counts():
+    idx = _ids([[0, 2], [1, 3]])  # world 2, 2 experts per rank: rank 0 sends itself 2 rows
+    with pytest.raises(ValueError, match="sends itself 2 rows"):
+        accounting(idx, 0, 2, 2, 8, recv_per_source=[1, 3])
+    with pytest.raises(ValueError, match="3 entries"):
+        accounting(idx, 0, 2, 2, 8, recv_per_source=[2, 3, 0])
+    with pytest.raises(ValueError, match="expert id 4 >= 4"):
+        rows_per_destination(_ids([[0, 4]]), 2, 2)
+
+
+def test_row_bytes_bf16_fp32_fp8():
+    def cfg(dtype, hidden=7168):
+        return EpDispatchCombineConfig(**bench.point_config(0, 2, 16, hidden, 8, 256, dtype, "torch"))
+
+    assert row_bytes(cfg(torch.bfloat16)) == (14336, 14336)
+    assert row_bytes(cfg(torch.float32)) == (28672, 28672)
+    fp8 = cfg(torch.float8_e4m3fn)
+    assert (fp8.dispatch_dtype, fp8.combine_dtype, fp8.scale_dim, fp8.scale_type_size) == \
+        (torch.float8_e4m3fn, torch.bfloat16, 56, 4)
+    assert row_bytes(fp8) == (7168 + 56 * 4, 14336)  # 1 byte per element + a float32 per 128; bf16 back
+    acc = accounting(_ids([[0, 200], [130, 131]]), 0, 2, 128, 7392, recv_per_source=[1, 4], combine_row_bytes=14336)
+    assert (acc["dispatch_logical_bytes"], acc["dispatch_link_bytes"]) == (5 * 7392, 2 * 7392)
+    assert (acc["combine_logical_bytes"], acc["combine_link_bytes"]) == (3 * 14336, 2 * 14336)
+    with pytest.raises(ValueError, match="hidden % 128"):
+        bench.point_config(0, 2, 16, 100, 8, 256, torch.float8_e4m3fn)
+
+
+def test_bandwidth_arithmetic():
+    acc = {"dispatch_logical_bytes": 900, "dispatch_link_bytes": 500, "combine_logical_bytes": 1400,
+           "combine_link_bytes": 1000}
+    bw = bandwidths(acc, 1e-6, 2e-6)
+    assert bw == pytest.approx({"dispatch_logical_GBps": 0.9, "dispatch_link_GBps": 0.5,
+                                "combine_logical_GBps": 0.7, "combine_link_GBps": 0.5}, rel=1e-12)
+    big = bandwidths({k: 14336 * 8192 for k in acc}, 200e-6, 400e-6)  # 117 MB in 200 us = 587 GB/s
+    assert big["dispatch_link_GBps"] == pytest.approx(14336 * 8192 / 200e-6 / 1e9)
+    assert big["combine_logical_GBps"] == pytest.approx(big["dispatch_logical_GBps"] / 2)
+    none = bandwidths(acc, None, 0.0)
+    assert none["dispatch_logical_GBps"] is None and none["dispatch_link_GBps"] is None
+    assert none["combine_logical_GBps"] == 0.0
+
+
+def test_identity_expected_is_u_times_x():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.5, -1.0], [1.5, 0.25]], dtype=torch.bfloat16)
+    idx = _ids([[0, 2], [1, 1], [-1, -1], [3, 1]])  # world 2, 2 per rank: U = 2, 1, 0, 2
+    got = identity_expected(x, idx, 2, 2, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert got.tolist() == [[2.0, 4.0], [3.0, 4.0], [0.0, 0.0], [3.0, 0.5]]
+
+
+def test_fp8_block_quantization_round_trip():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 256, generator=g) * torch.tensor([1e-3, 1.0, 1e3, 1, 1, 1])[:, None]).to(torch.bfloat16)
+    q, s = quantize_blocks(x, 2)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (6, 2)
+    assert torch.equal(s, x.float().view(6, 2, 128).abs().amax(-1) / 448.0)
+    back = dequantize_rows(q, s, torch.float32)
+    assert bool(((back - x.float()).abs() <= x.float().abs() * 2 ** -3 + s.repeat_interleave(128, 1) * 2 ** -9).all())
+
+
+def test_cli_defaults_and_table():
+    args = bench.build_parser().parse_args([])
+    assert args.dtypes == ["bfloat16", "float8_e4m3fn"]
+    assert (args.tokens, args.hidden, args.inner, args.reps, args.input_sets) == ([128, 4096], [7168], 20, 30, 0)
+    args = bench.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--dtypes", "bfloat16",
+                                            "--torch-baseline", "--lowprec", "--lowprec-tokens", "8",
+                                            "--inner", "3", "--reps", "4", "--out", "x.jsonl"])
+    assert (args.tokens, args.dtypes, args.torch_baseline, args.lowprec, args.out) == \
+        ([8], ["bfloat16"], True, True, "x.jsonl")
+
+
+def test_gate_rejects_lossy_modes():
+    base = dict(rank=0, world_size=1, hidden_dim=256, max_num_inp_token_per_rank=4, num_experts_per_rank=2,
+                num_experts_per_token=2, kernel_backend="torch")
+    for extra in (dict(quant_type="fp8_blockwise"), dict(dispatch_quant_type="fp8_blockwise")):
+        with pytest.raises(ValueError, match="lossy"):
+            bench._check_gate_mode(EpDispatchCombineConfig(**base, **extra))
+    with pytest.raises(ValueError, match="float32 block scales"):
+        bench._check_gate_mode(EpDispatchCombineConfig(**base, dispatch_data_type=torch.float8_e4m3fn,
+                                                       combine_data_type=torch.bfloat16, scale_dim=8,
+                                                       scale_type_size=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The identity gate (torch backend; 2 gloo ranks, and world_size=1 in-process)
+# ---------------------------------------------------------------------------------------------
+H, T, K, EPR = 256, 16, 4, 3
+
+
+def _gate_inputs(rank: int, world: int, payload: str):
+    """(x, w, scales, idx) of `rank`; any process can rebuild any rank's. Tokens 0-2 are pinned: no expert
+    (U=0), one rank named by repeated experts (U=1), ranks 0 and 1 (U=2, world > 1); the rest are random
+    (repeats, -1)."""
+    x, w, idx = make_inputs(11, rank, T, H, K, EPR * world)
+    idx[0] = -1
+    idx[1] = torch.tensor([0, 1, 0, -1])
+    if world > 1:
+        idx[2] = torch.tensor([0, EPR, 1, EPR + 1])
+    scales = None
+    if payload == "fp8":
+        x, scales = quantize_blocks(x, H // 128)
+    return x, w, scales, idx
+
+
+def _gate_cfg(rank, world, payload):
+    kw = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+              num_experts_per_token=K, kernel_backend="torch")
+    if payload == "fp8":
+        kw.update(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16, scale_dim=H // 128,
+                  scale_type_size=4)
+    return EpDispatchCombineConfig(**kw)
+
+
+def _flip_low_bit(out, n):  # one bit of one element of the first received row
+    bits = out[0:1, 0:1].view(torch.int16 if out.element_size() == 2 else torch.uint8)
+    bits.bitwise_xor_(1)
+
+
+CORRUPT = {
+    "none": None,
+    "row0": lambda out, n: out[0].fill_(7),
+    "low_bit": _flip_low_bit,
+    "unused_rows": lambda out, n: out[n:].fill_(7),  # past total_recv: never combined
+}
+
+
+def scn_gate(rank, world, payload, corrupt, corrupt_rank):
+    cfg = _gate_cfg(rank, world, payload)
+    x, w, scales, idx = _gate_inputs(rank, world, payload)
+    with EpDispatchCombineOp(cfg) as op:
+        assert op.device.type == "cpu" and x.device.type == "cpu"
+        hook = CORRUPT[corrupt] if rank == corrupt_rank else None
+        try:
+            n = identity_gate(op, x, w, scales, idx, corrupt=hook, point=f"test {payload}/{corrupt}")
+        except GateError as e:
+            return {"raised": True, "msg": str(e), "rank": e.rank, "point": e.point, "wrong": e.wrong_rows,
+                    "recv": e.recv_rows, "expected": e.expected_recv_rows, "bad_cols": e.bad_checksum_columns}
+        # the op is still usable, and a clean gate after a failed one passes
+        return {"raised": False, "n": n, "R": cfg.max_recv_tokens}
+
+
+def _all_idx(world, payload="bf16"):
+    return [_gate_inputs(r, world, payload)[3] for r in range(world)]
+
+
+def test_gate_inputs_cover_every_multiplicity():
+    # a gate that compared with x, or with k*x, or counted repeated experts twice would fail the clean test
+    for idx in _all_idx(2):
+        u = multiplicity(idx, EPR)
+        assert {0, 1, 2} <= set(u)
+        assert any(len(set(int(e) for e in row if e >= 0)) > len({int(e) // EPR for e in row if e >= 0})
+                   for row in idx.tolist())  # some token names one rank through several experts
+
+
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_gate_passes_on_clean_data(payload):
+    res = get_world(2).run(scn_gate, payload, "none", -1)
+    all_idx = _all_idx(2, payload)
+    for rank, r in enumerate(res):
+        assert not r["raised"], r
+        assert r["n"] == len(expected_received(all_idx, rank, EPR))
+
+
+@pytest.mark.parametrize("payload,corrupt", [("bf16", "row0"), ("bf16", "low_bit"), ("fp8", "row0"),
+                                             ("fp8", "low_bit")])
+@pytest.mark.parametrize("corrupt_rank", [0, 1])
+def test_gate_raises_on_one_corrupted_row(payload, corrupt, corrupt_rank):
+    res = get_world(2).run(scn_gate, payload, corrupt, corrupt_rank)
+    all_idx = _all_idx(2, payload)
+    src, token = expected_received(all_idx, corrupt_rank, EPR)[0]  # the torch backend's first received row
+    expected_recv = [len(expected_received(all_idx, r, EPR)) for r in range(2)]
+    for rank, r in enumerate(res):
+        assert r["raised"], f"rank {rank}: the gate passed a corrupted row ({payload}, {corrupt})"
+        assert r["rank"] == rank and r["point"] == f"test {payload}/{corrupt}"
+        assert f"test {payload}/{corrupt}" in r["msg"]
+        assert r["recv"] == r["expected"] == expected_recv
+        # the damaged rank's received rows fail their checksum, the other rank's do not
+        assert r["bad_cols"][1 - corrupt_rank] == 0 and r["bad_cols"][corrupt_rank] > 0, r
+        assert f"rank {corrupt_rank}: its received rows differ from the rows addressed to it" in r["msg"]
+        if corrupt == "row0":  # the whole row is wrong: exactly its token comes back wrong, on its source rank
+            want_wrong = [0, 0]
+            want_wrong[src] = 1
+            assert r["wrong"] == want_wrong, r
+            assert f"rank {src}: 1 of {T} combined rows != U*x (first: token {token})" in r["msg"]
+        else:  # one bit of one element: one checksum column; the combined row may round it away
+            assert r["bad_cols"][corrupt_rank] == 1, r
+            assert r["wrong"][1 - src] == 0 and r["wrong"][src] <= 1, r
+    # the world is healthy afterwards: a clean gate passes
+    assert not any(r["raised"] for r in get_world(2).run(scn_gate, payload, "none", -1))
+
+
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_gate_ignores_rows_past_total_recv(payload):
+    res = get_world(2).run(scn_gate, payload, "unused_rows", 0)
+    assert not any(r["raised"] for r in res), res
+    assert res[0]["n"] < res[0]["R"]  # there were unused rows to damage
+
+
+class _Wrapped:
+    """An op whose dispatch or combine lies (a broken kernel), for the world_size=1 gate."""
+
+    def __init__(self, op, total_delta=0, scale_combine=1.0):
+        self._op, self._backend, self.config, self.device = op, op._backend, op.config, op.device
+        self.total_delta, self.scale_combine = total_delta, scale_combine
+
+    def dispatch(self, *a, **kw):
+        res = list(self._op.dispatch(*a, **kw))
+        res[4] = res[4] + self.total_delta
+        return tuple(res)
+
+    def combine_in_view(self):
+        return self._op.combine_in_view()
+
+    def combine(self, *a, **kw):
+        comb, w = self._op.combine(*a, **kw)
+        return (comb.float() * self.scale_combine).to(comb.dtype), w
+
+
+def test_gate_single_rank_checks_total_recv_and_values():
+    cfg = _gate_cfg(0, 1, "bf16")
+    x, w, _, idx = _gate_inputs(0, 1, "bf16")
+    with EpDispatchCombineOp(cfg) as op:
+        n = identity_gate(op, x, w, None, idx)
+        assert n == sum(1 for u in multiplicity(idx, EPR) if u)  # one row per token with an expert
+        with pytest.raises(GateError, match=rf"rank 0: total_recv {n + 1} != {n} rows addressed to it") as e:
+            identity_gate(_Wrapped(op, total_delta=1), x, w, None, idx, point="p")
+        assert e.value.wrong_rows == [0] and e.value.point == "p"
+        with pytest.raises(GateError, match="combined rows != U\\*x") as e:
+            identity_gate(_Wrapped(op, scale_combine=2.0), x, w, None, idx)
+        # every token with U >= 1 and a non-zero row is wrong when combine doubles
+        nonzero = sum(1 for t, u in enumerate(multiplicity(idx, EPR)) if u and bool(x[t].any()))
+        assert e.value.wrong_rows == [nonzero] and nonzero > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole benchmark point on CPU (torch backend, gloo, eager only)
+# ---------------------------------------------------------------------------------------------
+def scn_point(rank, world, dtype_name):
+    return bench.run_point(8, 256, 4, 8, getattr(torch, dtype_name), 2, 2, backend="torch", eager_iters=3,
+                           input_sets=3)
+
+
+REQUIRED = ("commit", "backend", "target", "gpu", "driver", "world_size", "dtype", "quant", "tokens_per_rank",
+            "hidden", "topk", "experts", "graph", "graph_modes", "dispatch_blocks", "combine_blocks", "dispatch_us",
+            "combine_us", "dispatch_link_GBps", "combine_link_GBps", "dispatch_logical_GBps", "combine_logical_GBps",
+            "nccl_a2a_us", "dispatch_vs_nccl", "combine_vs_nccl", "dispatch_replay_us", "combine_staged_us",
+            "torch_backend_dispatch_us", "torch_backend_combine_us", "torch_backend_note", "eager_dispatch_us",
+            "eager_dispatch_p99_us", "eager_combine_us", "eager_combine_p99_us", "eager_dispatch_link_GBps",
+            "eager_combine_link_GBps", "eager_dispatch_logical_GBps", "eager_combine_logical_GBps", "rows_matrix",
+            "recv_rows", "remote_rows", "input_sets")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_run_point_record_on_cpu(dtype, tmp_path):
+    recs = get_world(2).run(scn_point, dtype, timeout=120)
+    m = recs[0]["rows_matrix"]
+    assert all(r["rows_matrix"] == m for r in recs)
+    for rank, r in enumerate(recs):
+        missing = [key for key in REQUIRED if key not in r]
+        assert not missing, missing
+        json.dumps(r, allow_nan=False)
+        assert (r["backend"], r["dtype"], r["graph"], r["graph_modes"], r["input_sets"]) == \
+            ("torch", dtype, False, ["eager"], 3)
+        assert r["quant"] == ("none" if dtype == "bfloat16" else "payload_block128_fp32_scales")
+        assert r["dispatch_us"] is None and r["nccl_a2a_us"] is None  # no graphs on CPU
+        assert r["recv_rows"] == sum(m[s][rank] for s in range(2)) and r["sent_rows"] == sum(m[rank])
+        assert r["remote_rows"] == sum(m[rank]) - m[rank][rank]
+        assert r["dispatch_row_bytes"] == (512 if dtype == "bfloat16" else 256 + 2 * 4)
+        assert r["combine_row_bytes"] == 512
+        for leg, rows in (("dispatch", r["recv_rows"]), ("combine", r["sent_rows"])):
+            assert r[f"eager_{leg}_us"] > 0
+            want = rows * r[f"{leg}_row_bytes"] / (r[f"eager_{leg}_us"] * 1e-6) / 1e9
+            assert r[f"eager_{leg}_logical_GBps"] == pytest.approx(want, rel=1e-5)
+            link = r["remote_rows"] * r[f"{leg}_row_bytes"] / (r[f"eager_{leg}_us"] * 1e-6) / 1e9
+            assert r[f"eager_{leg}_link_GBps"] == pytest.approx(link, rel=1e-5)
+    lines = bench.format_table(recs[:1])
+    assert len(lines) == 2 and dtype in lines[1]
+
+    # scripts/plot_bench.py reads the record (graph fields filled in, as a GPU run has them)
+    pytest.importorskip("matplotlib")
+    rec = dict(recs[0])
+    for key in ("dispatch_us", "combine_us", "dispatch_link_GBps", "combine_link_GBps"):
+        rec[key] = rec[f"eager_{key}"]
+    rec["nccl_a2a_us"] = rec["nccl_a2a_eager_us"]
+    src = tmp_path / "bench.jsonl"
+    src.write_text(json.dumps(rec) + "\n" + json.dumps(dict(rec, tokens_per_rank=16)) + "\n")
+    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    assert plot.main(str(src), str(tmp_path / "bench.png")) == 0
+    assert (tmp_path / "bench.png").stat().st_size > 0
