@@ -499,12 +499,18 @@ def _a2a(send_rows: list[int], recv_rows: list[int], nbytes: int, device):
 
 
 def _commit() -> str:
+    """EPGEN_COMMIT when set (a copied working tree may carry stale git metadata), else git's HEAD,
+    marked "+dirty" when tracked files differ from it."""
+    if os.environ.get("EPGEN_COMMIT"):
+        return os.environ["EPGEN_COMMIT"]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, timeout=10)  # noqa: E731
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        if commit and git("status", "--porcelain", "--untracked-files=no").stdout.strip():
+            commit += "+dirty"
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return commit or os.environ.get("EPGEN_COMMIT", "")
+    return commit
 
 
 def _device_info(device) -> dict:
@@ -703,7 +709,8 @@ def run_lowprec(T: int, hidden: int, k: int, num_experts: int, inner: int, reps:
 
             d_ms, c_ms = _graph_time([disp, comb], inner, reps)
             res[name] = (_stats(d_ms)[0] * 1e3, _stats(c_ms)[0] * 1e3, err)
-    return {"tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "graph": True,
+    return {"commit": _commit(), "kind": "lowprec", "tokens_per_rank": T, "hidden": hidden, "topk": k,
+            "experts": num_experts, "graph": True,
             "world_size": world, "target": op_arch(), "gpu": torch.cuda.get_device_properties(0).name,
             "modes": {m: {"dispatch_us": d, "combine_us": c, "rel_err": e} for m, (d, c, e) in res.items()},
             "fp8_dispatch_over_bf16": res["fp8_payload_gather"][0] / res["bf16_gather"][0],
