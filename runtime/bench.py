@@ -371,16 +371,20 @@ def _graph_time(legs, inner: int, reps: int) -> list[list[float]]:
 def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP) -> list[list[float]]:
     """Per-leg milliseconds of `legs` run eagerly in order, `iters` times after `warmup` untimed rounds.
 
-    Every round starts after a dist.barrier and a device synchronize; on GPUs each leg is bracketed by
-    device events (host launch work included: this is the eager cost), on a CPU process group by
-    the host clock. Returns one list of samples per leg.
+    Every round starts after a dist.barrier and a device synchronize; on GPUs a one-element all_reduce
+    on the stream then lines the GPUs up, and each leg is bracketed by device events (host launch work
+    included: this is the eager cost), on a CPU process group by the host clock. Returns one list of samples per leg.
     """
     gpu = _on_gpu()
     out: list[list[float]] = [[] for _ in legs]
+    align = torch.zeros(1, device="cuda") if gpu else None
     for it in range(warmup + iters):
         dist.barrier()
         if gpu:
             torch.cuda.synchronize()
+            # the ranks leave the host barrier at different times; a device-side collective right before
+            # the first event starts every GPU's timed region together (else the first leg absorbs the skew)
+            dist.all_reduce(align)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(legs) + 1)]
             ev[0].record()
             for leg, end in zip(legs, ev[1:]):
