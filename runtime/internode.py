@@ -40,6 +40,7 @@ import torch.distributed as dist
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from .errors import EpgenError, InputError
+from .native import local_expert_count, native_group
 from .routing import ordered_slots
 
 WAVES_PER_BLOCK = 8
@@ -97,15 +98,8 @@ class NativeInternodeBackend:
     name = "native"
 
     def __init__(self, config: EpDispatchCombineConfig, group=None):
-        if not torch.cuda.is_available():
-            raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
-        if not dist.is_initialized():
-            raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
         cfg = self.config = config
-        self.group = group or dist.group.WORLD
-        if dist.get_world_size(self.group) != cfg.world_size or dist.get_rank(self.group) != cfg.rank:
-            raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
-                             f"{dist.get_rank(self.group)} of {dist.get_world_size(self.group)}")
+        self.group = native_group(cfg, group)
         if cfg.dispatch_quant_type != "none" or cfg.quant_type != "none":
             raise EpgenError("native internode moves payloads verbatim: dispatch_quant_type and quant_type "
                              "must be 'none' (rule internode_quant_none)")
@@ -316,13 +310,7 @@ class NativeInternodeBackend:
         return self.dropped
 
     def local_expert_count(self) -> torch.Tensor:
-        cfg = self.config
-        epr = cfg.num_experts_per_rank
-        rows = torch.arange(cfg.max_recv_tokens, device=self.device) < self.total_recv
-        local = self.recv_idx - cfg.rank * epr
-        hit = (local >= 0) & (local < epr) & rows[:, None]
-        counts = torch.zeros(epr, dtype=torch.int32, device=self.device)
-        return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
+        return local_expert_count(self.config, self.recv_idx, self.total_recv)
 
     def counters(self) -> dict[str, int]:
         return {"bad_ids": int(self.bad_ids), "dropped": int(self.dropped)}

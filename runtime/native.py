@@ -128,19 +128,35 @@ class Plan:
         return out
 
 
+def native_group(cfg: EpDispatchCombineConfig, group):
+    """The process group a native backend runs on, after the checks every native backend makes."""
+    if not torch.cuda.is_available():
+        raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
+    if not dist.is_initialized():
+        raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
+    group = group or dist.group.WORLD
+    if dist.get_world_size(group) != cfg.world_size or dist.get_rank(group) != cfg.rank:
+        raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
+                         f"{dist.get_rank(group)} of {dist.get_world_size(group)}")
+    return group
+
+
+def local_expert_count(cfg: EpDispatchCombineConfig, recv_idx: torch.Tensor, total_recv: torch.Tensor) -> torch.Tensor:
+    """(received row, k) pairs per local expert among the first total_recv rows (device int32, no sync)."""
+    epr = cfg.num_experts_per_rank
+    rows = torch.arange(recv_idx.shape[0], device=recv_idx.device) < total_recv
+    local = recv_idx - cfg.rank * epr
+    hit = (local >= 0) & (local < epr) & rows[:, None]
+    counts = torch.zeros(epr, dtype=torch.int32, device=recv_idx.device)
+    return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
+
+
 class NativeBackend:
     name = "native"
 
     def __init__(self, config: EpDispatchCombineConfig, group=None):
-        if not torch.cuda.is_available():
-            raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
-        if not dist.is_initialized():
-            raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
         cfg = self.config = config
-        self.group = group or dist.group.WORLD
-        if dist.get_world_size(self.group) != cfg.world_size or dist.get_rank(self.group) != cfg.rank:
-            raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
-                             f"{dist.get_rank(self.group)} of {dist.get_world_size(self.group)}")
+        self.group = native_group(cfg, group)
         if cfg.world_size > 64:
             raise EpgenError(f"native intranode backend supports at most 64 ranks, got {cfg.world_size}")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -376,13 +392,7 @@ class NativeBackend:
 
     def local_expert_count(self) -> torch.Tensor:
         """(received row, k) pairs per local expert after the last dispatch (device int32, no host sync)."""
-        cfg = self.config
-        epr = cfg.num_experts_per_rank
-        rows = torch.arange(cfg.max_recv_tokens, device=self.device) < self.total_recv
-        local = self.recv_idx - cfg.rank * epr
-        hit = (local >= 0) & (local < epr) & rows[:, None]
-        counts = torch.zeros(epr, dtype=torch.int32, device=self.device)
-        return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
+        return local_expert_count(self.config, self.recv_idx, self.total_recv)
 
     def memory_report(self) -> dict:
         """Bytes of every workspace region (see README: the formula) plus the op's other device buffers."""
