@@ -3,6 +3,11 @@
 torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168] [--dtypes bfloat16 float8_e4m3fn]
                                              [--inner 20] [--reps 30] [--eager-iters 50] [--input-sets 0]
                                              [--torch-baseline] [--lowprec] [--out results.jsonl]
+                                             [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
+
+With --internode every point also runs internode (gpu_per_node G, default half the world) with each
+kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
+internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can stand for the nodes.
 
 Per point (tokens per rank x hidden x dtype):
 
@@ -83,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 from . import EpDispatchCombineConfig, EpDispatchCombineOp
+from .config import EMULATE_NODES_ENV
 
 FP8_PAYLOADS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 QUANT_BLOCK = 128  # elements per float32 scale of the fp8 payload points
@@ -446,10 +452,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def point_config(rank: int, world: int, T: int, hidden: int, k: int, num_experts: int, dtype: torch.dtype,
-                 backend: str = "native") -> dict:
-    """Config fields of a benchmark point; an fp8 dtype is a pre-quantized payload with per-128 fp32 scales."""
+                 backend: str = "native", topology: dict | None = None) -> dict:
+    """Config fields of a benchmark point; an fp8 dtype is a pre-quantized payload with per-128 fp32 scales.
+    topology: extra config fields of an internode point ({"gpu_per_node": G, "internode_kernel": kind})."""
     kw = dict(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
-              num_experts_per_rank=num_experts // world, num_experts_per_token=k, kernel_backend=backend)
+              num_experts_per_rank=num_experts // world, num_experts_per_token=k, kernel_backend=backend,
+              **(topology or {}))
     if dtype in FP8_PAYLOADS:
         if hidden % QUANT_BLOCK:
             raise ValueError(f"an {dtype_name(dtype)} payload point needs hidden % {QUANT_BLOCK} == 0, got {hidden}")
@@ -539,15 +547,16 @@ def _device_info(device) -> dict:
 
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
-              input_sets: int = 0) -> dict:
+              input_sets: int = 0, topology: dict | None = None) -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend)
+    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology)
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
     d_row, c_row = row_bytes(cfg)
     name = dtype_name(dtype)
-    point = f"T={T} hidden={hidden} dtype={name}"
+    where = f" internode {cfg.internode_kernel} gpu_per_node={cfg.resolved_gpu_per_node}" if cfg.is_internode else ""
+    point = f"T={T} hidden={hidden} dtype={name}{where}"
     with EpDispatchCombineOp(cfg) as op:
         dev = op.device
         graph_ok = dev.type == "cuda" and bool(op.capabilities.get("graph_capture"))
@@ -605,6 +614,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
             graph = {"d": _stats(d_ms), "c": _stats(c_ms), "s": _stats(s_ms), "r": _stats(r_ms),
                      "nd": _stats(_graph_time([a2a_d], g_inner, reps)[0]),
                      "nc": _stats(_graph_time([a2a_c], g_inner, reps)[0])}
+        route = op.last_internode_kernel
         geo = getattr(op._backend, "_geometry", None)
         geometry = {role: geo(role, T, T * world if role == "dispatch" else T) if geo else (None, None)
                     for role in ("dispatch", "combine")}
@@ -622,6 +632,8 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "target": info["target"], "gpu": info["gpu"], "driver": info["driver"],
         "cuda_driver_api": info["cuda_driver_api"], "torch": torch.__version__, "world_size": world,
         "dtype": name, "combine_dtype": dtype_name(cfg.combine_dtype),
+        "topology": "internode" if cfg.is_internode else "intranode", "gpu_per_node": cfg.resolved_gpu_per_node,
+        "internode_kernel": cfg.internode_kernel if cfg.is_internode else None, "internode_route": route,
         "quant": "payload_block128_fp32_scales" if cfg.prequantized else "none", "scale_dim": cfg.scale_dim,
         "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts,
         "graph": graph_ok, "graph_modes": ["graph", "eager"] if graph_ok else ["eager"],
@@ -745,7 +757,9 @@ def format_table(rows: list[dict]) -> list[str]:
     """The printed summary: a header and one line per point (graph times and bandwidths; eager times)."""
     lines = [" ".join(f"{name:>{w}}" for name, w in TABLE_COLUMNS)]
     for r in rows:
-        cells = [r["dtype"], str(r["tokens_per_rank"]), str(r["hidden"]),
+        tag = r["dtype"] if r.get("topology", "intranode") == "intranode" else \
+            f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
+        cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
                  _pair(r, "dispatch_us", "combine_us", ".1f"), _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
                  _pair(r, "nccl_a2a_us", "nccl_a2a_combine_us", ".1f"),
                  _pair(r, "dispatch_vs_nccl", "combine_vs_nccl", ".2f"),
@@ -772,6 +786,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="payload dtypes of the sweep (float8_e4m3fn: pre-quantized payload, per-128 fp32 scales)")
     p.add_argument("--lowprec", action="store_true", help="also compare fp8 dispatch / fp8 scatter combine with bf16")
     p.add_argument("--lowprec-tokens", type=int, nargs="+", default=[128, 4096])
+    p.add_argument("--internode", nargs="+", default=[], choices=["v2", "v2_ll", "auto"],
+                   help="also run every point internode with these kernels (gpu_per_node below)")
+    p.add_argument("--gpu-per-node", type=int, default=0,
+                   help="internode points: GPUs per node (0: half the world, at least 1)")
+    p.add_argument("--emulate-nodes", action="store_true",
+                   help="set EPGEN_EMULATE_NODES=1: internode points on one host (emulated nodes)")
     p.add_argument("--out")
     return p
 
@@ -779,15 +799,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
+    if args.emulate_nodes:
+        os.environ[EMULATE_NODES_ENV] = "1"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    gpn = args.gpu_per_node or max(1, dist.get_world_size() // 2)
+    topologies = [None] + [{"gpu_per_node": gpn, "internode_kernel": kind} for kind in args.internode]
     rows = []
     for hidden in args.hidden:
         for T in args.tokens:
             for dt in dtypes:
-                rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
-                                      args.torch_baseline, eager_iters=args.eager_iters,
-                                      input_sets=args.input_sets))
+                for topo in topologies:
+                    rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
+                                          args.torch_baseline and topo is None, eager_iters=args.eager_iters,
+                                          input_sets=args.input_sets, topology=topo))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
            for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:

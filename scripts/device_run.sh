@@ -2,7 +2,8 @@
 # One call on the lent GPU machine: build the device's variants, run the GPU tests, benchmark, print a table.
 #   (via the device tool)  bash scripts/device_run.sh
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
-# specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments).
+# specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments),
+# BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,7 +25,12 @@ if [ "$ngpu" -ge 2 ]; then
     timeout 300 torchrun --nproc-per-node 2 -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi
+  if [ -n "${BENCH_INTERNODE:-}" ]; then  # internode (2 emulated nodes) vs intranode on the same GPUs
+    timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --tokens 128 4096 --dtypes bfloat16 --internode v2 v2_ll \
+      --emulate-nodes --out "$OUT/bench_internode.jsonl" 2>&1 | tee "$OUT/bench_internode.log" | grep -vE "^(W|\*)" | tail -8
+    status[internode_bench]=${PIPESTATUS[0]}
+  fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death tune bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death tune internode_bench bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -373,3 +373,25 @@ def test_run_point_record_on_cpu(dtype, tmp_path):
     spec.loader.exec_module(plot)
     assert plot.main(str(src), str(tmp_path / "bench.png")) == 0
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def scn_internode_point(rank, world, kind):
+    import os
+
+    os.environ["EPGEN_EMULATE_NODES"] = "1"  # 2 emulated nodes of 1 rank each
+    try:
+        return bench.run_point(8, 256, 4, 8, torch.bfloat16, 2, 2, backend="torch", eager_iters=2, input_sets=2,
+                               topology={"gpu_per_node": 1, "internode_kernel": kind})
+    finally:
+        del os.environ["EPGEN_EMULATE_NODES"]
+
+
+@pytest.mark.parametrize("kind", ["v2", "v2_ll"])
+def test_internode_point_is_gated_and_labelled(kind):
+    recs = get_world(2).run(scn_internode_point, kind, timeout=120)
+    for r in recs:
+        assert (r["topology"], r["gpu_per_node"], r["internode_kernel"], r["internode_route"]) == \
+            ("internode", 1, kind, kind)
+        assert r["gate"].endswith("(passed)") and r["eager_dispatch_us"] > 0
+    assert f"bfloat16/{kind}" in bench.format_table(recs[:1])[1]
+    assert bench.build_parser().parse_args(["--internode", "v2", "auto", "--emulate-nodes"]).internode == ["v2", "auto"]
