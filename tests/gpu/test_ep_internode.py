@@ -1,4 +1,5 @@
-"""Native internode dispatch/combine on 2 GPUs emulating 2 nodes x 1 GPU (EPGEN_EMULATE_NODES=1).
+"""Native internode dispatch/combine on one host emulating 2 nodes (EPGEN_EMULATE_NODES=1): 2 x 1 GPU
+on 2 GPUs (run so far), 2 x 2 on 4, 2 x 4 on 8.
 
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_internode.py
 """
@@ -25,7 +26,7 @@ H, TMAX, K, EPR = 2048, 4096, 8, 16
 @pytest.fixture(scope="module", autouse=True)
 def dist_env():
     init_dist()
-    os.environ[rconfig.EMULATE_NODES_ENV] = "1"  # on every rank: 2 emulated nodes of 1 GPU
+    os.environ[rconfig.EMULATE_NODES_ENV] = "1"  # on every rank: 2 emulated nodes
     yield
     os.environ.pop(rconfig.EMULATE_NODES_ENV, None)
 
@@ -34,8 +35,8 @@ def _cfg(internode=True, **kw):
     fields = dict(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
                   max_num_inp_token_per_rank=TMAX, num_experts_per_rank=EPR, num_experts_per_token=K,
                   data_type=torch.bfloat16, kernel_backend="native")
-    if internode:
-        fields["gpu_per_node"] = 1
+    if internode:  # two emulated nodes: 2 x 1 GPU on 2 GPUs, 2 x 2 on 4, 2 x 4 on 8
+        fields["gpu_per_node"] = max(1, dist.get_world_size() // 2)
     fields.update(kw)
     return EpDispatchCombineConfig(**fields)
 
