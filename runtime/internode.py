@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
-from .errors import EpgenError, InputError
+from .errors import CapacityError, EpgenError, InputError
 from .native import local_expert_count, native_group
 from .routing import ordered_slots
 
@@ -108,13 +108,11 @@ class NativeInternodeBackend:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if load_specs().targets.get(self.arch) is None:
             kernels.select(self.arch, "internode_pack")  # raises the miss error naming the declared targets
-        W, G, k, H = cfg.world_size, cfg.resolved_gpu_per_node, cfg.num_experts_per_token, cfg.hidden_dim
-        self.gpn = G
         payload, comb = spec_dtype(cfg.dispatch_dtype).name, spec_dtype(cfg.combine_dtype).name
         # every kernel a call can take, loaded now
-        self.routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
+        routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
         self.kern = {}
-        for route in self.routes:
+        for route in routes:
             topo = _TOPOLOGY[route]
             names = {"pack": f"internode_pack.{payload}.{topo}", "unpack": f"internode_unpack.{payload}.{topo}",
                      "cpack": f"internode_combine_pack.{comb}.{topo}", "reduce": f"internode_reduce.{comb}.{topo}"}
@@ -122,6 +120,19 @@ class NativeInternodeBackend:
                 names["forward"] = f"internode_forward.{payload}.{topo}"
             self.kern[route] = {role: kernels.load(kernels.select(self.arch, n)) for role, n in names.items()}
 
+        self._setup_buffers(self.device)
+        # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
+        self.host_group = host_group(self.group)
+        self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def _setup_buffers(self, dev: torch.device) -> None:
+        """Record layout and every buffer of the op (sizes from the config alone)."""
+        cfg = self.config
+        W, G, k, H = cfg.world_size, cfg.resolved_gpu_per_node, cfg.num_experts_per_token, cfg.hidden_dim
+        self.gpn = G
+        self.routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
         elem = torch.empty((), dtype=cfg.dispatch_dtype).element_size()
         self.row_bytes = cfg.dispatch_payload_cols * elem  # fp4_x2: one byte per element (two values)
         self.scale_bytes = cfg.scale_dim * cfg.scale_type_size if cfg.dispatch_scales_dtype is not None else 0
@@ -134,7 +145,6 @@ class NativeInternodeBackend:
         self.brec = _align(self.comb_row + 4 * k, 16)
         R, Tm = cfg.max_recv_tokens, cfg.max_num_inp_token_per_rank
         cells = W * Tm
-        dev = self.device
         u8 = dict(dtype=torch.uint8, device=dev)
         rec, brec = self.lay["rec"], self.brec
         self.send, self.recv = torch.empty(cells * rec, **u8), torch.empty(cells * rec, **u8)
@@ -151,13 +161,8 @@ class NativeInternodeBackend:
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=dev)
         self.dropped = torch.zeros((), dtype=torch.int32, device=dev)
         self.bad_ids = torch.zeros((), dtype=torch.int32, device=dev)
-        # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
-        self.host_group = host_group(self.group)
         self.last_internode_kernel: str | None = None
         self._grid_cells = 0  # cells of the last dispatch's receive grid (combine walks them)
-        self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
-        torch.cuda.synchronize(dev)
-        dist.barrier(group=self.group)
 
     # --- facts ---------------------------------------------------------------------------------
     @property
@@ -168,6 +173,16 @@ class NativeInternodeBackend:
 
     def check(self) -> None:
         """Nothing to poll: waits happen inside NCCL/RCCL (their own timeouts apply)."""
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _gather_counts(self, cnt: torch.Tensor) -> torch.Tensor:
+        """[W] rows per destination of this rank -> [W, W] (row s: source s), on the device."""
+        W = self.config.world_size
+        every = torch.empty(W * W, dtype=cnt.dtype, device=cnt.device)
+        workspace.all_gather_single(every, cnt, self.group)
+        return every.view(W, W)
 
     def _counts(self, T: int) -> list[int]:
         mine = torch.tensor([T], dtype=torch.int64)
@@ -185,20 +200,27 @@ class NativeInternodeBackend:
         dist.all_to_all_single(out[: sum(out_cells) * size], inp[: sum(in_cells) * size],
                                [c * size for c in out_cells], [c * size for c in in_cells], group=self.group)
 
-    def _launch(self, kern, items: int, *args) -> None:
+    def _launch(self, route: str, role: str, items: int, *args, threads: int = 0) -> None:
+        """Run kernel `role` of `route` over `items` work items (waves, or threads when `threads` is
+        given); args are tensors (their device addresses; None: 0) and ints, in the kernel's order."""
         if items <= 0:
             return
-        waves = WAVES_PER_BLOCK
-        blocks = max(1, min(4 * self.num_sms, -(-items // waves)))
-        kern.launch(blocks, waves * load_specs().targets[self.arch].wave_size, *args)
+        c = ctypes
+        vals = [c.c_uint64(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor)
+                else c.c_int64(a) for a in args]
+        if threads:
+            blocks = max(1, min(4 * self.num_sms, -(-items // threads)))
+        else:
+            threads = WAVES_PER_BLOCK * load_specs().targets[self.arch].wave_size
+            blocks = max(1, min(4 * self.num_sms, -(-items // WAVES_PER_BLOCK)))
+        self.kern[route][role].launch(blocks, threads, *vals)
 
     # --- dispatch / combine --------------------------------------------------------------------
     def dispatch(self, x, weights, scales, indices, routing):
         cfg = self.config
-        c = ctypes
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         T = x.shape[0]
-        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing() and T:
+        if self.check_ids and routing is None and not self._capturing() and T:
             if bool((indices >= cfg.num_experts).any()):
                 raise InputError(f"dispatch: expert id {int(indices.max())} >= num_experts={cfg.num_experts} "
                                  f"(valid ids: 0..{cfg.num_experts - 1}, negative = no expert)")
@@ -211,45 +233,33 @@ class NativeInternodeBackend:
             slots, total, route = ex["slots"], ex["total"], ex["route"]
         else:
             route = self._route(counts)
-
-            def gather(cnt):
-                every = torch.empty(W * W, dtype=cnt.dtype, device=cnt.device)
-                workspace.all_gather_single(every, cnt, self.group)
-                return every.view(W, W)
-
             slots, total, dropped = ordered_slots(indices, rank, W, cfg.num_experts_per_rank, cfg.num_experts,
-                                                  cfg.max_recv_tokens, gather)
+                                                  cfg.max_recv_tokens, self._gather_counts)
             self.dropped.copy_(dropped)
             self.bad_ids.add_((indices >= cfg.num_experts).sum().to(torch.int32))
-        kern, lay, rec = self.kern[route], self.lay, self.lay["rec"]
+        lay, rec = self.lay, self.lay["rec"]
+        offs = [lay[n] for n in ("off_w", "off_ids", "off_rows", "off_src")]
         sp = exchange_splits(route, counts, rank, G)
         groups = W if route == "v2_ll" else W // G
-        ptr = lambda t: c.c_uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-        self._launch(kern["pack"], groups * T, ptr(x), ptr(scales), ptr(weights), ptr(indices), ptr(slots),
-                     ptr(self.send), c.c_int64(T), c.c_int64(k), c.c_int64(W), c.c_int64(G), c.c_int64(groups),
-                     c.c_int64(self.row_bytes), c.c_int64(self.scale_bytes), c.c_int64(int(weights is not None)),
-                     c.c_int64(rec), *(c.c_int64(lay[n]) for n in ("off_w", "off_ids", "off_rows", "off_src")),
-                     c.c_int64(rank), c.c_int64(cfg.max_num_inp_token_per_rank))
+        self._launch(route, "pack", groups * T, x, scales, weights, indices, slots, self.send, T, k, W, G, groups,
+                     self.row_bytes, self.scale_bytes, int(weights is not None), rec, *offs, rank,
+                     cfg.max_num_inp_token_per_rank)
         send1, recv1 = sp["d1"]
         if route == "v2_ll":
             self._a2a(self.recv, self.send, recv1, send1, rec)
         else:
             self._a2a(self.mid, self.send, recv1, send1, rec)  # stage 1: along the rail
             n1 = sp["n1"]
-            self._launch(kern["forward"], G * n1, ptr(self.mid), ptr(self.send), c.c_int64(n1), c.c_int64(G),
-                         c.c_int64(rec), c.c_int64(lay["off_rows"]))
+            self._launch(route, "forward", G * n1, self.mid, self.send, n1, G, rec, lay["off_rows"])
             send2, recv2 = sp["d2"]
             self._a2a(self.recv, self.send, recv2, send2, rec)  # stage 2: inside the node
         ncells = sum(counts)
-        self._launch(kern["unpack"], ncells, ptr(self.recv), c.c_int64(ncells), ptr(self.recv_x),
-                     ptr(self.recv_scales), ptr(self.recv_w), ptr(self.recv_idx), ptr(self.recv_src),
-                     c.c_int64(rank % G), c.c_int64(k), c.c_int64(self.row_bytes), c.c_int64(self.scale_bytes),
-                     c.c_int64(rec), *(c.c_int64(lay[n]) for n in ("off_w", "off_ids", "off_rows", "off_src")))
+        self._launch(route, "unpack", ncells, self.recv, ncells, self.recv_x, self.recv_scales, self.recv_w,
+                     self.recv_idx, self.recv_src, rank % G, k, self.row_bytes, self.scale_bytes, rec, *offs)
         self.total_recv.copy_(total)
         self._grid_cells = ncells
         self.last_internode_kernel = route
-        if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
-            from .errors import CapacityError
+        if cfg.strict_capacity and not self._capturing():
             n = int(self.dropped)
             if n:
                 raise CapacityError(f"dispatch: {n} received row(s) past max_total_recv_tokens="
@@ -261,19 +271,16 @@ class NativeInternodeBackend:
 
     def combine(self, expert_out, weights, indices, routing):
         cfg = self.config
-        c = ctypes
         ex = routing.extra
         if "route" not in ex:
             raise InputError("combine: the routing handle carries no internode plan")
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         slots, route, counts = ex["slots"], ex["route"], list(ex["counts"])
         T = slots.shape[0]
-        kern, rec, brec = self.kern[route], self.lay["rec"], self.brec
-        ptr = lambda t: c.c_uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+        rec, brec = self.lay["rec"], self.brec
         ncells = sum(counts)
-        self._launch(kern["cpack"], ncells, ptr(self.recv), c.c_int64(ncells), ptr(expert_out), ptr(weights),
-                     c.c_int64(int(weights is not None)), c.c_int64(expert_out.shape[0]), ptr(self.back_a), c.c_int64(rank % G), c.c_int64(k),
-                     c.c_int64(rec), c.c_int64(self.lay["off_rows"]), c.c_int64(self.comb_row), c.c_int64(brec))
+        self._launch(route, "cpack", ncells, self.recv, ncells, expert_out, weights, int(weights is not None),
+                     expert_out.shape[0], self.back_a, rank % G, k, rec, self.lay["off_rows"], self.comb_row, brec)
         sp = exchange_splits(route, counts, rank, G)
         send1, recv1 = sp["d1"]
         if route == "v2_ll":
@@ -293,12 +300,8 @@ class NativeInternodeBackend:
             self._a2a(self.back_b, self.back_a, [G * n for n in send1], [G * n for n in recv1], brec)
         out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
-        if T:
-            threads = 256
-            items = T * (self.comb_row // 16)
-            kern["reduce"].launch(max(1, min(4 * self.num_sms, -(-items // threads))), threads, ptr(self.back_b),
-                                  ptr(slots), c.c_int64(T), c.c_int64(k), c.c_int64(W), ptr(out), ptr(out_w),
-                                  c.c_int64(int(weights is not None)), c.c_int64(self.comb_row), c.c_int64(brec))
+        self._launch(route, "reduce", T * (self.comb_row // 16), self.back_b, slots, T, k, W, out, out_w,
+                     int(weights is not None), self.comb_row, brec, threads=256)
         self.last_internode_kernel = route
         return out, out_w
 
