@@ -117,8 +117,12 @@ class HipKernel:
         self.symbol = symbol
         self.module = self._check(hip.hipModuleLoadData(image), "hipModuleLoadData")
         self.function = self._check(hip.hipModuleGetFunction(self.module, symbol.encode()), "hipModuleGetFunction")
-        self.max_threads = int(self._check(hip.hipFuncGetAttribute(
-            hip.hipFunction_attribute.HIP_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "hipFuncGetAttribute"))
+        # the most threads per block this kernel can launch with; 1024 (the hardware limit, so no check)
+        # where this hip-python lacks the attribute query
+        attrs = getattr(hip, "hipFunction_attribute", None)
+        attr = getattr(attrs, "HIP_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK", None)
+        self.max_threads = 1024 if attr is None else int(self._check(hip.hipFuncGetAttribute(attr, self.function),
+                                                                     "hipFuncGetAttribute"))
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)
