@@ -163,6 +163,7 @@ class NativeInternodeBackend:
         self.bad_ids = torch.zeros((), dtype=torch.int32, device=dev)
         self.last_internode_kernel: str | None = None
         self._grid_cells = 0  # cells of the last dispatch's receive grid (combine walks them)
+        self._grid_slots = None
 
     # --- facts ---------------------------------------------------------------------------------
     @property
@@ -258,6 +259,7 @@ class NativeInternodeBackend:
                      self.recv_idx, self.recv_src, rank % G, k, self.row_bytes, self.scale_bytes, rec, *offs)
         self.total_recv.copy_(total)
         self._grid_cells = ncells
+        self._grid_slots = slots  # the receive grid now holds this layout (a replay keeps the same object)
         self.last_internode_kernel = route
         if cfg.strict_capacity and not self._capturing():
             n = int(self.dropped)
@@ -276,6 +278,10 @@ class NativeInternodeBackend:
             raise InputError("combine: the routing handle carries no internode plan")
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         slots, route, counts = ex["slots"], ex["route"], list(ex["counts"])
+        if slots is not self._grid_slots:
+            raise InputError("combine: the native internode backend combines the layout of the last dispatch "
+                             "(its receive cells are reused): pass that dispatch's routing handle, or replay this "
+                             "handle's dispatch first (dispatch(..., routing=handle))")
         T = slots.shape[0]
         rec, brec = self.lay["rec"], self.brec
         ncells = sum(counts)
@@ -335,6 +341,7 @@ class NativeInternodeBackend:
         self.dropped.zero_()
         self.bad_ids.zero_()
         self._grid_cells = 0
+        self._grid_slots = None
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ep_oracle import expected_received, random_routing
 from internode_sim import SimBackend, SimWorld, run_ranks
-from runtime import EpDispatchCombineConfig
+from runtime import EpDispatchCombineConfig, InputError
 from runtime.routing import RoutingHandle
 
 H, K, EPR = 32, 4, 3
@@ -119,3 +119,31 @@ def test_receive_cap_and_fp8_payload(world, gpn, route):
 
 def test_auto_switches_by_the_largest_count():
     assert _round(4, 2, "auto", [3, 0, 2, 1], seed=5, calls=1) == [["v2_ll"]] * 4
+
+
+def test_combine_takes_the_last_layout_only():
+    """The receive cells are reused: combining an older dispatch's handle raises; replaying it first works."""
+    world, gpn = 4, 2
+    sim = SimWorld(world)
+
+    def rank_fn(rank):
+        be = SimBackend(_cfg(rank, world, gpn, "v2", 5), sim, seed=rank)
+        handles = []
+        for call in range(2):
+            x, w, idx = _inputs(20 + call, rank, 5, world)
+            *_, fields = be.dispatch(x, w, None, idx, None)
+            handles.append((x, w, idx, RoutingHandle(op_uid=0, config_key=(), num_tokens=5, **fields)))
+        x0, w0, idx0, h0 = handles[0]
+        try:
+            be.combine(be.combine_in_view(), None, None, h0)
+            return "combined a stale layout"
+        except InputError as e:
+            assert "last dispatch" in str(e)
+        out, _, _, _, total, _ = be.dispatch(x0, w0, None, idx0, h0)  # replay: h0's layout is back
+        n = int(total)
+        comb, _ = be.combine(out[:n], None, None, h0)
+        U = torch.tensor([len(first_appearance(r)) for r in idx0.tolist()], dtype=torch.float32)
+        assert torch.equal(comb, (x0.float() * U[:, None]).to(torch.bfloat16))
+        return "ok"
+
+    assert run_ranks(sim, rank_fn) == ["ok"] * world
