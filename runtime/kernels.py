@@ -8,6 +8,7 @@ loaded module -> kernel handle launched on torch's current stream.
 from __future__ import annotations
 
 import ctypes
+import warnings
 import json
 
 import torch
@@ -87,6 +88,19 @@ class CudaKernel:
         # the most threads per block this kernel can launch with (its registers per thread decide)
         self.max_threads = int(self._check(cu.cuFuncGetAttribute(
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "cuFuncGetAttribute"))
+        self._occupancy: dict[int, int] = {}
+
+    def blocks_per_sm(self, threads: int) -> int:
+        """Blocks of `threads` threads that can be resident on one multiprocessor at once (at least 1)."""
+        if threads not in self._occupancy:
+            try:
+                n = self._check(self._cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, 0),
+                                "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            except Exception as e:  # noqa: BLE001 - one block per SM is always resident: the safe answer
+                warnings.warn(f"{self.symbol}: occupancy query failed ({e}); assuming one block per SM")
+                n = 1
+            self._occupancy[threads] = max(1, int(n))
+        return self._occupancy[threads]
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)
@@ -123,6 +137,14 @@ class HipKernel:
         attr = getattr(attrs, "HIP_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK", None)
         self.max_threads = 1024 if attr is None else int(self._check(hip.hipFuncGetAttribute(attr, self.function),
                                                                      "hipFuncGetAttribute"))
+
+    def blocks_per_sm(self, threads: int) -> int:
+        """Blocks of `threads` threads resident per compute unit at once; 1 (the safe answer) where this
+        hip-python lacks the occupancy query."""
+        query = getattr(self._hip, "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor", None)
+        if query is None:
+            return 1
+        return max(1, int(self._check(query(self.function, threads, 0), "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor")))
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)

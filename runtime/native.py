@@ -255,15 +255,18 @@ class NativeBackend:
     def _geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int]:
         """(blocks, threads) from specs/tuning.toml for this call's token count, or the config's override.
 
-        Combine grids are capped at one block per multiprocessor (their barrier needs them resident);
-        dispatch grids never exceed one wave per work item.
+        Grids are capped at what the device keeps resident at once (multiprocessors x the kernel's
+        occupancy at that block size): the barriers of both kernels wait for every block. Dispatch grids
+        also never exceed one wave per work item.
         """
         cfg = self.config
         b = gspecs.geometry(load_specs(), self.arch, role, tokens)
         threads = cfg.launch_threads or b.threads
         blocks = cfg.launch_blocks or b.blocks or self.num_sms
+        kern = self._dispatch if role == "dispatch" else self._combine
+        blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role == "combine":
-            return min(blocks, self.num_sms), threads
+            return blocks, threads
         return max(1, min(blocks, -(-work_items // (threads // self.wave)))), threads
 
     def check(self) -> None:

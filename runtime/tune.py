@@ -92,12 +92,16 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 0])
+    p.add_argument("--blocks", type=int, nargs="+", default=None,
+                   help="candidate grid sizes (0: one per multiprocessor); default 16 32 64 0 and twice the "
+                        "multiprocessors (kept only where the kernel's occupancy lets them all stay resident)")
     p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
     p.add_argument("--write", action="store_true")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.blocks is None:
+        args.blocks = [16, 32, 64, 0, 2 * torch.cuda.get_device_properties(0).multi_processor_count]
     best = {"dispatch": {}, "combine": {}}
     for T in args.tokens:
         for blocks, threads in itertools.product(args.blocks, args.threads):

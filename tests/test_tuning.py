@@ -75,8 +75,11 @@ def test_tuner_rewrite_round_trip(spec_copy):
 
 
 def test_native_geometry_takes_table_and_override():
+    occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32,
-                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0))
+                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0),
+                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
+                                 _combine=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"]))
     geo = NativeBackend._geometry
     from runtime.config import load_specs
 
@@ -92,5 +95,9 @@ def test_native_geometry_takes_table_and_override():
     blocks, threads = table("dispatch", 4096)
     assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
     fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256)
-    assert geo(fake, "combine", 1, 1) == (132, 256)  # combine capped at one block per SM
-    assert geo(fake, "dispatch", 4096, 32768) == (500, 256)
+    assert geo(fake, "combine", 1, 1) == (132, 256)  # capped at what stays resident: one block per SM here
+    assert geo(fake, "dispatch", 4096, 32768) == (132, 256)
+    occupancy.update(dispatch=3, combine=2)  # smaller blocks: more of them resident
+    assert geo(fake, "combine", 1, 1) == (264, 256)
+    assert geo(fake, "dispatch", 4096, 32768) == (396, 256)
+    assert geo(fake, "dispatch", 16, 128) == (16, 256)  # never more blocks than waves of work
