@@ -8,8 +8,8 @@ loaded module -> kernel handle launched on torch's current stream.
 from __future__ import annotations
 
 import ctypes
-import warnings
 import json
+import warnings
 
 import torch
 
