@@ -702,6 +702,7 @@ def run_lowprec(T: int, hidden: int, k: int, num_experts: int, inner: int, reps:
         "fp8_payload_gather": dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,
                                    scale_dim=hidden // 128, scale_type_size=4),
         "bf16_fp8_scatter": dict(quant_type="fp8_blockwise"),
+        "bf16_scatter": dict(combine_mode="scatter"),  # push combine without compression (bytes as gather)
     }
     for name, extra in modes.items():
         cfg = EpDispatchCombineConfig(**base, **extra)
@@ -826,7 +827,8 @@ def main(argv=None) -> int:
             print(f"T={r['tokens_per_rank']} H={r['hidden']}: dispatch bf16 {m['bf16_gather']['dispatch_us']:.1f} us, "
                   f"fp8 payload {m['fp8_payload_gather']['dispatch_us']:.1f} us (x{r['fp8_dispatch_over_bf16']:.2f}); "
                   f"combine bf16 gather {m['bf16_gather']['combine_us']:.1f} us, fp8_blockwise scatter "
-                  f"{m['bf16_fp8_scatter']['combine_us']:.1f} us (x{r['fp8_scatter_combine_over_bf16_gather']:.2f})")
+                  f"{m['bf16_fp8_scatter']['combine_us']:.1f} us (x{r['fp8_scatter_combine_over_bf16_gather']:.2f}), "
+                  f"bf16 scatter {m['bf16_scatter']['combine_us']:.1f} us")
     dist.destroy_process_group()
     return 0
 
