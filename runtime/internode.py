@@ -61,17 +61,18 @@ def record_layout(row_bytes: int, scale_bytes: int, k: int, gpn: int) -> dict[st
             "rec": _align(off_src + 4, 16)}
 
 
-_HOST_GROUPS: dict[tuple, object] = {}
+_HOST_GROUPS: dict[str, tuple] = {}  # group name -> (default group it was made under, gloo group)
 
 
 def host_group(group):
     """A gloo group over `group`'s ranks for the host-side token counts, made once per process and
     kept (creating and destroying gloo groups per op can meet a previous group's stale rendezvous)."""
-    key = (id(dist.group.WORLD), group.group_name)
-    if key not in _HOST_GROUPS:
+    world, made = workspace.current_world(), _HOST_GROUPS.get(group.group_name)
+    if made is None or made[0] is not world:  # none yet, or made under an earlier init of torch.distributed
         ranks = dist.get_process_group_ranks(group)
-        _HOST_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _HOST_GROUPS[key]
+        made = _HOST_GROUPS[group.group_name] = (world, dist.new_group(ranks, backend="gloo",
+                                                                        use_local_synchronization=True))
+    return made[1]
 
 
 def exchange_splits(route: str, counts: list[int], rank: int, gpn: int) -> dict[str, list]:

@@ -34,11 +34,17 @@ class Workspace:
     seq: int
     buf: torch.Tensor
     handle: object
+    world: object = None  # the default process group it was made under (a re-initialised one never reuses it)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """dist.all_gather_single (torch >= 2.13), or all_gather_into_tensor, its older name."""
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def current_world():
+    """The default process group object (a new one after destroy_process_group + init_process_group)."""
+    return dist.group.WORLD
 
 
 def _key(device: torch.device, group, nbytes: int) -> tuple:
@@ -60,6 +66,7 @@ def acquire(nbytes: int, device: torch.device, group, allocate=_symmetric) -> Wo
     key = _key(device, group, nbytes)
     with _lock:
         free = _pool.get(key, [])
+        free[:] = [ws for ws in free if ws.world is current_world()]  # made under an earlier init: dropped
         mine = free.pop() if free else None
     want = torch.tensor([mine.seq if mine else -1], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
@@ -73,7 +80,7 @@ def acquire(nbytes: int, device: torch.device, group, allocate=_symmetric) -> Wo
             _pool.setdefault(key, []).append(mine)
     with _lock:
         seq = _seq[key] = _seq.get(key, 0) + 1
-    return Workspace(key, seq, *allocate(nbytes, device, group))
+    return Workspace(key, seq, *allocate(nbytes, device, group), world=current_world())
 
 
 def release(ws: Workspace) -> None:

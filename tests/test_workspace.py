@@ -81,3 +81,28 @@ def test_ordered_slots_number_rows_in_source_token_order(world, cap):
         assert [got[i] for i in range(len(got))] == want[:kept]
         _, total, dropped = res[dst]
         assert int(total) == kept and int(dropped) == len(want) - kept
+
+
+def test_pool_never_reuses_across_inits(monkeypatch):
+    """A workspace made under one default process group is not offered under another."""
+    import torch.distributed as dist
+
+    class FakeGroup:
+        group_name = "0"
+
+    old, new = object(), object()
+    made = []
+    world = {"now": old}
+    monkeypatch.setattr(workspace, "current_world", lambda: world["now"])
+    monkeypatch.setattr(workspace, "all_gather_single", lambda out, inp, group: out.copy_(inp.expand_as(out)))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    fake = lambda n, d, g: (made.append(n) or torch.zeros(n, dtype=torch.uint8), object())  # noqa: E731
+    workspace.release_workspaces()
+    a = workspace.acquire(32, torch.device("cpu"), FakeGroup(), fake)
+    workspace.release(a)
+    assert workspace.acquire(32, torch.device("cpu"), FakeGroup(), fake) is a  # same init: reused
+    workspace.release(a)
+    world["now"] = new  # destroy_process_group + init_process_group
+    b = workspace.acquire(32, torch.device("cpu"), FakeGroup(), fake)
+    assert b is not a and len(made) == 2 and b.world is new
+    workspace.release_workspaces()
