@@ -692,10 +692,8 @@ def run_lowprec(T: int, hidden: int, k: int, num_experts: int, inner: int, reps:
     idx = torch.rand(T, num_experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
     U = torch.zeros(T, world, device="cuda").scatter_(1, idx.long() // (num_experts // world), 1.0).sum(1)
     # per-128 fp8 payload (quantized here, outside the timed region)
-    blocks = x.float().view(T, hidden // 128, 128)
-    scales = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
-    xq = (blocks / scales[..., None]).view(T, hidden).to(torch.float8_e4m3fn)
-    deq = (xq.float().view(T, hidden // 128, 128) * scales[..., None]).view(T, hidden).to(torch.bfloat16)
+    xq, scales = quantize_blocks(x, hidden // QUANT_BLOCK)
+    deq = dequantize_rows(xq, scales, torch.bfloat16)
     res = {}
     modes = {
         "bf16_gather": dict(),
@@ -709,8 +707,7 @@ def run_lowprec(T: int, hidden: int, k: int, num_experts: int, inner: int, reps:
         inp, sc = (xq, scales) if "payload" in name else (x, None)
         with EpDispatchCombineOp(cfg) as op:
             out, ow, os_, _, total, h = op.dispatch(inp, w, sc, idx, return_routing=True)
-            expert = out if "payload" not in name else \
-                (out.float().view(-1, hidden // 128, 128) * os_[..., None]).view(-1, hidden).to(torch.bfloat16)
+            expert = out if "payload" not in name else dequantize_rows(out, os_, torch.bfloat16)
             comb, _ = op.combine(expert, routing=h)
             want = U[:, None] * (deq if "payload" in name else x).float()
             err = ((comb.float() - want).norm() / want.norm().clamp_min(1e-30)).item() if T else 0.0

@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
-from .errors import CapacityError, EpgenError, InputError
-from .native import local_expert_count, native_group
-from .routing import ordered_slots
+from .errors import EpgenError, InputError
+from .native import check_expert_ids, local_expert_count, native_group, raise_if_dropped
+from .routing import all_gather_counts, ordered_slots
 
 WAVES_PER_BLOCK = 8
 _TOPOLOGY = {"v2": "internode_v2", "v2_ll": "internode_v2_ll"}
@@ -107,8 +107,10 @@ class NativeInternodeBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = kernels.device_arch(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if load_specs().targets.get(self.arch) is None:
+        target = load_specs().targets.get(self.arch)
+        if target is None:
             kernels.select(self.arch, "internode_pack")  # raises the miss error naming the declared targets
+        self.wave = target.wave_size
         payload, comb = spec_dtype(cfg.dispatch_dtype).name, spec_dtype(cfg.combine_dtype).name
         # every kernel a call can take, loaded now
         routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
@@ -181,10 +183,7 @@ class NativeInternodeBackend:
 
     def _gather_counts(self, cnt: torch.Tensor) -> torch.Tensor:
         """[W] rows per destination of this rank -> [W, W] (row s: source s), on the device."""
-        W = self.config.world_size
-        every = torch.empty(W * W, dtype=cnt.dtype, device=cnt.device)
-        workspace.all_gather_single(every, cnt, self.group)
-        return every.view(W, W)
+        return all_gather_counts(cnt, self.group)
 
     def _counts(self, T: int) -> list[int]:
         mine = torch.tensor([T], dtype=torch.int64)
@@ -213,7 +212,7 @@ class NativeInternodeBackend:
         if threads:
             blocks = max(1, min(4 * self.num_sms, -(-items // threads)))
         else:
-            threads = WAVES_PER_BLOCK * load_specs().targets[self.arch].wave_size
+            threads = WAVES_PER_BLOCK * self.wave
             blocks = max(1, min(4 * self.num_sms, -(-items // WAVES_PER_BLOCK)))
         self.kern[route][role].launch(blocks, threads, *vals)
 
@@ -222,10 +221,8 @@ class NativeInternodeBackend:
         cfg = self.config
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         T = x.shape[0]
-        if self.check_ids and routing is None and not self._capturing() and T:
-            if bool((indices >= cfg.num_experts).any()):
-                raise InputError(f"dispatch: expert id {int(indices.max())} >= num_experts={cfg.num_experts} "
-                                 f"(valid ids: 0..{cfg.num_experts - 1}, negative = no expert)")
+        if self.check_ids and routing is None and not self._capturing():
+            check_expert_ids(cfg, indices)
         counts = self._counts(T)
         if routing is not None:
             ex = routing.extra
@@ -263,11 +260,7 @@ class NativeInternodeBackend:
         self._grid_slots = slots  # the receive grid now holds this layout (a replay keeps the same object)
         self.last_internode_kernel = route
         if cfg.strict_capacity and not self._capturing():
-            n = int(self.dropped)
-            if n:
-                raise CapacityError(f"dispatch: {n} received row(s) past max_total_recv_tokens="
-                                    f"{cfg.max_recv_tokens} were dropped on rank {rank}", dropped=n,
-                                    capacity=cfg.max_recv_tokens)
+            raise_if_dropped(cfg, self.dropped)
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
             {"extra": {"slots": slots, "total": total, "route": route, "counts": tuple(counts)}}

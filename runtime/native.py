@@ -28,7 +28,7 @@ from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from . import errors
 from .errors import EpgenError, InputError
-from .routing import ordered_slots
+from .routing import all_gather_counts, ordered_slots
 
 BLOCK = 512  # threads per block of the std-MoE kernels (the EP kernels take specs/tuning.toml)
 _ALIGN = 256
@@ -139,6 +139,22 @@ def native_group(cfg: EpDispatchCombineConfig, group):
         raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "
                          f"{dist.get_rank(group)} of {dist.get_world_size(group)}")
     return group
+
+
+def check_expert_ids(cfg: EpDispatchCombineConfig, indices: torch.Tensor) -> None:
+    """Eager dispatch: InputError for an id >= num_experts (one small reduction read by the host; the
+    kernels also drop and count such ids, which is all that happens inside graph capture)."""
+    if indices.numel() and bool((indices >= cfg.num_experts).any()):
+        raise InputError(f"dispatch: expert id {int(indices.max())} >= num_experts={cfg.num_experts} (valid ids: "
+                         f"0..{cfg.num_experts - 1}, negative = no expert)")
+
+
+def raise_if_dropped(cfg: EpDispatchCombineConfig, dropped: torch.Tensor) -> None:
+    """strict_capacity: CapacityError when this dispatch dropped rows past the cap (reads the device)."""
+    n = int(dropped)
+    if n:
+        raise errors.CapacityError(f"dispatch: {n} received row(s) past max_total_recv_tokens={cfg.max_recv_tokens} "
+                                   f"were dropped on rank {cfg.rank}", dropped=n, capacity=cfg.max_recv_tokens)
 
 
 def local_expert_count(cfg: EpDispatchCombineConfig, recv_idx: torch.Tensor, total_recv: torch.Tensor) -> torch.Tensor:
@@ -285,12 +301,8 @@ class NativeBackend:
         self.check()
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
-        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing() and T:
-            # eager only: one small reduction read by the host (the kernel also drops and counts them)
-            if bool((indices >= cfg.num_experts).any()):
-                bad = int(indices.max())
-                raise InputError(f"dispatch: expert id {bad} >= num_experts={cfg.num_experts} (valid ids: 0.."
-                                 f"{cfg.num_experts - 1}, negative = no expert)")
+        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing():
+            check_expert_ids(cfg, indices)
         if routing is not None:  # replay: the handle's slots and row count, no claims
             slots, total = routing.extra["slots"], routing.extra["total"]
         elif self.capped:  # below the worst case: (source rank, token) order decides who is dropped
@@ -310,11 +322,7 @@ class NativeBackend:
         self._last = "dispatch"
         self.check()
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
-            dropped = int(self.dropped_count())  # strict mode reads the device (eager only)
-            if dropped:
-                raise errors.CapacityError(f"dispatch: {dropped} received row(s) past max_total_recv_tokens="
-                                           f"{cfg.max_recv_tokens} were dropped on rank {cfg.rank}",
-                                           dropped=dropped, capacity=cfg.max_recv_tokens)
+            raise_if_dropped(cfg, self.dropped_count())
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
             {"extra": {"slots": slots, "total": total}}
@@ -324,15 +332,9 @@ class NativeBackend:
         so the same rows are kept and dropped on every run; the counts cross ranks in one small
         all-gather on the op's group. The kernel then runs in replay mode on these slots."""
         cfg = self.config
-        W = cfg.world_size
-
-        def gather(counts):
-            every = torch.empty(W * W, dtype=counts.dtype, device=counts.device)
-            workspace.all_gather_single(every, counts, self.group)
-            return every.view(W, W)
-
-        slots, total, dropped = ordered_slots(indices, cfg.rank, W, cfg.num_experts_per_rank, cfg.num_experts,
-                                              cfg.max_recv_tokens, gather)
+        slots, total, dropped = ordered_slots(indices, cfg.rank, cfg.world_size, cfg.num_experts_per_rank,
+                                              cfg.num_experts, cfg.max_recv_tokens,
+                                              lambda counts: all_gather_counts(counts, self.group))
         self.state[STATE_WORDS.index("dropped")].copy_(dropped)
         self.state[STATE_WORDS.index("bad_ids")].add_((indices >= cfg.num_experts).sum().to(torch.int32))
         return slots, total

@@ -73,3 +73,14 @@ def ordered_slots(indices: torch.Tensor, rank: int, world_size: int, experts_per
     arriving = every[:, rank].sum()
     total = arriving.clamp(max=capacity)
     return slots, total.to(torch.int32).view(1), arriving - total
+
+
+def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """[W] rows this rank sends to each destination -> [W, W] (row s: source s), on the device, over
+    `group` (one small collective; graph-capturable on NCCL/RCCL)."""
+    from .workspace import all_gather_single
+
+    W = counts.numel()
+    every = torch.empty(W * W, dtype=counts.dtype, device=counts.device)
+    all_gather_single(every, counts, group)
+    return every.view(W, W)
