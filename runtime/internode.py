@@ -165,7 +165,6 @@ class NativeInternodeBackend:
         self.dropped = torch.zeros((), dtype=torch.int32, device=dev)
         self.bad_ids = torch.zeros((), dtype=torch.int32, device=dev)
         self.last_internode_kernel: str | None = None
-        self._grid_cells = 0  # cells of the last dispatch's receive grid (combine walks them)
         self._grid_slots = None
 
     # --- facts ---------------------------------------------------------------------------------
@@ -256,7 +255,6 @@ class NativeInternodeBackend:
         self._launch(route, "unpack", ncells, self.recv, ncells, self.recv_x, self.recv_scales, self.recv_w,
                      self.recv_idx, self.recv_src, rank % G, k, self.row_bytes, self.scale_bytes, rec, *offs)
         self.total_recv.copy_(total)
-        self._grid_cells = ncells
         self._grid_slots = slots  # the receive grid now holds this layout (a replay keeps the same object)
         self.last_internode_kernel = route
         if cfg.strict_capacity and not self._capturing():
@@ -334,7 +332,6 @@ class NativeInternodeBackend:
         self.total_recv.zero_()
         self.dropped.zero_()
         self.bad_ids.zero_()
-        self._grid_cells = 0
         self._grid_slots = None
         torch.cuda.synchronize(self.device)
 
