@@ -4,10 +4,18 @@ torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168]
                                              [--inner 20] [--reps 30] [--eager-iters 50] [--input-sets 0]
                                              [--torch-baseline] [--lowprec] [--out results.jsonl]
                                              [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
+                                             [--launch-blocks B] [--launch-threads N] [--profile]
 
 With --internode every point also runs internode (gpu_per_node G, default half the world) with each
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
 internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can stand for the nodes.
+
+--launch-blocks / --launch-threads override the tuning table for every point (config launch_blocks /
+launch_threads; the records' dispatch_blocks ... combine_threads show what ran). --profile adds, per
+point, the device time of every kernel and collective of a few eager dispatch -> expert -> combine
+rounds (torch.profiler; record field "profile", printed by rank 0): where a leg's time goes.
+The records note whether the eager dispatch ran the host-side expert-id check (a device sync;
+EPGEN_CHECK_EXPERT_IDS=0 turns it off): field "expert_id_check".
 
 Per point (tokens per rank x hidden x dtype):
 
@@ -60,7 +68,9 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
   metadata: commit, date, backend, target, gpu, driver (nvidia-smi), cuda_driver_api, torch, world_size,
     dtype, combine_dtype, quant ("none" | "payload_block128_fp32_scales"), scale_dim, tokens_per_rank,
     hidden, topk, experts, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
-    sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used)
+    sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
+    expert_id_check ("sync": the eager dispatch read the ids' range on the host; "off"), profile (--profile:
+    [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,
     dispatch_replay_us (+ _note), combine_staged_us (+ combine_input)
   eager times (us): eager_dispatch_us, eager_dispatch_p99_us, eager_combine_us, eager_combine_p99_us
@@ -410,6 +420,41 @@ def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP) -> list[list[float
     return out
 
 
+PROFILE_ROUNDS = 5
+
+
+def _profile(legs, rounds: int = PROFILE_ROUNDS) -> list[dict]:
+    """Device time per kernel / collective over `rounds` eager rounds of `legs` (torch.profiler), largest
+    first: [{"name", "calls", "us_per_round"}]. This rank's view."""
+    from torch.profiler import ProfilerActivity, profile
+    for leg in legs:  # warm
+        leg()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(rounds):
+            for leg in legs:
+                leg()
+        torch.cuda.synchronize()
+    rows = []
+    for e in p.key_averages():
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = e.cuda_time_total
+        if dev_us > 0:
+            rows.append({"name": e.key[:90], "calls": e.count // rounds, "us_per_round": dev_us / rounds})
+    return sorted(rows, key=lambda r: -r["us_per_round"])
+
+
+def format_profile(rec: dict, top: int = 12) -> list[str]:
+    """Rank 0's kernel table of a profiled point."""
+    what = f"{rec['dtype']} T={rec['tokens_per_rank']} {rec.get('internode_kernel') or 'intranode'}"
+    lines = [f"-- profile {what}: device us per dispatch+expert+combine round (eager)"]
+    for r in (rec.get("profile") or [])[:top]:
+        lines.append(f"{r['us_per_round']:9.1f}  x{r['calls']:<3d} {r['name']}")
+    return lines
+
+
 def _stats(ms: list[float]) -> tuple[float, float]:
     """(median, p99) of these samples, each the maximum over ranks (the slowest rank). Collective."""
     t = torch.tensor(ms, dtype=torch.float32, device="cuda" if _on_gpu() else "cpu")
@@ -452,12 +497,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def point_config(rank: int, world: int, T: int, hidden: int, k: int, num_experts: int, dtype: torch.dtype,
-                 backend: str = "native", topology: dict | None = None) -> dict:
+                 backend: str = "native", topology: dict | None = None, geometry: dict | None = None) -> dict:
     """Config fields of a benchmark point; an fp8 dtype is a pre-quantized payload with per-128 fp32 scales.
-    topology: extra config fields of an internode point ({"gpu_per_node": G, "internode_kernel": kind})."""
+    topology: extra config fields of an internode point ({"gpu_per_node": G, "internode_kernel": kind});
+    geometry: launch overrides ({"launch_blocks": B, "launch_threads": N}, zeros: the tuning table)."""
     kw = dict(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
               num_experts_per_rank=num_experts // world, num_experts_per_token=k, kernel_backend=backend,
-              **(topology or {}))
+              **(topology or {}), **(geometry or {}))
     if dtype in FP8_PAYLOADS:
         if hidden % QUANT_BLOCK:
             raise ValueError(f"an {dtype_name(dtype)} payload point needs hidden % {QUANT_BLOCK} == 0, got {hidden}")
@@ -547,10 +593,11 @@ def _device_info(device) -> dict:
 
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
-              input_sets: int = 0, topology: dict | None = None) -> dict:
+              input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
+              profile: bool = False) -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology)
+    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
     d_row, c_row = row_bytes(cfg)
@@ -614,6 +661,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
             graph = {"d": _stats(d_ms), "c": _stats(c_ms), "s": _stats(s_ms), "r": _stats(r_ms),
                      "nd": _stats(_graph_time([a2a_d], g_inner, reps)[0]),
                      "nc": _stats(_graph_time([a2a_c], g_inner, reps)[0])}
+        prof = _profile([disp, expert, comb]) if profile and _on_gpu() else None
         route = op.last_internode_kernel
         geo = getattr(op._backend, "_geometry", None)
         geometry = {role: geo(role, T, T * world if role == "dispatch" else T) if geo else (None, None)
@@ -639,6 +687,8 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "graph": graph_ok, "graph_modes": ["graph", "eager"] if graph_ok else ["eager"],
         "input_sets": n_sets, "graph_iters": g_inner, "graph_reps": reps if graph_ok else None,
         "eager_iters": eager_iters,
+        "expert_id_check": "sync" if os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0" else "off",
+        "profile": prof,
         "gate": "identity expert on every input set before timing: combine == U*x exactly, total_recv == rows "
                 "addressed, received rows' checksum == rows addressed (passed)",
         # graph replay (headline)
@@ -790,6 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="internode points: GPUs per node (0: half the world, at least 1)")
     p.add_argument("--emulate-nodes", action="store_true",
                    help="set EPGEN_EMULATE_NODES=1: internode points on one host (emulated nodes)")
+    p.add_argument("--launch-blocks", type=int, default=0, help="grid override for every point (0: tuning table)")
+    p.add_argument("--launch-threads", type=int, default=0,
+                   help="threads per block override for every point (0: tuning table)")
+    p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
     p.add_argument("--out")
     return p
 
@@ -803,6 +857,7 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     gpn = args.gpu_per_node or max(1, dist.get_world_size() // 2)
     topologies = [None] + [{"gpu_per_node": gpn, "internode_kernel": kind} for kind in args.internode]
+    geometry = {"launch_blocks": args.launch_blocks, "launch_threads": args.launch_threads}
     rows = []
     for hidden in args.hidden:
         for T in args.tokens:
@@ -810,7 +865,8 @@ def main(argv=None) -> int:
                 for topo in topologies:
                     rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
                                           args.torch_baseline and topo is None, eager_iters=args.eager_iters,
-                                          input_sets=args.input_sets, topology=topo))
+                                          input_sets=args.input_sets, topology=topo, geometry=geometry,
+                                          profile=args.profile))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
            for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:
@@ -818,6 +874,9 @@ def main(argv=None) -> int:
             with open(args.out, "a") as f:
                 for r in rows + low:
                     f.write(json.dumps(r, sort_keys=True) + "\n")
+        for r in rows:
+            if r.get("profile"):
+                print("\n".join(format_profile(r)))
         print("\n".join(format_table(rows)))
         for r in low:
             m = r["modes"]

@@ -151,6 +151,28 @@ def test_cli_defaults_and_table():
                                             "--inner", "3", "--reps", "4", "--out", "x.jsonl"])
     assert (args.tokens, args.dtypes, args.torch_baseline, args.lowprec, args.out) == \
         ([8], ["bfloat16"], True, True, "x.jsonl")
+    assert (args.launch_blocks, args.launch_threads, args.profile) == (0, 0, False)
+    args = bench.build_parser().parse_args(["--launch-blocks", "32", "--launch-threads", "1024", "--profile"])
+    assert (args.launch_blocks, args.launch_threads, args.profile) == (32, 1024, True)
+
+
+def test_geometry_override_reaches_the_config():
+    kw = bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"launch_blocks": 32, "launch_threads": 96})
+    cfg = EpDispatchCombineConfig(**kw)
+    assert (cfg.launch_blocks, cfg.launch_threads) == (32, 96)
+    with pytest.raises(Exception, match="launch_threads"):
+        EpDispatchCombineConfig(**bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16,
+                                                     geometry={"launch_threads": 100}))
+
+
+def test_profile_table_lists_the_largest_kernels_first():
+    rec = {"dtype": "bfloat16", "tokens_per_rank": 128, "internode_kernel": "v2",
+           "profile": [{"name": "pack", "calls": 1, "us_per_round": 50.0},
+                       {"name": "ncclDevKernel_SendRecv", "calls": 2, "us_per_round": 20.25}]}
+    lines = bench.format_profile(rec)
+    assert lines[0].startswith("-- profile bfloat16 T=128 v2")
+    assert "50.0" in lines[1] and "pack" in lines[1] and "x2" in lines[2] and "20.2" in lines[2]
+    assert len(bench.format_profile(rec, top=1)) == 2
 
 
 def test_gate_rejects_lossy_modes():
@@ -345,6 +367,7 @@ def test_run_point_record_on_cpu(dtype, tmp_path):
         json.dumps(r, allow_nan=False)
         assert (r["backend"], r["dtype"], r["graph"], r["graph_modes"], r["input_sets"]) == \
             ("torch", dtype, False, ["eager"], 3)
+        assert r["profile"] is None and r["expert_id_check"] in ("sync", "off")
         assert r["quant"] == ("none" if dtype == "bfloat16" else "payload_block128_fp32_scales")
         assert r["dispatch_us"] is None and r["nccl_a2a_us"] is None  # no graphs on CPU
         assert r["recv_rows"] == sum(m[s][rank] for s in range(2)) and r["sent_rows"] == sum(m[rank])
