@@ -73,7 +73,8 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,
     dispatch_replay_us (+ _note), combine_staged_us (+ combine_input)
-  eager times (us): eager_dispatch_us, eager_dispatch_p99_us, eager_combine_us, eager_combine_p99_us
+  eager times (us): eager_dispatch_us, eager_dispatch_p99_us, eager_combine_us, eager_combine_p99_us,
+    eager_dispatch_host_us, eager_combine_host_us (host time of the call, slowest rank's median; GPU only)
   accounting: rows_matrix (rows_matrix[s][d]: rows rank s sends to rank d), sent_rows, local_rows,
     remote_rows, recv_rows, recv_remote_rows, dispatch_row_bytes, combine_row_bytes,
     dispatch_logical_bytes, dispatch_link_bytes, combine_logical_bytes, combine_link_bytes
@@ -384,12 +385,14 @@ def _graph_time(legs, inner: int, reps: int) -> list[list[float]]:
     return out
 
 
-def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP) -> list[list[float]]:
+def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP, host: list | None = None) -> list[list[float]]:
     """Per-leg milliseconds of `legs` run eagerly in order, `iters` times after `warmup` untimed rounds.
 
     Every round starts after a dist.barrier and a device synchronize; on GPUs a one-element all_reduce
     on the stream then lines the GPUs up, and each leg is bracketed by device events (host launch work
     included: this is the eager cost), on a CPU process group by the host clock. Returns one list of samples per leg.
+    `host`, if given, receives per leg the host milliseconds each call took to return (GPU runs): an eager
+    leg slower than its graph replay and its host time is waiting on the peer (the ranks' host skew).
     """
     gpu = _on_gpu()
     out: list[list[float]] = [[] for _ in legs]
@@ -403,11 +406,19 @@ def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP) -> list[list[float
             dist.all_reduce(align)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(legs) + 1)]
             ev[0].record()
+            hs = []
             for leg, end in zip(legs, ev[1:]):
+                h0 = time.perf_counter()
                 leg()
+                hs.append((time.perf_counter() - h0) * 1e3)
                 end.record()
             torch.cuda.synchronize()
             ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(len(legs))]
+            if host is not None and it >= warmup:
+                while len(host) < len(legs):
+                    host.append([])
+                for i, v in enumerate(hs):
+                    host[i].append(v)
         else:
             stamps = [time.perf_counter()]
             for leg in legs:
@@ -648,8 +659,10 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         a2a_d = _a2a(acc["sent_per_dest"], acc["recv_per_source"], d_row, dev)
         a2a_c = _a2a(acc["recv_per_source"], acc["sent_per_dest"], c_row, dev)  # the rows going back
 
-        e_d, _, e_c = _eager_time([disp, expert, comb], eager_iters)
+        host: list[list[float]] = []
+        e_d, _, e_c = _eager_time([disp, expert, comb], eager_iters, host=host)
         eager = {"d": _stats(e_d), "c": _stats(e_c),
+                 "hd": _stats(host[0]) if host else None, "hc": _stats(host[2]) if host else None,
                  "nd": _stats(_eager_time([a2a_d], eager_iters)[0]),
                  "nc": _stats(_eager_time([a2a_c], eager_iters)[0])}
         g_inner = max(inner, n_sets) if graph_ok else None
@@ -703,6 +716,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         # eager
         "eager_dispatch_us": _us(eager["d"]), "eager_dispatch_p99_us": _us(eager["d"], 1),
         "eager_combine_us": _us(eager["c"]), "eager_combine_p99_us": _us(eager["c"], 1),
+        "eager_dispatch_host_us": _us(eager["hd"]), "eager_combine_host_us": _us(eager["hc"]),
         # launch geometry (SMs used)
         "dispatch_blocks": geometry["dispatch"][0], "combine_blocks": geometry["combine"][0],
         "dispatch_threads": geometry["dispatch"][1], "combine_threads": geometry["combine"][1],
@@ -797,7 +811,7 @@ def _pair(r: dict, a: str, b: str, fmt: str) -> str:
 
 
 TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 15), ("eager us d/c", 15),
-                 ("nccl us d/c", 15), ("vs nccl d/c", 11), ("logical GB/s d/c", 16), ("link GB/s d/c", 13),
+                 ("host us d/c", 13), ("nccl us d/c", 15), ("vs nccl d/c", 11), ("logical GB/s d/c", 16), ("link GB/s d/c", 13),
                  ("blocks d/c", 10)]
 
 
@@ -809,6 +823,7 @@ def format_table(rows: list[dict]) -> list[str]:
             f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
         cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
                  _pair(r, "dispatch_us", "combine_us", ".1f"), _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
+                 _pair(r, "eager_dispatch_host_us", "eager_combine_host_us", ".0f"),
                  _pair(r, "nccl_a2a_us", "nccl_a2a_combine_us", ".1f"),
                  _pair(r, "dispatch_vs_nccl", "combine_vs_nccl", ".2f"),
                  _pair(r, "dispatch_logical_GBps", "combine_logical_GBps", ".0f"),
