@@ -54,7 +54,6 @@ class Target:
     fp8_max: float
     fp4_conversion: str
     toolchain: str
-    peer_copy: str = "wave"
     flags: tuple[str, ...]
     isa: tuple[tuple[str, tuple[str, ...]], ...] = ()
     isa_forbidden: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -158,7 +157,6 @@ _CHOICES = {
     (Target, "vendor"): ("amd", "nvidia"),
     (Target, "fp8_e4m3"): ("ocp", "fnuz"),
     (Target, "fp4_conversion"): ("none", "pairs", "pack8", "software"),
-    (Target, "peer_copy"): ("wave", "bulk_store"),
     (DType, "kind"): ("float", "fp8", "fp4"),
     (DType, "fp8_format"): ("", "ocp", "fnuz"),
     (Quant, "wire_kind"): ("none", "fp8", "fp4"),
@@ -408,12 +406,6 @@ def load(root: Path | str | None = None) -> Specs:
                 if not t.expected(conv):
                     raise _fail(tsrc, tsrc.table_line(f"target.{t.name}.isa"),
                                 f"[target.{t.name}] fp4_conversion = {t.fp4_conversion!r} needs isa.{conv} mnemonics")
-
-    # Bulk (TMA) stores exist on NVIDIA sm_90 and later only; the copier must show in the disassembly.
-    for t in targets.values():
-        if t.peer_copy == "bulk_store" and (t.vendor != "nvidia" or not t.expected("peer_copy")):
-            raise _fail(tsrc, tsrc.key_line(f"target.{t.name}", "peer_copy"),
-                        f"[target.{t.name}] peer_copy = 'bulk_store' needs an NVIDIA target with isa.peer_copy mnemonics")
 
     rules = _load_rules(srcs["rules"], data["rules"])
     profiles = _named_tables(srcs["profiles"], data["profiles"], "profile", Profile)

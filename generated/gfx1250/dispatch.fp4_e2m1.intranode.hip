@@ -129,14 +129,6 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
-
-// Peer-row copier, form "wave" (specs/targets.toml peer_copy): a kernel keeps one per wave, calls
-// copy() per row and finish() before announcing its rows (the target library picks the form).
-struct epg_wave_copier {
-  EPG_DEVICE void copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) { epg_wave_copy(dst, src, n16, lane); }
-  EPG_DEVICE void finish(int) {}
-};
-typedef epg_wave_copier epg_row_copier;  // peer_copy = "wave" (the spec loader allows no other form here)
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   epg_u32 r = __builtin_amdgcn_cvt_pk_fp8_f32(epg_fp8_sat(a), epg_fp8_sat(b), 0, false);
@@ -278,7 +270,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase)
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
-// counter; the wave copies the row into the peer's receive buffer (by the target's peer-row copier (specs: peer_copy); per-row scales, if any, copied verbatim);
+// counter; the wave copies the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim);
 // lanes < k store the token's weights and ids.
 // With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. A final barrier round tells every peer this rank's rows are
@@ -298,7 +290,6 @@ EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
-  epg_row_copier copier;  // the target's peer-row copier (specs/targets.toml peer_copy)
   for (epg_i64 it = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; it < items; it += (epg_i64)epg_nblocks() * waves) {
     const epg_i64 t = it / a.world;
     const int r = (int)(it % a.world);
@@ -329,7 +320,7 @@ EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
     if (slot >= 0) {
       const epg_i64 s = slot / (int)a.world;
       char* peer = epg_peer(a, slot % (int)a.world);
-      copier.copy(peer + a.off_recv_x + s * a.row_bytes, (const char*)a.x + t * a.row_bytes, n16, lane);
+      epg_wave_copy(peer + a.off_recv_x + s * a.row_bytes, (const char*)a.x + t * a.row_bytes, n16, lane);
       for (epg_i64 b = lane; b < a.scale_row_bytes; b += EPG_WAVE)
         (peer + a.off_recv_scales + s * a.scale_row_bytes)[b] = ((const char*)a.scales)[t * a.scale_row_bytes + b];
       if (lane < a.k) {
@@ -341,7 +332,6 @@ EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
     if (!a.replay && lane == 0) slots[t * a.k + jf] = slot;
   }
 
-  copier.finish(lane);  // this wave's rows written before the barrier announces them
   const int bar = epg_barrier(a, ++epoch, false, 2);
   if (bar == EPG_BAR_FAIL && epg_block() == 0 && epg_thread() == 0) *(int*)a.total_recv = 0;  // after a timeout
   if (bar == EPG_BAR_LAST && epg_thread() == 0) {

@@ -153,14 +153,6 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
-
-// Peer-row copier, form "wave" (specs/targets.toml peer_copy): a kernel keeps one per wave, calls
-// copy() per row and finish() before announcing its rows (the target library picks the form).
-struct epg_wave_copier {
-  EPG_DEVICE void copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) { epg_wave_copy(dst, src, n16, lane); }
-  EPG_DEVICE void finish(int) {}
-};
-typedef epg_wave_copier epg_row_copier;  // peer_copy = "wave" (the spec loader allows no other form here)
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   epg_u32 r = __builtin_amdgcn_cvt_pk_fp8_f32(epg_fp8_sat(a), epg_fp8_sat(b), 0, false);

@@ -149,14 +149,6 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
-
-// Peer-row copier, form "wave" (specs/targets.toml peer_copy): a kernel keeps one per wave, calls
-// copy() per row and finish() before announcing its rows (the target library picks the form).
-struct epg_wave_copier {
-  EPG_DEVICE void copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) { epg_wave_copy(dst, src, n16, lane); }
-  EPG_DEVICE void finish(int) {}
-};
-typedef epg_wave_copier epg_row_copier;  // peer_copy = "wave" (the spec loader allows no other form here)
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   epg_u32 r = __builtin_amdgcn_cvt_pk_fp8_f32(epg_fp8_sat(a), epg_fp8_sat(b), 0, false);
@@ -359,7 +351,6 @@ EPG_KERNEL void epg_dispatch__fp32__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
-  epg_row_copier copier;  // the target's peer-row copier (specs/targets.toml peer_copy)
   for (epg_i64 it = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; it < items; it += (epg_i64)epg_nblocks() * waves) {
     const epg_i64 t = it / a.world;
     const int r = (int)(it % a.world);
@@ -409,7 +400,6 @@ EPG_KERNEL void epg_dispatch__fp32__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
     if (!a.replay && lane == 0) slots[t * a.k + jf] = slot;
   }
 
-  copier.finish(lane);  // this wave's rows written before the barrier announces them
   const int bar = epg_barrier(a, ++epoch, false, 2);
   if (bar == EPG_BAR_FAIL && epg_block() == 0 && epg_thread() == 0) *(int*)a.total_recv = 0;  // after a timeout
   if (bar == EPG_BAR_LAST && epg_thread() == 0) {

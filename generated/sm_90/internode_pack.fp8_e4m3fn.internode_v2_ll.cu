@@ -107,63 +107,6 @@ EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
-
-// Peer-row copier, form "wave" (specs/targets.toml peer_copy): a kernel keeps one per wave, calls
-// copy() per row and finish() before announcing its rows (the target library picks the form).
-struct epg_wave_copier {
-  EPG_DEVICE void copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) { epg_wave_copy(dst, src, n16, lane); }
-  EPG_DEVICE void finish(int) {}
-};
-// Peer-row copier, form "bulk_store": the wave stages a chunk of the row in shared memory (16-byte
-// loads by every lane) and one lane hands it to the bulk-copy unit (cp.async.bulk, shared -> the
-// peer's global memory): one bulk transfer per chunk instead of a 16-byte store per lane. Each wave
-// owns two chunk buffers and alternates them, so one chunk is in flight while the next is staged.
-constexpr int EPG_STAGE_BYTES = 32768;  // shared memory per block for the staging buffers
-struct epg_row_copier {
-  int buf = 0;
-  EPG_DEVICE void copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
-    __shared__ __align__(128) epg_vec16 stage[EPG_STAGE_BYTES / 16];
-    const int waves = epg_block_dim() / EPG_WAVE;
-    const int per = EPG_STAGE_BYTES / 16 / waves / 2 / EPG_WAVE * EPG_WAVE;  // vectors per chunk
-    epg_vec16* mine = stage + (epg_thread() / EPG_WAVE) * 2 * per;
-    epg_u64 gdst;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(gdst) : "l"(dst));
-#pragma unroll 1
-    for (int c0 = 0; c0 < n16; c0 += per) {
-      const int n = n16 - c0 < per ? n16 - c0 : per;
-      epg_vec16* b = mine + buf * per;
-      // the bulk copy that last read this buffer (two chunks ago) has read it out
-      if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      __syncwarp();
-      const char* s = src + 16 * (epg_i64)c0;
-      int c = lane;
-#pragma unroll 1
-      for (; c + 3 * EPG_WAVE < n; c += 4 * EPG_WAVE) {
-        epg_vec16 v0 = epg_ld16(s + 16 * c), v1 = epg_ld16(s + 16 * (c + EPG_WAVE));
-        epg_vec16 v2 = epg_ld16(s + 16 * (c + 2 * EPG_WAVE)), v3 = epg_ld16(s + 16 * (c + 3 * EPG_WAVE));
-        b[c] = v0; b[c + EPG_WAVE] = v1; b[c + 2 * EPG_WAVE] = v2; b[c + 3 * EPG_WAVE] = v3;
-      }
-      for (; c < n; c += EPG_WAVE) b[c] = epg_ld16(s + 16 * c);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores above, seen by the bulk copy
-      __syncwarp();
-      if (lane == 0) {
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                     :: "l"(gdst + 16 * (epg_u64)c0), "r"((epg_u32)__cvta_generic_to_shared(b)), "r"(16 * n) : "memory");
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      }
-      buf ^= 1;
-    }
-  }
-  // every bulk copy of this wave written, and ordered before the generic-proxy release that follows
-  EPG_DEVICE void finish(int lane) {
-    if (lane == 0) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-    }
-    __syncwarp();
-  }
-};
-
 // FP8 e4m3 (OCP): cvt.rn.satfinite saturates to +-448 and keeps NaN.
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
   unsigned short lo, hi;
