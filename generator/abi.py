@@ -14,7 +14,7 @@ EP_ARGS = (
     # sizes and flags
     "num_tokens", "row_bytes", "hidden", "wire_row_bytes", "scale_row_bytes", "k", "experts_per_rank",
     "num_experts", "rank", "world", "max_recv", "max_tokens", "expert_rows", "entry_barrier", "has_weights",
-    "timeout_ns", "replay",
+    "timeout_ns", "replay", "block_rows",
 )
 
 # int32 words of the host-mapped error word: [0] set to 1 once the details below are complete,

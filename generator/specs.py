@@ -135,6 +135,7 @@ class Bucket:
     max_tokens: int
     blocks: int
     threads: int
+    rows: str = "wave"  # dispatch: who copies one (token, rank) row, a "wave" or a whole "block"
 
 
 @_frozen
@@ -157,6 +158,7 @@ _CHOICES = {
     (Target, "vendor"): ("amd", "nvidia"),
     (Target, "fp8_e4m3"): ("ocp", "fnuz"),
     (Target, "fp4_conversion"): ("none", "pairs", "pack8", "software"),
+    (Bucket, "rows"): ("wave", "block"),
     (DType, "kind"): ("float", "fp8", "fp4"),
     (DType, "fp8_format"): ("", "ocp", "fnuz"),
     (Quant, "wire_kind"): ("none", "fp8", "fp4"),
@@ -469,6 +471,8 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[t
                     raise _fail(src, line, f"[[{hdr}]] max_tokens and blocks must be >= 0")
                 if rec.threads <= 0 or rec.threads > 1024 or rec.threads % wave:
                     raise _fail(src, line, f"[[{hdr}]] threads = {rec.threads}: a multiple of the wave size {wave}, at most 1024")
+                if rec.rows != "wave" and role != "dispatch":
+                    raise _fail(src, src.key_line(hdr, "rows", i), f"[[{hdr}]] rows = {rec.rows!r}: only dispatch copies rows")
                 last = i == len(buckets) - 1
                 if (rec.max_tokens == 0) != last:
                     raise _fail(src, line, f"[[{hdr}]] only the last bucket has max_tokens = 0 (no limit), and it must")

@@ -130,6 +130,7 @@ class EpDispatchCombineConfig:
     strict_capacity: bool = False  # dispatch raises CapacityError when it dropped received rows
     launch_blocks: int = 0  # EP kernel grid override; 0: specs/tuning.toml
     launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
+    launch_rows: str = ""  # dispatch row copy override: "wave" | "block"; "": specs/tuning.toml
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -248,7 +249,7 @@ class EpDispatchCombineConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise self._fail(f, "must be an int")
-        for f in ("quant_type", "dispatch_quant_type", "internode_kernel"):
+        for f in ("quant_type", "dispatch_quant_type", "internode_kernel", "launch_rows"):
             if not isinstance(getattr(self, f), str):
                 raise self._fail(f, "must be a str")
         for f in ("combine_mode", "kernel_backend"):
@@ -276,6 +277,8 @@ class EpDispatchCombineConfig:
                   "launch_blocks", "launch_threads"):
             if getattr(self, f) < 0:
                 raise self._fail(f, "must be >= 0")
+        if self.launch_rows not in ("", "wave", "block"):
+            raise self._fail("launch_rows", f"must be 'wave', 'block' or '' (specs/tuning.toml), got {self.launch_rows!r}")
         if self.launch_threads % 32 or self.launch_threads > 1024:
             raise self._fail("launch_threads", "must be a multiple of 32 and at most 1024 (0: specs/tuning.toml)")
         try:

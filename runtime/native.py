@@ -188,7 +188,9 @@ class NativeBackend:
                 raise EpgenError(f"native backend: a {what} must be a multiple of 16 bytes, got {n} "
                                  f"(hidden_dim={cfg.hidden_dim})")
         # every kernel this op can use, loaded before the first call
-        self._dispatch = kernels.load(kernels.select(self.arch, plan.dispatch_variant))
+        dvariant = kernels.select(self.arch, plan.dispatch_variant)
+        self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
+        self._dispatch = kernels.load(dvariant)
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
 
         self._check_geometry()
@@ -273,7 +275,7 @@ class NativeBackend:
 
         Grids are capped at what the device keeps resident at once (multiprocessors x the kernel's
         occupancy at that block size): the barriers of both kernels wait for every block. Dispatch grids
-        also never exceed one wave per work item.
+        also never exceed one wave per work item (one block per item when a block copies a row).
         """
         cfg = self.config
         b = gspecs.geometry(load_specs(), self.arch, role, tokens)
@@ -283,7 +285,16 @@ class NativeBackend:
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role == "combine":
             return blocks, threads
-        return max(1, min(blocks, -(-work_items // (threads // self.wave)))), threads
+        per_block = 1 if self._block_rows(tokens) else threads // self.wave
+        return max(1, min(blocks, -(-work_items // per_block))), threads
+
+    def _block_rows(self, tokens: int) -> bool:
+        """Does a whole block copy each dispatch row (tuning table `rows`, or the config's launch_rows)?
+        Never for a dispatch that quantizes in flight: its quantizer works per wave."""
+        if self._dispatch_converts:
+            return False
+        rows = self.config.launch_rows or gspecs.geometry(load_specs(), self.arch, "dispatch", tokens).rows
+        return rows == "block"
 
     def check(self) -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting (reads pinned host memory only)."""
@@ -318,6 +329,7 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
+        a.block_rows = int(self._block_rows(T))
         self._dispatch.launch(*self._geometry("dispatch", T, T * cfg.world_size), a)
         self._last = "dispatch"
         self.check()

@@ -36,7 +36,7 @@ def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str) -> s
     for (target, role) in sorted(tuning, key=lambda tr: (tr[0], gspecs.TUNING_ROLES.index(tr[1]))):
         for b in tuning[(target, role)]:
             out += [f"[[tuning.{target}.{role}]]", f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}",
-                    f"threads = {b.threads}", ""]
+                    f"threads = {b.threads}"] + ([f'rows = "{b.rows}"'] if b.rows != "wave" else []) + [""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -51,18 +51,21 @@ def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str
     return render(tuning, header)
 
 
-def buckets_from(best: dict[int, tuple[int, int]]) -> list[gspecs.Bucket]:
-    """Measured token counts -> buckets: each count ends a bucket; the largest one is unlimited."""
+def buckets_from(best: dict[int, tuple]) -> list[gspecs.Bucket]:
+    """Measured token counts -> buckets: each count ends a bucket; the largest one is unlimited.
+    best[T] = (blocks, threads) or (blocks, threads, rows)."""
     counts = sorted(best)
-    return [gspecs.Bucket(max_tokens=0 if t == counts[-1] else t, blocks=best[t][0], threads=best[t][1])
+    return [gspecs.Bucket(max_tokens=0 if t == counts[-1] else t, blocks=best[t][0], threads=best[t][1],
+                          rows=best[t][2] if len(best[t]) > 2 else "wave")
             for t in counts]
 
 
-def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int) -> tuple[float, float]:
+def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int, rows: str = "wave") -> tuple[float, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
                                   num_experts_per_rank=experts // world, num_experts_per_token=k,
-                                  kernel_backend="native", launch_blocks=blocks, launch_threads=threads)
+                                  kernel_backend="native", launch_blocks=blocks, launch_threads=threads,
+                                  launch_rows=rows)
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(T, hidden, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.rand(T, experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
@@ -73,7 +76,7 @@ def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int
         comb, _ = op.combine(view, routing=h)
         U = torch.zeros(T, world, device="cuda").scatter_(1, idx.long() // (experts // world), 1.0).sum(1)
         if not torch.equal(comb, (x.float() * U[:, None]).to(torch.bfloat16)):
-            raise SystemExit(f"rank {rank}: identity check failed at blocks={blocks} threads={threads}")
+            raise SystemExit(f"rank {rank}: identity check failed at blocks={blocks} threads={threads} rows={rows}")
         held = {}
 
         def disp():
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
                    help="candidate grid sizes (0: one per multiprocessor); default 16 32 64 0 and twice the "
                         "multiprocessors (kept only where the kernel's occupancy lets them all stay resident)")
     p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--rows", nargs="+", default=["wave", "block"], choices=["wave", "block"],
+                   help="dispatch row modes to try (combine takes its best over all candidates)")
     p.add_argument("--write", action="store_true")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -104,23 +109,25 @@ def main(argv=None) -> int:
         args.blocks = [16, 32, 64, 0, 2 * torch.cuda.get_device_properties(0).multi_processor_count]
     best = {"dispatch": {}, "combine": {}}
     for T in args.tokens:
-        for blocks, threads in itertools.product(args.blocks, args.threads):
+        for blocks, threads, rows in itertools.product(args.blocks, args.threads, args.rows):
             try:
-                d, c = measure(T, args.hidden, args.topk, args.experts, blocks, threads)
+                d, c = measure(T, args.hidden, args.topk, args.experts, blocks, threads, rows)
             except EpgenError as exc:  # raised alike on every rank, at construction
                 if dist.get_rank() == 0:
-                    print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4}: skipped: {exc}")
+                    print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4} rows={rows:>5}: skipped: {exc}")
                 continue
             if dist.get_rank() == 0:
-                print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4}: dispatch {d:8.1f} us  combine {c:8.1f} us")
-            for role, t in (("dispatch", d), ("combine", c)):
-                if T not in best[role] or t < best[role][T][2]:
-                    best[role][T] = (blocks, threads, t)
+                print(f"T={T:>5} blocks={blocks:>3} threads={threads:>4} rows={rows:>5}: dispatch {d:8.1f} us  "
+                      f"combine {c:8.1f} us")
+            for role, t, geo in (("dispatch", d, (blocks, threads, rows)), ("combine", c, (blocks, threads))):
+                if T not in best[role] or t < best[role][T][-1]:
+                    best[role][T] = (*geo, t)
     if dist.get_rank() == 0:
         arch = device_arch(torch.device("cuda"))
-        new = {role: buckets_from({T: v[:2] for T, v in per.items()}) for role, per in best.items()}
+        new = {role: buckets_from({T: v[:-1] for T, v in per.items()}) for role, per in best.items()}
         for role, bs in new.items():
-            print(f"{arch} {role}: " + ", ".join(f"<= {b.max_tokens or 'any'}: {b.blocks or 'SMs'} x {b.threads}" for b in bs))
+            print(f"{arch} {role}: " + ", ".join(f"<= {b.max_tokens or 'any'}: {b.blocks or 'SMs'} x {b.threads}"
+                                                 f"{' (block rows)' if b.rows == 'block' else ''}" for b in bs))
         if args.write:
             TUNING.write_text(rewrite(TUNING, arch, new))
             print(f"rewrote {TUNING}")

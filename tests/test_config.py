@@ -19,7 +19,7 @@ FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s",
-               "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads")
+               "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows")
 
 
 @pytest.fixture(autouse=True)
@@ -537,6 +537,8 @@ def test_backend_fixed_at_construction(monkeypatch):
     ("launch_threads", -32, "must be >= 0"),
     ("launch_threads", 100, "multiple of 32"),
     ("launch_threads", 2048, "at most 1024"),
+    ("launch_rows", "warp", "must be 'wave', 'block' or ''"),
+    ("launch_rows", 1, "must be a str"),
 ])
 def test_launch_geometry_override_is_validated(field, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -42,10 +42,23 @@ def test_buckets_select_by_tokens(spec_copy):
       "max_tokens = 0\nblocks = 0\nthreads = 512"], "must ascend"),
     (["max_tokens = 0\nblocks = -1\nthreads = 512"], ">= 0"),
     (["max_tokens = 0\nblocks = 0\nthreads = 512\nwarps = 4"], "unknown key 'warps'"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512\nrows = \"warp\""], "rows"),
 ])
 def test_bad_tables_are_located(spec_copy, bodies, message):
     _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
     with pytest.raises(S.SpecError, match=message) as e:
+        S.load(spec_copy)
+    assert "tuning.toml:" in str(e.value)
+
+
+def test_block_rows_only_for_dispatch(spec_copy):
+    _write(spec_copy, _table({("sm_90", "dispatch"): ['max_tokens = 128\nblocks = 0\nthreads = 256\nrows = "block"',
+                                                      "max_tokens = 0\nblocks = 0\nthreads = 512"]}))
+    specs = S.load(spec_copy)
+    assert S.geometry(specs, "sm_90", "dispatch", 100).rows == "block"
+    assert S.geometry(specs, "sm_90", "dispatch", 200).rows == "wave"  # the default
+    _write(spec_copy, _table({("sm_90", "combine"): ['max_tokens = 0\nblocks = 0\nthreads = 512\nrows = "block"']}))
+    with pytest.raises(S.SpecError, match="only dispatch copies rows") as e:
         S.load(spec_copy)
     assert "tuning.toml:" in str(e.value)
 
@@ -62,12 +75,12 @@ def test_unknown_target_and_missing_role(spec_copy):
 
 def test_tuner_rewrite_round_trip(spec_copy):
     path = spec_copy / "tuning.toml"
-    new = {"dispatch": tune.buckets_from({128: (32, 256), 4096: (64, 512)}),
+    new = {"dispatch": tune.buckets_from({128: (32, 256, "block"), 4096: (64, 512, "wave")}),
            "combine": tune.buckets_from({128: (16, 512), 4096: (0, 512)})}
     text = tune.rewrite(path, "sm_90", new)
     path.write_text(text)
     specs = S.load(spec_copy)
-    assert S.geometry(specs, "sm_90", "dispatch", 100) == S.Bucket(max_tokens=128, blocks=32, threads=256)
+    assert S.geometry(specs, "sm_90", "dispatch", 100) == S.Bucket(max_tokens=128, blocks=32, threads=256, rows="block")
     assert S.geometry(specs, "sm_90", "dispatch", 8192) == S.Bucket(max_tokens=0, blocks=64, threads=512)
     assert S.geometry(specs, "sm_90", "combine", 1).blocks == 16
     assert specs.tuning[("gfx950", "dispatch")] == S.load().tuning[("gfx950", "dispatch")]
@@ -76,10 +89,11 @@ def test_tuner_rewrite_round_trip(spec_copy):
 
 def test_native_geometry_takes_table_and_override():
     occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
-    fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32,
-                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0),
+    fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
+                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="wave"),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
                                  _combine=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"]))
+    fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
     from runtime.config import load_specs
 
@@ -94,10 +108,28 @@ def test_native_geometry_takes_table_and_override():
     assert geo(fake, "dispatch", 1, 8)[0] < 132
     blocks, threads = table("dispatch", 4096)
     assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
-    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256)
+    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256, launch_rows="wave")
     assert geo(fake, "combine", 1, 1) == (132, 256)  # capped at what stays resident: one block per SM here
     assert geo(fake, "dispatch", 4096, 32768) == (132, 256)
     occupancy.update(dispatch=3, combine=2)  # smaller blocks: more of them resident
     assert geo(fake, "combine", 1, 1) == (264, 256)
     assert geo(fake, "dispatch", 4096, 32768) == (396, 256)
     assert geo(fake, "dispatch", 16, 128) == (16, 256)  # never more blocks than waves of work
+
+
+def test_native_block_rows_take_one_block_per_row():
+    fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
+                                 config=types.SimpleNamespace(launch_blocks=264, launch_threads=256, launch_rows="block"),
+                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 8))
+    fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
+    geo = NativeBackend._geometry
+    assert NativeBackend._block_rows(fake, 128)
+    assert geo(fake, "dispatch", 128, 256) == (256, 256)  # one block per (token, rank) row, at most the grid
+    assert geo(fake, "dispatch", 4096, 8192) == (264, 256)
+    fake.config.launch_rows = "wave"
+    assert geo(fake, "dispatch", 128, 256) == (32, 256)  # eight waves per block: a row each
+    fake.config.launch_rows, fake._dispatch_converts = "block", True
+    assert not NativeBackend._block_rows(fake, 128)  # in-flight quantization copies by wave
+    assert geo(fake, "dispatch", 128, 256) == (32, 256)
+    fake.config.launch_rows, fake._dispatch_converts = "", False  # the table decides
+    assert NativeBackend._block_rows(fake, 128) == (S.geometry(S.load(), "sm_90", "dispatch", 128).rows == "block")

@@ -142,16 +142,20 @@ EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
   return v;
 }
 
-// Copy n16 16-byte vectors with one wave, four loads in flight per lane.
-EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
-  int c = lane;
-  for (; c + 3 * EPG_WAVE < n16; c += 4 * EPG_WAVE) {
-    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + EPG_WAVE));
-    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * EPG_WAVE)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * EPG_WAVE));
-    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + EPG_WAVE), v1);
-    epg_st16(dst + 16 * (epg_i64)(c + 2 * EPG_WAVE), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * EPG_WAVE), v3);
+// Copy n16 16-byte vectors with `span` threads (this one is number `me`), four loads in flight each.
+EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int me, int span) {
+  int c = me;
+  for (; c + 3 * span < n16; c += 4 * span) {
+    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + span));
+    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * span)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * span));
+    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + span), v1);
+    epg_st16(dst + 16 * (epg_i64)(c + 2 * span), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * span), v3);
   }
-  for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+  for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+}
+// ... with one wave.
+EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
+  epg_span_copy(dst, src, n16, lane, EPG_WAVE);
 }
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
@@ -218,6 +222,7 @@ struct EpArgs {
   epg_i64 has_weights;
   epg_i64 timeout_ns;
   epg_i64 replay;
+  epg_i64 block_rows;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;

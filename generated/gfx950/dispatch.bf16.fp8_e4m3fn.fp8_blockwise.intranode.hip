@@ -142,16 +142,20 @@ EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
   return v;
 }
 
-// Copy n16 16-byte vectors with one wave, four loads in flight per lane.
-EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
-  int c = lane;
-  for (; c + 3 * EPG_WAVE < n16; c += 4 * EPG_WAVE) {
-    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + EPG_WAVE));
-    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * EPG_WAVE)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * EPG_WAVE));
-    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + EPG_WAVE), v1);
-    epg_st16(dst + 16 * (epg_i64)(c + 2 * EPG_WAVE), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * EPG_WAVE), v3);
+// Copy n16 16-byte vectors with `span` threads (this one is number `me`), four loads in flight each.
+EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int me, int span) {
+  int c = me;
+  for (; c + 3 * span < n16; c += 4 * span) {
+    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + span));
+    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * span)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * span));
+    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + span), v1);
+    epg_st16(dst + 16 * (epg_i64)(c + 2 * span), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * span), v3);
   }
-  for (; c < n16; c += EPG_WAVE) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+  for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
+}
+// ... with one wave.
+EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
+  epg_span_copy(dst, src, n16, lane, EPG_WAVE);
 }
 // FP8 e4m3 (ocp): hardware packed conversions, saturating to +-EPG_FP8_MAX (NaN kept).
 EPG_DEVICE epg_u32 epg_fp8x4_encode(float a, float b, float c, float d) {
@@ -228,6 +232,7 @@ struct EpArgs {
   epg_i64 has_weights;
   epg_i64 timeout_ns;
   epg_i64 replay;
+  epg_i64 block_rows;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -336,8 +341,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
 // counter; the wave copies the row into the peer's receive buffer (quantized to fp8_e4m3fn, fp8_blockwise, scales beside the row);
-// lanes < k store the token's weights and ids.
-// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
+// lanes < k store the token's weights and ids.// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. A final barrier round tells every peer this rank's rows are
 // complete; the last block publishes total_recv and resets the counter (two counters alternate,
 // so a fast peer's next dispatch never meets a counter this rank has not consumed yet).
@@ -351,11 +355,18 @@ EPG_KERNEL void epg_dispatch__bf16__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
+  const bool by_block = false;  // the in-flight quantizer works per wave
+  const int me = by_block ? epg_thread() : lane;           // this thread's number among its row's threads
+  const int span = by_block ? epg_block_dim() : EPG_WAVE;  // threads on one row
+  const int per_block = by_block ? 1 : waves;              // rows a block works on at once
+  __shared__ int claimed[2];                               // block rows: the claimed slot, by round parity
+  int round = 0;
   const epg_i64 items = a.num_tokens * a.world;
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
-  for (epg_i64 it = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; it < items; it += (epg_i64)epg_nblocks() * waves) {
+  for (epg_i64 it = (epg_i64)epg_block() * per_block + (by_block ? 0 : epg_thread() / EPG_WAVE); it < items;
+       it += (epg_i64)epg_nblocks() * per_block) {
     const epg_i64 t = it / a.world;
     const int r = (int)(it % a.world);
     // the first k naming rank r sends; the other k of rank r, and (on the rank-0 item) ids naming no
@@ -367,19 +378,26 @@ EPG_KERNEL void epg_dispatch__bf16__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
       const bool mine = ok && ee / (int)a.experts_per_rank == r;
       if (mine && jf < 0) {
         jf = jj;
-      } else if (!a.replay && lane == 0 && (mine || (r == 0 && !ok))) {
+      } else if (!a.replay && me == 0 && (mine || (r == 0 && !ok))) {
         slots[t * a.k + jj] = -1;
         if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
       }
     }
-    if (jf < 0) continue;  // wave-uniform: every lane read the same ids
+    if (jf < 0) continue;  // uniform over the row's threads: they all read the same ids
     int slot = -1;
     if (a.replay) {  // routing replay: the handle's layout, no claims
       slot = slots[t * a.k + jf];
     } else {
       int s = 0;
-      if (lane == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
-      s = epg_bcast0(s);
+      if (me == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
+      if (by_block) {  // two words by round parity: no thread still reads the one written next
+        if (me == 0) claimed[round & 1] = s;
+        epg_syncthreads();
+        s = claimed[round & 1];
+        ++round;
+      } else {
+        s = epg_bcast0(s);
+      }
       if (s < a.max_recv) slot = s * (int)a.world + r;  // past the cap: dropped, counted on receive
     }
     if (slot >= 0) {
@@ -395,13 +413,13 @@ EPG_KERNEL void epg_dispatch__bf16__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
         if (live) epg_load8(src + elem * 2, f);
         epg_wire_put8(dst, dst_scales, elem, f, live);
       }
-      if (lane < a.k) {
-        ((int*)(peer + a.off_recv_idx))[s * a.k + lane] = idx[t * a.k + lane];
-        ((float*)(peer + a.off_recv_w))[s * a.k + lane] = a.has_weights ? ((const float*)a.weights)[t * a.k + lane] : 0.f;
+      if (me < a.k) {
+        ((int*)(peer + a.off_recv_idx))[s * a.k + me] = idx[t * a.k + me];
+        ((float*)(peer + a.off_recv_w))[s * a.k + me] = a.has_weights ? ((const float*)a.weights)[t * a.k + me] : 0.f;
       }
-      if (lane == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
+      if (me == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
     }
-    if (!a.replay && lane == 0) slots[t * a.k + jf] = slot;
+    if (!a.replay && me == 0) slots[t * a.k + jf] = slot;
   }
 
   const int bar = epg_barrier(a, ++epoch, false, 2);
