@@ -18,7 +18,8 @@ EP_ARGS = (
 )
 
 # int32 words of the host-mapped error word: [0] set to 1 once the details below are complete,
-# [1] rank, [2] peer waited for (-1: this rank's own blocks), [3] phase, [4] claim counter
+# [1] rank, [2] peer waited for (-1: this rank's own blocks), [3] phase, [4] claim counter;
+# expert ids >= num_experts seen by dispatch: [5] count, [6] the first one, [7] set to 1 once [6] is written
 ERROR_WORDS = 8
 PHASES = {1: "dispatch entry barrier", 2: "dispatch completion barrier", 3: "combine entry barrier",
           4: "combine staging barrier"}

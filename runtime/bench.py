@@ -14,8 +14,8 @@ internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can sta
 launch_threads; the records' dispatch_blocks ... combine_threads show what ran). --profile adds, per
 point, the device time of every kernel and collective of a few eager dispatch -> expert -> combine
 rounds (torch.profiler; record field "profile", printed by rank 0): where a leg's time goes.
-The records note whether the eager dispatch ran the host-side expert-id check (a device sync;
-EPGEN_CHECK_EXPERT_IDS=0 turns it off): field "expert_id_check".
+The records say how the eager dispatch checked expert ids (EPGEN_CHECK_EXPERT_IDS: "async" by default,
+"sync" costs a device sync per call, "off"): field "expert_id_check".
 
 Per point (tokens per rank x hidden x dtype):
 
@@ -69,7 +69,7 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     dtype, combine_dtype, quant ("none" | "payload_block128_fp32_scales"), scale_dim, tokens_per_rank,
     hidden, topk, experts, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
     sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
-    expert_id_check ("sync": the eager dispatch read the ids' range on the host; "off"), profile (--profile:
+    expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,
     dispatch_replay_us (+ _note), combine_staged_us (+ combine_input)
@@ -100,6 +100,7 @@ import torch.distributed as dist
 
 from . import EpDispatchCombineConfig, EpDispatchCombineOp
 from .config import EMULATE_NODES_ENV
+from .native import id_check_mode
 
 FP8_PAYLOADS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 QUANT_BLOCK = 128  # elements per float32 scale of the fp8 payload points
@@ -700,7 +701,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "graph": graph_ok, "graph_modes": ["graph", "eager"] if graph_ok else ["eager"],
         "input_sets": n_sets, "graph_iters": g_inner, "graph_reps": reps if graph_ok else None,
         "eager_iters": eager_iters,
-        "expert_id_check": "sync" if os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0" else "off",
+        "expert_id_check": id_check_mode(),
         "profile": prof,
         "gate": "identity expert on every input set before timing: combine == U*x exactly, total_recv == rows "
                 "addressed, received rows' checksum == rows addressed (passed)",

@@ -132,6 +132,7 @@ class EpDispatchCombineConfig:
     launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
     launch_rows: str = ""  # dispatch row copy override: "wave" | "block"; "": specs/tuning.toml
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
+    _key: tuple = attrs.field(init=False, default=(), eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._check_types()
@@ -144,6 +145,7 @@ class EpDispatchCombineConfig:
         self._check_built()
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         object.__setattr__(self, "_resolved_backend", self._resolve_backend())
+        object.__setattr__(self, "_key", tuple(getattr(self, name) for name in FIELDS) + (self._resolved_backend,))
 
     # --- derived values ------------------------------------------------------------------------
     @property
@@ -233,8 +235,8 @@ class EpDispatchCombineConfig:
 
     @property
     def key(self) -> tuple:
-        """A hashable summary of every field (and the resolved backend)."""
-        return tuple(getattr(self, name) for name in FIELDS) + (self.resolved_backend,)
+        """A hashable summary of every field (and the resolved backend); made once, at construction."""
+        return self._key
 
     # --- validation ----------------------------------------------------------------------------
     def _fail(self, field: str, msg: str) -> ConfigError:

@@ -32,7 +32,6 @@ for v2_ll and N x T for stage 1 of v2 (hence v2_ll for small batches; "auto" pic
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from .errors import EpgenError, InputError
-from .native import check_expert_ids, local_expert_count, native_group, raise_if_dropped
+from .native import check_expert_ids, id_check_mode, local_expert_count, native_group, raise_if_dropped
 from .routing import all_gather_counts, ordered_slots
 
 WAVES_PER_BLOCK = 8
@@ -126,7 +125,8 @@ class NativeInternodeBackend:
         self._setup_buffers(self.device)
         # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
         self.host_group = host_group(self.group)
-        self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
+        # the record kernels do not note bad ids for the host: "async" checks on the host as "sync" does
+        self.check_ids = id_check_mode() != "off"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 

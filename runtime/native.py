@@ -141,6 +141,22 @@ def native_group(cfg: EpDispatchCombineConfig, group):
     return group
 
 
+ID_CHECK_ENV = "EPGEN_CHECK_EXPERT_IDS"
+ID_CHECK_MODES = {"": "async", "async": "async", "1": "sync", "sync": "sync", "0": "off", "off": "off"}
+
+
+def id_check_mode() -> str:
+    """How eager dispatch checks for expert ids >= num_experts (environment EPGEN_CHECK_EXPERT_IDS):
+    "async" (default; the intranode kernel notes them in host-mapped memory and the op's next call
+    raises InputError, no device sync), "sync" (or "1": a device reduction read by the host, raised in
+    the offending call), "off" (or "0": dropped and counted only)."""
+    value = os.environ.get(ID_CHECK_ENV, "").strip().lower()
+    if value not in ID_CHECK_MODES:
+        raise EpgenError(f"environment {ID_CHECK_ENV}={value!r}: must be one of async, sync, off (or 1 = sync, "
+                         f"0 = off, unset = async)")
+    return ID_CHECK_MODES[value]
+
+
 def check_expert_ids(cfg: EpDispatchCombineConfig, indices: torch.Tensor) -> None:
     """Eager dispatch: InputError for an id >= num_experts (one small reduction read by the host; the
     kernels also drop and count such ids, which is all that happens inside graph capture)."""
@@ -194,6 +210,7 @@ class NativeBackend:
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
 
         self._check_geometry()
+        self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
         self.layout = lay = plan.layout(cfg)
         self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
         self.buf, self.handle = self._ws.buf, self._ws.handle
@@ -206,6 +223,7 @@ class NativeBackend:
         # the error word lives in pinned host memory the kernels write through their mapping: the host reads
         # it without a device sync (check() before and after every call, and op.check() after graph replays)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+        self._error_words = (ctypes.c_int32 * ERROR_WORDS).from_address(self.error.data_ptr())
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
         R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
 
@@ -239,7 +257,7 @@ class NativeBackend:
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
-        self.check_ids = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
+        self.id_check = id_check_mode()  # "async" | "sync" | "off"
         self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -288,6 +306,15 @@ class NativeBackend:
         per_block = 1 if self._block_rows(tokens) else threads // self.wave
         return max(1, min(blocks, -(-work_items // per_block))), threads
 
+    def _launch_geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int, bool]:
+        """(blocks, threads, block rows) of a call, worked out once per (role, tokens) (host time)."""
+        key = (role, tokens, work_items)
+        geo = self._geo_memo.get(key)
+        if geo is None:
+            geo = self._geo_memo[key] = (*self._geometry(role, tokens, work_items),
+                                         role == "dispatch" and self._block_rows(tokens))
+        return geo
+
     def _block_rows(self, tokens: int) -> bool:
         """Does a whole block copy each dispatch row (tuning table `rows`, or the config's launch_rows)?
         Never for a dispatch that quantizes in flight: its quantizer works per wave."""
@@ -298,8 +325,19 @@ class NativeBackend:
 
     def check(self) -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting (reads pinned host memory only)."""
-        if int(self.error[0]) == 0:
+        words = self._error_words  # pinned host memory, read through ctypes (no torch indexing)
+        if words[0] == 0 and words[7] == 0:
             return
+        if words[0] == 0:  # a dispatch kernel noted an expert id >= num_experts
+            bad, seen = words[6], words[5]
+            words[5] = words[6] = words[7] = 0
+            if self.id_check == "off":
+                return
+            n = self.config.num_experts
+            raise InputError(f"dispatch: expert id {bad} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no "
+                             f"expert), found on rank {self.config.rank} by the dispatch kernel of an earlier call of "
+                             f"this op ({seen} such id(s); their (token, k) pairs were dropped and nothing else "
+                             f"changed: the op stays usable)")
         rank, peer, phase = (int(v) for v in self.error[1:4])
         what = PHASES.get(phase, f"phase {phase}")
         on = "its own blocks" if peer < 0 else f"rank {peer}"
@@ -312,7 +350,7 @@ class NativeBackend:
         self.check()
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
-        if self.check_ids and routing is None and not torch.cuda.is_current_stream_capturing():
+        if self.id_check == "sync" and routing is None and not torch.cuda.is_current_stream_capturing():
             check_expert_ids(cfg, indices)
         if routing is not None:  # replay: the handle's slots and row count, no claims
             slots, total = routing.extra["slots"], routing.extra["total"]
@@ -329,8 +367,9 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         a.entry_barrier = int(self._last == "dispatch")
-        a.block_rows = int(self._block_rows(T))
-        self._dispatch.launch(*self._geometry("dispatch", T, T * cfg.world_size), a)
+        blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
+        a.block_rows = int(block_rows)
+        self._dispatch.launch(blocks, threads, a)
         self._last = "dispatch"
         self.check()
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
@@ -443,7 +482,7 @@ class NativeBackend:
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.entry_barrier = int(self._last == "combine")
-        self._combine.launch(*self._geometry("combine", T, T), a)
+        self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
         self._last = "combine"
         self.check()
         return out, out_w
@@ -480,4 +519,5 @@ class NativeBackend:
         workspace.release(self._ws)
         self._ws = self._std = self.dargs = self.cargs = None
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
+        self._error_words = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

@@ -5,8 +5,8 @@
 Builds one native op (bf16, top-8 of 256 experts), then on every rank times the host side of each
 call (perf_counter around dispatch / combine, the GPU work runs asynchronously behind it) and runs the
 same loop under cProfile. Rank 0 prints the host microseconds per call (median) and the functions that
-took the most host time of their own. Set EPGEN_CHECK_EXPERT_IDS=0 to see the cost without the eager
-expert-id check (a device sync).
+took the most host time of their own. EPGEN_CHECK_EXPERT_IDS=sync shows the cost of the eager
+expert-id check made on the host (a device sync; the default "async" check costs nothing here).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
+from runtime.native import id_check_mode  # noqa: E402
 
 
 def main() -> int:
@@ -76,8 +77,7 @@ def main() -> int:
         prof.disable()
         dist.barrier()
     if rank == 0:
-        check = os.environ.get("EPGEN_CHECK_EXPERT_IDS", "1") != "0"
-        print(f"host us per call (median of {args.iters}, T={T}, H={H}, expert-id check {'on' if check else 'off'}): "
+        print(f"host us per call (median of {args.iters}, T={T}, H={H}, expert-id check {id_check_mode()}): "
               f"dispatch {statistics.median(host['dispatch']):.1f}, combine {statistics.median(host['combine']):.1f}")
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)

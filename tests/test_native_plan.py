@@ -50,3 +50,24 @@ def test_plan_sizes():
     lay = Plan.of(EpDispatchCombineConfig(**BASE), t).layout(EpDispatchCombineConfig(**BASE))
     R = 128
     assert lay["total"] >= 2 * R * 7168 * 2 and lay["comb_x"] % 256 == 0
+
+
+@pytest.mark.parametrize("value,mode", [(None, "async"), ("", "async"), ("async", "async"), ("1", "sync"),
+                                        ("SYNC", "sync"), ("0", "off"), ("off", "off")])
+def test_expert_id_check_mode_from_environment(monkeypatch, value, mode):
+    from runtime.native import ID_CHECK_ENV, id_check_mode
+
+    if value is None:
+        monkeypatch.delenv(ID_CHECK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ID_CHECK_ENV, value)
+    assert id_check_mode() == mode
+
+
+def test_expert_id_check_mode_rejects_other_values(monkeypatch):
+    from runtime.errors import EpgenError
+    from runtime.native import ID_CHECK_ENV, id_check_mode
+
+    monkeypatch.setenv(ID_CHECK_ENV, "yes")
+    with pytest.raises(EpgenError, match="EPGEN_CHECK_EXPERT_IDS='yes': must be one of async, sync, off"):
+        id_check_mode()

@@ -241,6 +241,17 @@ EPG_DEVICE void epg_fail(const EpArgs& a, int phase, int peer) {
     epg_st_release_sys(err, 1);
   }
 }
+// An expert id >= num_experts seen by dispatch (its pairs are dropped): the first one is kept in the
+// host-mapped error word ([5] count, [6] the id, [7] = 1 once [6] is written); the host raises
+// InputError at the op's next call, with no device sync.
+EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
+  int* err = (int*)a.error_word;
+  if (epg_atomic_add_sys(err + 5, 1) == 0) {
+    err[6] = id;
+    epg_fence_sys();
+    epg_st_release_sys(err + 7, 1);
+  }
+}
 // A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
 // fault the wait on that peer expires first and names it. The error word lives in host memory: it
 // is polled rarely (every 1024 spins), the clock every 32.

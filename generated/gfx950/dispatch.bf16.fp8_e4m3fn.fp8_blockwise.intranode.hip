@@ -255,6 +255,17 @@ EPG_DEVICE void epg_fail(const EpArgs& a, int phase, int peer) {
     epg_st_release_sys(err, 1);
   }
 }
+// An expert id >= num_experts seen by dispatch (its pairs are dropped): the first one is kept in the
+// host-mapped error word ([5] count, [6] the id, [7] = 1 once [6] is written); the host raises
+// InputError at the op's next call, with no device sync.
+EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
+  int* err = (int*)a.error_word;
+  if (epg_atomic_add_sys(err + 5, 1) == 0) {
+    err[6] = id;
+    epg_fence_sys();
+    epg_st_release_sys(err + 7, 1);
+  }
+}
 // A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
 // fault the wait on that peer expires first and names it. The error word lives in host memory: it
 // is polled rarely (every 1024 spins), the clock every 32.
@@ -370,7 +381,7 @@ EPG_KERNEL void epg_dispatch__bf16__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
     const epg_i64 t = it / a.world;
     const int r = (int)(it % a.world);
     // the first k naming rank r sends; the other k of rank r, and (on the rank-0 item) ids naming no
-    // rank, get no slot; ids >= num_experts are counted
+    // rank, get no slot; ids >= num_experts are counted and noted for the host
     int jf = -1;
     for (int jj = 0; jj < a.k; ++jj) {
       const int ee = idx[t * a.k + jj];
@@ -382,6 +393,7 @@ EPG_KERNEL void epg_dispatch__bf16__fp8_e4m3fn__fp8_blockwise__intranode(EpArgs 
         slots[t * a.k + jj] = -1;
         if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
       }
+      if (r == 0 && me == 0 && ee >= a.num_experts) epg_note_bad_id(a, ee);
     }
     if (jf < 0) continue;  // uniform over the row's threads: they all read the same ids
     int slot = -1;

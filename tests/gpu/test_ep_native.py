@@ -147,28 +147,41 @@ def test_graph_capture_replays():
             assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
 
 
-def test_bad_expert_id_raises_and_op_stays_usable():
+def test_bad_expert_id_raises_and_op_stays_usable(monkeypatch):
     cfg = _cfg(64, 2048, 4, 8)
+    x, w, idx = _inputs(7, 64, cfg)
+    bad = idx.clone()
+    bad[3, 1] = cfg.num_experts + 5
+    # default ("async"): the kernel notes the id in host-mapped memory, the op's next call (or check())
+    # raises; the offending dispatch itself does not synchronise
+    monkeypatch.delenv("EPGEN_CHECK_EXPERT_IDS", raising=False)
     with EpDispatchCombineOp(cfg) as op:
-        x, w, idx = _inputs(7, 64, cfg)
-        bad = idx.clone()
-        bad[3, 1] = cfg.num_experts + 5
-        with pytest.raises(InputError, match="num_experts"):
-            op.dispatch(x, w, None, bad)
+        assert op._backend.id_check == "async"
+        op.dispatch(x, w, None, bad)
+        torch.cuda.synchronize()
+        with pytest.raises(InputError, match=f"expert id {cfg.num_experts + 5} >= num_experts={cfg.num_experts}"):
+            op.check()
+        op.check()  # reported once
         with pytest.raises(InputError):
             op.dispatch(x.float(), w, None, idx)
         _check_identity(op, cfg, x, w, idx, 7, 64)
+    # "sync": a device reduction read by the host, raised by the offending call before any launch
+    monkeypatch.setenv("EPGEN_CHECK_EXPERT_IDS", "sync")
+    with EpDispatchCombineOp(cfg) as op:
+        with pytest.raises(InputError, match="num_experts"):
+            op.dispatch(x, w, None, bad)
+        _check_identity(op, cfg, x, w, idx, 7, 64)
 
 
-def test_bad_ids_in_graph_are_dropped_and_counted():
+def test_bad_ids_in_graph_are_dropped_and_counted(monkeypatch):
+    monkeypatch.setenv("EPGEN_CHECK_EXPERT_IDS", "off")
     cfg = _cfg(64, 2048, 4, 8)
     with EpDispatchCombineOp(cfg) as op:
         x, w, idx = _inputs(8, 64, cfg)
         idx[0, :] = cfg.num_experts + 1  # token 0 has only bad ids: nothing sent, combine gives zeros
-        os.environ["EPGEN_CHECK_EXPERT_IDS"] = "0"
-        op._backend.check_ids = False
         out, ow, _, _, tot, h = op.dispatch(x, w, None, idx, return_routing=True)
         comb, _ = op.combine(out, routing=h)
         torch.cuda.synchronize()
+        op.check()  # "off": noted by the kernel, never raised
         assert op._backend.counters()["bad_ids"] == cfg.num_experts_per_token
         assert torch.equal(comb[0], torch.zeros_like(comb[0]))
