@@ -3,7 +3,8 @@
 #   (via the device tool)  bash scripts/device_run.sh
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
 # specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments),
-# BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes).
+# BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
+# eager calls, scripts/host_profile.py, with the default and the sync expert-id check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,7 +31,13 @@ if [ "$ngpu" -ge 2 ]; then
       --emulate-nodes --out "$OUT/bench_internode.jsonl" 2>&1 | tee "$OUT/bench_internode.log" | grep -vE "^(W|\*)" | tail -8
     status[internode_bench]=${PIPESTATUS[0]}
   fi
+  if [ -n "${HOST_PROFILE:-}" ]; then
+    for mode in async sync; do
+      EPGEN_CHECK_EXPERT_IDS=$mode timeout 60 torchrun --nproc-per-node 2 scripts/host_profile.py --iters 300 2>&1 \
+        | grep -vE "^(W|\*)" > "$OUT/host_$mode.log"; status[host_$mode]=${PIPESTATUS[0]}; head -1 "$OUT/host_$mode.log"
+    done
+  fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node 2 -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death tune internode_bench bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death tune internode_bench host_async host_sync bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
