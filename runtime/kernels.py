@@ -116,6 +116,7 @@ class CudaKernel:
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "cuFuncGetAttribute"))
         self._occupancy: dict[int, int] = {}
         self._fast = _driver_launch(self.function)
+        self.launch_path = "libcuda (ctypes)" if self._fast is not None else "cuda-bindings"
 
     def blocks_per_sm(self, threads: int) -> int:
         """Blocks of `threads` threads that can be resident on one multiprocessor at once (at least 1)."""

@@ -49,6 +49,7 @@ def main() -> int:
     host = {"dispatch": [], "combine": []}
     with EpDispatchCombineOp(cfg) as op:
         view = op.combine_in_view()
+        launch_path = getattr(op._backend._dispatch, "launch_path", "?")
 
         def round_(record: bool) -> None:
             t0 = time.perf_counter()
@@ -78,7 +79,8 @@ def main() -> int:
         dist.barrier()
     if rank == 0:
         print(f"host us per call (median of {args.iters}, T={T}, H={H}, expert-id check {id_check_mode()}): "
-              f"dispatch {statistics.median(host['dispatch']):.1f}, combine {statistics.median(host['combine']):.1f}")
+              f"dispatch {statistics.median(host['dispatch']):.1f}, combine {statistics.median(host['combine']):.1f}; "
+              f"launches through {launch_path}")
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
         print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000])
