@@ -1,12 +1,14 @@
 """Where the host time of an eager dispatch / combine goes (GPU machine, 2+ ranks).
 
     torchrun --nproc-per-node 2 scripts/host_profile.py [--tokens 128] [--hidden 7168] [--iters 300]
+                                                        [--internode v2|v2_ll]
 
 Builds one native op (bf16, top-8 of 256 experts), then on every rank times the host side of each
 call (perf_counter around dispatch / combine, the GPU work runs asynchronously behind it) and runs the
 same loop under cProfile. Rank 0 prints the host microseconds per call (median) and the functions that
 took the most host time of their own. EPGEN_CHECK_EXPERT_IDS=sync shows the cost of the eager
 expert-id check made on the host (a device sync; the default "async" check costs nothing here).
+--internode profiles the native internode backend instead, as 2 emulated nodes (EPGEN_EMULATE_NODES=1).
 """
 
 from __future__ import annotations
@@ -35,13 +37,21 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--internode", choices=["v2", "v2_ll"], default=None)
     args = p.parse_args()
+    topo = {}
+    if args.internode:
+        os.environ["EPGEN_EMULATE_NODES"] = "1"
+        topo = {"internode_kernel": args.internode}
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world = dist.get_rank(), dist.get_world_size()
     T, H, k, E = args.tokens, args.hidden, 8, 256
+    if topo:
+        topo["gpu_per_node"] = max(1, world // 2)
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T,
-                                  num_experts_per_rank=E // world, num_experts_per_token=k, data_type=torch.bfloat16)
+                                  num_experts_per_rank=E // world, num_experts_per_token=k, data_type=torch.bfloat16,
+                                  kernel_backend="native", **topo)
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(T, k, device="cuda", generator=gen)
@@ -49,7 +59,9 @@ def main() -> int:
     host = {"dispatch": [], "combine": []}
     with EpDispatchCombineOp(cfg) as op:
         view = op.combine_in_view()
-        launch_path = getattr(op._backend._dispatch, "launch_path", "?")
+        b = op._backend
+        first = next(iter(b.kern[cfg.internode_kernel].values())) if topo else b._dispatch
+        launch_path = getattr(first, "launch_path", "?")
 
         def round_(record: bool) -> None:
             t0 = time.perf_counter()
@@ -78,7 +90,8 @@ def main() -> int:
         prof.disable()
         dist.barrier()
     if rank == 0:
-        print(f"host us per call (median of {args.iters}, T={T}, H={H}, expert-id check {id_check_mode()}): "
+        where = f"internode {args.internode}, " if args.internode else ""
+        print(f"host us per call ({where}median of {args.iters}, T={T}, H={H}, expert-id check {id_check_mode()}): "
               f"dispatch {statistics.median(host['dispatch']):.1f}, combine {statistics.median(host['combine']):.1f}; "
               f"launches through {launch_path}")
         s = io.StringIO()
