@@ -2,10 +2,11 @@
 
 Transport: ``torch.distributed.all_to_all_single`` on the op's group (NCCL on NVIDIA, RCCL on AMD),
 a transport that already runs across hosts. Kernels (specs/kernels.toml, families internode_*) turn
-tokens into fixed-size byte records ("cells") and back; the collectives move the cells. Everything
-is stream-ordered and host-sync free, so a dispatch -> expert -> combine sequence can be captured in
-a CUDA graph (the token counts of every rank are exchanged on the host, over a gloo side group, and
-are fixed for the graph's replays like every shape in it).
+tokens into fixed-size byte records ("cells") and back; the collectives move the cells. Under
+capture everything is stream-ordered and host-sync free, so a dispatch -> expert -> combine sequence
+can be captured in a CUDA graph (inside capture the token counts of every rank are exchanged on the host, over a gloo
+side group, and are fixed for the graph's replays like every shape in it; an eager dispatch gathers
+them on the op's group together with each rank's largest expert id and reads them back: one sync).
 
 Layout (W ranks, G = gpu_per_node, N = W / G nodes, node(r) = r // G, loc(r) = r % G). Receive rows
 are numbered in (source rank, token) order (routing.ordered_slots, one small device all-gather of
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from .errors import EpgenError, InputError
-from .native import check_expert_ids, id_check_mode, local_expert_count, native_group, raise_if_dropped
+from .native import id_check_mode, local_expert_count, native_group, raise_if_dropped
 from .routing import all_gather_counts, ordered_slots
 
 WAVES_PER_BLOCK = 8
@@ -125,7 +126,8 @@ class NativeInternodeBackend:
         self._setup_buffers(self.device)
         # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
         self.host_group = host_group(self.group)
-        # the record kernels do not note bad ids for the host: "async" checks on the host as "sync" does
+        # eager calls read every rank's token count back anyway: the largest id rides along ("async" and
+        # "sync" alike; the record kernels note nothing for the host)
         self.check_ids = id_check_mode() != "off"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -184,11 +186,37 @@ class NativeInternodeBackend:
         """[W] rows per destination of this rank -> [W, W] (row s: source s), on the device."""
         return all_gather_counts(cnt, self.group)
 
-    def _counts(self, T: int) -> list[int]:
-        mine = torch.tensor([T], dtype=torch.int64)
-        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.config.world_size)]
-        dist.all_gather(every, mine, group=self.host_group)
-        return [int(c) for c in every]
+    def _counts(self, T: int, indices: torch.Tensor | None = None) -> list[int]:
+        """Every rank's token count of this call.
+
+        Eager: one all-gather on the op's group of (T, largest expert id) read back with one device
+        sync; with `indices` (the expert-id check) a rank that passed an id >= num_experts makes every
+        rank raise InputError naming it. Inside graph capture: the counts cross on the host over the
+        gloo side group (no sync; they are then fixed for the graph's replays) and ids are not checked.
+        """
+        W = self.config.world_size
+        if self._capturing():
+            mine = torch.tensor([T], dtype=torch.int64)
+            every = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+            dist.all_gather(every, mine, group=self.host_group)
+            return [int(c) for c in every]
+        top = indices.max().to(torch.int64).view(1) if indices is not None and indices.numel() else \
+            torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        got = self._gather_pairs(torch.cat([torch.full((1,), T, dtype=torch.int64, device=self.device), top]))
+        E = self.config.num_experts
+        bad = [(r, m) for r, (_, m) in enumerate(got) if m >= E]
+        if indices is not None and bad:
+            raise InputError(f"dispatch: expert id {bad[0][1]} >= num_experts={E} passed by rank {bad[0][0]} "
+                             f"(valid ids: 0..{E - 1}, negative = no expert; raised on every rank)")
+        return [int(t) for t, _ in got]
+
+    def _gather_pairs(self, mine: torch.Tensor) -> list[list[int]]:
+        """[2] int64 of this rank -> every rank's pair, on the op's group (the one device sync of an
+        eager dispatch)."""
+        W = self.config.world_size
+        every = torch.empty(2 * W, dtype=torch.int64, device=self.device)
+        workspace.all_gather_single(every, mine, self.group)
+        return every.view(W, 2).tolist()
 
     def _route(self, counts: list[int]) -> str:
         cfg = self.config
@@ -220,9 +248,7 @@ class NativeInternodeBackend:
         cfg = self.config
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         T = x.shape[0]
-        if self.check_ids and routing is None and not self._capturing():
-            check_expert_ids(cfg, indices)
-        counts = self._counts(T)
+        counts = self._counts(T, indices if self.check_ids and routing is None else None)
         if routing is not None:
             ex = routing.extra
             if tuple(counts) != ex["counts"]:

@@ -150,8 +150,8 @@ class SimBackend(NativeInternodeBackend):
         if items > 0:
             KERNELS[role](route, *args)
 
-    def _counts(self, T):
-        return [int(v) for v in self.world.exchange(self.config.rank, T)]
+    def _gather_pairs(self, mine):
+        return [[int(v) for v in pair] for pair in self.world.exchange(self.config.rank, mine.clone())]
 
     def _gather_counts(self, cnt):
         return torch.stack(self.world.exchange(self.config.rank, cnt.clone()))

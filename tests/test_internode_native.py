@@ -147,3 +147,26 @@ def test_combine_takes_the_last_layout_only():
         return "ok"
 
     assert run_ranks(sim, rank_fn) == ["ok"] * world
+
+
+def test_bad_expert_id_raises_on_every_rank_naming_the_rank():
+    """Eager: the count all-gather carries each rank's largest id; rank 2's bad id raises everywhere,
+    before anything is packed or sent, and the next good call works."""
+    world, gpn = 4, 2
+    sim = SimWorld(world)
+
+    def rank_fn(rank):
+        be = SimBackend(_cfg(rank, world, gpn, "v2", 4), sim, seed=rank)
+        x, w, idx = _inputs(30, rank, 4, world)
+        bad = idx.clone()
+        if rank == 2:
+            bad[1, 0] = EPR * world + 7
+        try:
+            be.dispatch(x, w, None, bad, None)
+            return "no error"
+        except InputError as e:
+            assert f"expert id {EPR * world + 7} >= num_experts={EPR * world} passed by rank 2" in str(e), str(e)
+        out, _, _, _, total, _ = be.dispatch(x, w, None, idx, None)
+        return int(total) == len(expected_received([_inputs(30, r, 4, world)[2] for r in range(world)], rank, EPR))
+
+    assert run_ranks(sim, rank_fn) == [True] * world

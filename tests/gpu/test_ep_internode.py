@@ -161,3 +161,27 @@ def test_graph_capture(kernel):
                 assert torch.equal(res, (x.float() * U[:, None]).to(torch.bfloat16)), f"replay {rep}"
         dist.barrier()
     run_collective(check)
+
+
+def test_bad_expert_id_raises_on_every_rank():
+    """The eager count all-gather carries each rank's largest id: the last rank's bad id raises
+    InputError on every rank (naming that rank) before anything is sent; the op stays usable."""
+    from runtime import InputError
+
+    def check():
+        last = dist.get_world_size() - 1
+        with EpDispatchCombineOp(_cfg(internode_kernel="v2_ll")) as op:
+            x, w, idx = _inputs(41, 64)
+            bad = idx.clone()
+            if dist.get_rank() == last:
+                bad[5, 2] = EPR * dist.get_world_size() + 3
+            try:
+                op.dispatch(x, w, None, bad)
+                return "no InputError"
+            except InputError as e:
+                if f"passed by rank {last}" not in str(e):
+                    return f"unexpected message: {e}"
+            _check_round(op, 64, 41)
+        return None
+
+    run_collective(check)
