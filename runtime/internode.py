@@ -2,11 +2,12 @@
 
 Transport: ``torch.distributed.all_to_all_single`` on the op's group (NCCL on NVIDIA, RCCL on AMD),
 a transport that already runs across hosts. Kernels (specs/kernels.toml, families internode_*) turn
-tokens into fixed-size byte records ("cells") and back; the collectives move the cells. Under
-capture everything is stream-ordered and host-sync free, so a dispatch -> expert -> combine sequence
-can be captured in a CUDA graph (inside capture the token counts of every rank are exchanged on the host, over a gloo
-side group, and are fixed for the graph's replays like every shape in it; an eager dispatch gathers
-them on the op's group together with each rank's largest expert id and reads them back: one sync).
+tokens into fixed-size byte records ("cells") and back; the collectives move the cells. The
+all-to-alls need every rank's token count on the host: an eager dispatch all-gathers them on the op's
+group with each rank's largest expert id and reads them back (one sync); inside graph capture they
+cross on the host over a gloo side group instead, so everything captured is stream-ordered and
+sync-free and a dispatch -> expert -> combine sequence can be captured in a CUDA graph (the counts are
+then fixed for the graph's replays like every shape in it).
 
 Layout (W ranks, G = gpu_per_node, N = W / G nodes, node(r) = r // G, loc(r) = r % G). Receive rows
 are numbered in (source rank, token) order (routing.ordered_slots, one small device all-gather of
