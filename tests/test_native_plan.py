@@ -71,3 +71,51 @@ def test_expert_id_check_mode_rejects_other_values(monkeypatch):
     monkeypatch.setenv(ID_CHECK_ENV, "yes")
     with pytest.raises(EpgenError, match="EPGEN_CHECK_EXPERT_IDS='yes': must be one of async, sync, off"):
         id_check_mode()
+
+
+def _checker(id_check="async"):
+    import ctypes
+    import types
+
+    from generator.abi import ERROR_WORDS
+
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int32)
+    return types.SimpleNamespace(error=error, id_check=id_check,
+                                 _error_words=(ctypes.c_int32 * ERROR_WORDS).from_address(error.data_ptr()),
+                                 config=EpDispatchCombineConfig(**BASE))
+
+
+def test_noted_bad_expert_id_is_raised_once_by_the_next_check():
+    """The dispatch kernel's note in the host-mapped error word ([5] count, [6] id, [7] written) becomes
+    one InputError naming the id; the word is cleared, so the op goes on."""
+    from runtime.errors import InputError
+    from runtime.native import NativeBackend
+
+    fake = _checker()
+    NativeBackend.check(fake)  # nothing noted
+    fake.error[5], fake.error[6], fake.error[7] = 3, 999, 1
+    n = fake.config.num_experts
+    with pytest.raises(InputError, match=rf"expert id 999 >= num_experts={n} .*\(3 such id\(s\)"):
+        NativeBackend.check(fake)
+    assert fake.error[5:8].tolist() == [0, 0, 0]
+    NativeBackend.check(fake)  # reported once
+    off = _checker("off")
+    off.error[5], off.error[6], off.error[7] = 1, 999, 1
+    NativeBackend.check(off)  # "off": cleared, not raised
+    assert off.error[5:8].tolist() == [0, 0, 0]
+
+
+def test_a_timeout_is_reported_before_a_noted_bad_id():
+    from runtime.errors import EpTimeoutError
+    from runtime.native import NativeBackend
+
+    fake = _checker()
+    fake.error[:8] = torch.tensor([1, 0, 1, 2, 1, 1, 999, 1], dtype=torch.int32)
+    with pytest.raises(EpTimeoutError, match="on rank 0 waiting for rank 1 in the dispatch completion barrier"):
+        NativeBackend.check(fake)
+
+
+def test_launch_falls_back_to_cuda_bindings_without_a_handle():
+    from runtime.kernels import _driver_launch
+
+    assert _driver_launch(object()) is None  # no integer handle: cuda-bindings launches
