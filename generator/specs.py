@@ -136,6 +136,7 @@ class Bucket:
     blocks: int
     threads: int
     rows: str = "wave"  # dispatch: who copies one (token, rank) row, a "wave" or a whole "block"
+    world: int = 0  # the ops' rank count these buckets are for; 0: any (the fallback)
 
 
 @_frozen
@@ -463,22 +464,28 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[t
                 raise _fail(src, src.table_line(hdr), f"[[{hdr}]]: unknown role {role!r} (known: {', '.join(TUNING_ROLES)})")
             if not isinstance(buckets, list) or not buckets:
                 raise _fail(src, src.table_line(hdr), f"{hdr} must be an array of tables: [[{hdr}]]")
-            recs = []
-            for i, b in enumerate(buckets):
-                rec = _record(Bucket, src, hdr, b, occurrence=i)
+            recs = [_record(Bucket, src, hdr, b, occurrence=i) for i, b in enumerate(buckets)]
+            recs_of: dict[int, list[Bucket]] = {}  # by world size, in file order
+            for i, rec in enumerate(recs):
                 line = src.table_line(hdr, i)
-                if rec.max_tokens < 0 or rec.blocks < 0:
-                    raise _fail(src, line, f"[[{hdr}]] max_tokens and blocks must be >= 0")
+                if rec.max_tokens < 0 or rec.blocks < 0 or rec.world < 0:
+                    raise _fail(src, line, f"[[{hdr}]] max_tokens, blocks and world must be >= 0")
                 if rec.threads <= 0 or rec.threads > 1024 or rec.threads % wave:
                     raise _fail(src, line, f"[[{hdr}]] threads = {rec.threads}: a multiple of the wave size {wave}, at most 1024")
                 if rec.rows != "wave" and role != "dispatch":
                     raise _fail(src, src.key_line(hdr, "rows", i), f"[[{hdr}]] rows = {rec.rows!r}: only dispatch copies rows")
-                last = i == len(buckets) - 1
+                group = recs_of.setdefault(rec.world, [])
+                last = all(later.world != rec.world for later in recs[i + 1:])
+                of = f" (world = {rec.world})" if rec.world else ""
                 if (rec.max_tokens == 0) != last:
-                    raise _fail(src, line, f"[[{hdr}]] only the last bucket has max_tokens = 0 (no limit), and it must")
-                if recs and rec.max_tokens and rec.max_tokens <= recs[-1].max_tokens:
-                    raise _fail(src, line, f"[[{hdr}]] buckets must ascend: max_tokens {rec.max_tokens} after {recs[-1].max_tokens}")
-                recs.append(rec)
+                    raise _fail(src, line, f"[[{hdr}]] only the last bucket{of} has max_tokens = 0 (no limit), and it must")
+                if group and rec.max_tokens and rec.max_tokens <= group[-1].max_tokens:
+                    raise _fail(src, line, f"[[{hdr}]] buckets{of} must ascend: max_tokens {rec.max_tokens} after "
+                                           f"{group[-1].max_tokens}")
+                group.append(rec)
+            if 0 not in recs_of:
+                raise _fail(src, src.table_line(hdr), f"[[{hdr}]] needs buckets without `world` (the fallback for any "
+                                                      f"world size)")
             out[(tname, role)] = tuple(recs)
     for tname in targets:
         for role in TUNING_ROLES:
@@ -487,9 +494,16 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[t
     return out
 
 
-def geometry(specs: Specs, target: str, role: str, tokens: int) -> Bucket:
-    """The bucket of specs/tuning.toml that a call of `tokens` tokens per rank takes."""
-    for b in specs.tuning[(target, role)]:
+def buckets_for(specs: Specs, target: str, role: str, world: int = 0) -> tuple[Bucket, ...]:
+    """The buckets an op of `world` ranks uses: those measured for that world size, else the fallback
+    (the buckets without `world`)."""
+    every = specs.tuning[(target, role)]
+    return tuple(b for b in every if b.world == world) or tuple(b for b in every if b.world == 0)
+
+
+def geometry(specs: Specs, target: str, role: str, tokens: int, world: int = 0) -> Bucket:
+    """The bucket of specs/tuning.toml that a call of `tokens` tokens per rank takes (ops of `world` ranks)."""
+    for b in buckets_for(specs, target, role, world):
         if b.max_tokens == 0 or tokens <= b.max_tokens:
             return b
     raise AssertionError("the loader guarantees an unlimited last bucket")

@@ -281,7 +281,7 @@ class NativeBackend:
         cfg = self.config
         for role, kern in (("dispatch", self._dispatch), ("combine", self._combine)):
             counts = {cfg.launch_threads} if cfg.launch_threads else \
-                {b.threads for b in load_specs().tuning.get((self.arch, role), ())}
+                {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
             too_many = sorted(t for t in counts if t > kern.max_threads)
             if too_many:
                 where = "launch_threads" if cfg.launch_threads else f"specs/tuning.toml [tuning.{self.arch}.{role}]"
@@ -296,7 +296,7 @@ class NativeBackend:
         also never exceed one wave per work item (one block per item when a block copies a row).
         """
         cfg = self.config
-        b = gspecs.geometry(load_specs(), self.arch, role, tokens)
+        b = gspecs.geometry(load_specs(), self.arch, role, tokens, cfg.world_size)
         threads = cfg.launch_threads or b.threads
         blocks = cfg.launch_blocks or b.blocks or self.num_sms
         kern = self._dispatch if role == "dispatch" else self._combine
@@ -320,7 +320,8 @@ class NativeBackend:
         Never for a dispatch that quantizes in flight: its quantizer works per wave."""
         if self._dispatch_converts:
             return False
-        rows = self.config.launch_rows or gspecs.geometry(load_specs(), self.arch, "dispatch", tokens).rows
+        cfg = self.config
+        rows = cfg.launch_rows or gspecs.geometry(load_specs(), self.arch, "dispatch", tokens, cfg.world_size).rows
         return rows == "block"
 
     def check(self) -> None:

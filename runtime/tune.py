@@ -1,11 +1,13 @@
 """Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
 
-torchrun --nproc-per-node 2 -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--write]
+torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--rows wave block]
+                                            [--write [--fallback]]
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
-median, correctness-gated like the benchmark) for every candidate (blocks, threads) and keeps the
-fastest; with --write, rank 0 rewrites this target's entries of specs/tuning.toml (the other
-targets' entries are kept as they are).
+median, correctness-gated like the benchmark) for every candidate (blocks, threads, dispatch rows)
+and keeps the fastest; with --write, rank 0 rewrites this target's buckets for this run's world size
+(`world = N` in specs/tuning.toml; --fallback: the buckets any world size without its own falls back
+to). Other world sizes' and other targets' entries are kept as they are.
 """
 
 from __future__ import annotations
@@ -35,28 +37,31 @@ def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str) -> s
     out = [header.rstrip("\n"), ""]
     for (target, role) in sorted(tuning, key=lambda tr: (tr[0], gspecs.TUNING_ROLES.index(tr[1]))):
         for b in tuning[(target, role)]:
-            out += [f"[[tuning.{target}.{role}]]", f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}",
-                    f"threads = {b.threads}"] + ([f'rows = "{b.rows}"'] if b.rows != "wave" else []) + [""]
+            out += ([f"[[tuning.{target}.{role}]]"] + ([f"world = {b.world}"] if b.world else []) +
+                    [f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}", f"threads = {b.threads}"] +
+                    ([f'rows = "{b.rows}"'] if b.rows != "wave" else []) + [""])
     return "\n".join(out).rstrip("\n") + "\n"
 
 
 def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str:
-    """Replace `target`'s buckets in the tuning file at `path`; returns the new text (validated)."""
+    """Replace `target`'s buckets of the world size the new ones carry (their `world`; 0: the fallback)
+    in the tuning file at `path`, keeping every other world's; returns the new text."""
     specs = gspecs.load(path.parent)
     text = path.read_text()
     header = text[: text.index("[[tuning.")]
     tuning = {key: list(b) for key, b in specs.tuning.items()}
     for role, buckets in new.items():
-        tuning[(target, role)] = buckets
+        worlds = {b.world for b in buckets}
+        tuning[(target, role)] = [b for b in tuning[(target, role)] if b.world not in worlds] + list(buckets)
     return render(tuning, header)
 
 
-def buckets_from(best: dict[int, tuple]) -> list[gspecs.Bucket]:
-    """Measured token counts -> buckets: each count ends a bucket; the largest one is unlimited.
-    best[T] = (blocks, threads) or (blocks, threads, rows)."""
+def buckets_from(best: dict[int, tuple], world: int = 0) -> list[gspecs.Bucket]:
+    """Measured token counts -> buckets for ops of `world` ranks (0: the fallback): each count ends a
+    bucket; the largest one is unlimited. best[T] = (blocks, threads) or (blocks, threads, rows)."""
     counts = sorted(best)
     return [gspecs.Bucket(max_tokens=0 if t == counts[-1] else t, blocks=best[t][0], threads=best[t][1],
-                          rows=best[t][2] if len(best[t]) > 2 else "wave")
+                          rows=best[t][2] if len(best[t]) > 2 else "wave", world=world)
             for t in counts]
 
 
@@ -102,6 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", default=["wave", "block"], choices=["wave", "block"],
                    help="dispatch row modes to try (combine takes its best over all candidates)")
     p.add_argument("--write", action="store_true")
+    p.add_argument("--fallback", action="store_true",
+                   help="write the buckets every world size falls back to, not those of this run's world size")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
                     best[role][T] = (*geo, t)
     if dist.get_rank() == 0:
         arch = device_arch(torch.device("cuda"))
-        new = {role: buckets_from({T: v[:-1] for T, v in per.items()}) for role, per in best.items()}
+        world = 0 if args.fallback else dist.get_world_size()
+        new = {role: buckets_from({T: v[:-1] for T, v in per.items()}, world) for role, per in best.items()}
         for role, bs in new.items():
             print(f"{arch} {role}: " + ", ".join(f"<= {b.max_tokens or 'any'}: {b.blocks or 'SMs'} x {b.threads}"
                                                  f"{' (block rows)' if b.rows == 'block' else ''}" for b in bs))

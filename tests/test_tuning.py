@@ -90,7 +90,7 @@ def test_tuner_rewrite_round_trip(spec_copy):
 def test_native_geometry_takes_table_and_override():
     occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
-                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="wave"),
+                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="wave", world_size=2),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
                                  _combine=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"]))
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
@@ -108,7 +108,7 @@ def test_native_geometry_takes_table_and_override():
     assert geo(fake, "dispatch", 1, 8)[0] < 132
     blocks, threads = table("dispatch", 4096)
     assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
-    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256, launch_rows="wave")
+    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256, launch_rows="wave", world_size=2)
     assert geo(fake, "combine", 1, 1) == (132, 256)  # capped at what stays resident: one block per SM here
     assert geo(fake, "dispatch", 4096, 32768) == (132, 256)
     occupancy.update(dispatch=3, combine=2)  # smaller blocks: more of them resident
@@ -119,7 +119,7 @@ def test_native_geometry_takes_table_and_override():
 
 def test_native_block_rows_take_one_block_per_row():
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
-                                 config=types.SimpleNamespace(launch_blocks=264, launch_threads=256, launch_rows="block"),
+                                 config=types.SimpleNamespace(launch_blocks=264, launch_threads=256, launch_rows="block", world_size=2),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 8))
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
@@ -133,3 +133,65 @@ def test_native_block_rows_take_one_block_per_row():
     assert geo(fake, "dispatch", 128, 256) == (32, 256)
     fake.config.launch_rows, fake._dispatch_converts = "", False  # the table decides
     assert NativeBackend._block_rows(fake, 128) == (S.geometry(S.load(), "sm_90", "dispatch", 128).rows == "block")
+
+
+def test_world_specific_buckets_and_the_fallback(spec_copy):
+    _write(spec_copy, _table({("sm_90", "dispatch"): [
+        "max_tokens = 128\nblocks = 32\nthreads = 256", "max_tokens = 0\nblocks = 0\nthreads = 512",
+        "world = 8\nmax_tokens = 64\nblocks = 16\nthreads = 128", "world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 1024"]}))
+    specs = S.load(spec_copy)
+    assert S.geometry(specs, "sm_90", "dispatch", 100, world=8) == S.Bucket(max_tokens=0, blocks=0, threads=1024, world=8)
+    assert S.geometry(specs, "sm_90", "dispatch", 10, world=8).blocks == 16
+    assert S.geometry(specs, "sm_90", "dispatch", 100, world=2).blocks == 32  # no world-2 buckets: the fallback
+    assert S.geometry(specs, "sm_90", "dispatch", 100).blocks == 32
+    assert [b.world for b in S.buckets_for(specs, "sm_90", "dispatch", 8)] == [8, 8]
+
+
+@pytest.mark.parametrize("bodies,message", [
+    (["world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "needs buckets without `world`"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 8\nmax_tokens = 64\nblocks = 0\nthreads = 512"],
+     r"only the last bucket \(world = 8\) has max_tokens = 0"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 64\nblocks = 0\nthreads = 512",
+      "world = 4\nmax_tokens = 32\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 0\nblocks = 0\nthreads = 512"],
+     r"buckets \(world = 4\) must ascend"),
+    (["world = -2\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "world must be >= 0"),
+])
+def test_bad_world_groups_are_located(spec_copy, bodies, message):
+    _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
+    with pytest.raises(S.SpecError, match=message) as e:
+        S.load(spec_copy)
+    assert "tuning.toml:" in str(e.value)
+
+
+def test_tuner_writes_its_world_size_and_keeps_the_fallback(spec_copy):
+    path = spec_copy / "tuning.toml"
+    before = S.load(spec_copy).tuning[("sm_90", "dispatch")]
+    new = {"dispatch": tune.buckets_from({128: (16, 128), 4096: (0, 1024, "wave")}, world=8)}
+    text = tune.rewrite(path, "sm_90", new)
+    assert "world = 8" in text
+    path.write_text(text)
+    specs = S.load(spec_copy)
+    assert S.buckets_for(specs, "sm_90", "dispatch", 0) == before  # the fallback is untouched
+    assert S.geometry(specs, "sm_90", "dispatch", 4096, world=8).threads == 1024
+    again = {"dispatch": tune.buckets_from({4096: (64, 512)}, world=8)}  # a second run replaces world 8 only
+    path.write_text(tune.rewrite(path, "sm_90", again))
+    specs = S.load(spec_copy)
+    assert S.buckets_for(specs, "sm_90", "dispatch", 8) == (S.Bucket(max_tokens=0, blocks=64, threads=512, world=8),)
+    assert S.buckets_for(specs, "sm_90", "dispatch", 0) == before
+
+
+def test_native_geometry_uses_the_ops_world_size(spec_copy, monkeypatch):
+    _write(spec_copy, _table({("sm_90", "dispatch"): [
+        "max_tokens = 0\nblocks = 0\nthreads = 512", "world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 128"]}))
+    specs = S.load(spec_copy)
+    import runtime.native as native
+
+    monkeypatch.setattr(native, "load_specs", lambda: specs)
+    fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
+                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="",
+                                                              world_size=8),
+                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 4))
+    fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
+    assert NativeBackend._geometry(fake, "dispatch", 4096, 8 * 4096)[1] == 128
+    fake.config.world_size = 2
+    assert NativeBackend._geometry(fake, "dispatch", 4096, 2 * 4096)[1] == 512
