@@ -43,6 +43,13 @@ def test_buckets_select_by_tokens(spec_copy):
     (["max_tokens = 0\nblocks = -1\nthreads = 512"], ">= 0"),
     (["max_tokens = 0\nblocks = 0\nthreads = 512\nwarps = 4"], "unknown key 'warps'"),
     (["max_tokens = 0\nblocks = 0\nthreads = 512\nrows = \"warp\""], "rows"),
+    (["world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "needs buckets without `world`"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 8\nmax_tokens = 64\nblocks = 0\nthreads = 512"],
+     r"only the last bucket \(world = 8\) has max_tokens = 0"),
+    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 64\nblocks = 0\nthreads = 512",
+      "world = 4\nmax_tokens = 32\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 0\nblocks = 0\nthreads = 512"],
+     r"buckets \(world = 4\) must ascend"),
+    (["world = -2\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "world must be >= 0"),
 ])
 def test_bad_tables_are_located(spec_copy, bodies, message):
     _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
@@ -145,22 +152,6 @@ def test_world_specific_buckets_and_the_fallback(spec_copy):
     assert S.geometry(specs, "sm_90", "dispatch", 100, world=2).blocks == 32  # no world-2 buckets: the fallback
     assert S.geometry(specs, "sm_90", "dispatch", 100).blocks == 32
     assert [b.world for b in S.buckets_for(specs, "sm_90", "dispatch", 8)] == [8, 8]
-
-
-@pytest.mark.parametrize("bodies,message", [
-    (["world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "needs buckets without `world`"),
-    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 8\nmax_tokens = 64\nblocks = 0\nthreads = 512"],
-     r"only the last bucket \(world = 8\) has max_tokens = 0"),
-    (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 64\nblocks = 0\nthreads = 512",
-      "world = 4\nmax_tokens = 32\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 0\nblocks = 0\nthreads = 512"],
-     r"buckets \(world = 4\) must ascend"),
-    (["world = -2\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "world must be >= 0"),
-])
-def test_bad_world_groups_are_located(spec_copy, bodies, message):
-    _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
-    with pytest.raises(S.SpecError, match=message) as e:
-        S.load(spec_copy)
-    assert "tuning.toml:" in str(e.value)
 
 
 def test_tuner_writes_its_world_size_and_keeps_the_fallback(spec_copy):
