@@ -1,7 +1,8 @@
 """epgen runtime: EP dispatch/combine ops over generated kernels (native) or torch.distributed (torch)."""
 
 from .config import EpDispatchCombineConfig
-from .errors import CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, VariantMissError
+from .errors import (CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, InputWarning,
+                     VariantMissError)
 from .op import EpDispatchCombineOp
 from .routing import RoutingHandle
 from .workspace import release_workspaces
@@ -13,6 +14,7 @@ __all__ = [
     "EpgenError",
     "ConfigError",
     "InputError",
+    "InputWarning",
     "ClosedError",
     "CapacityError",
     "EpTimeoutError",

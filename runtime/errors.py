@@ -13,6 +13,12 @@ class InputError(EpgenError, ValueError):
     """A dispatch/combine argument is invalid; the op stays usable."""
 
 
+class InputWarning(UserWarning):
+    """Invalid input the kernels survived (dropped and counted) and found after the call that passed it:
+    an eager call warns where raising on one rank would leave its peers waiting; ``op.check()`` raises
+    the matching InputError."""
+
+
 class ClosedError(EpgenError, RuntimeError):
     """The op was closed."""
 

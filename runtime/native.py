@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import warnings
 
 import attrs
 import torch
@@ -147,9 +148,9 @@ ID_CHECK_MODES = {"": "async", "async": "async", "1": "sync", "sync": "sync", "0
 
 def id_check_mode() -> str:
     """How eager dispatch checks for expert ids >= num_experts (environment EPGEN_CHECK_EXPERT_IDS):
-    "async" (default; the intranode kernel notes them in host-mapped memory and the op's next call
-    raises InputError, no device sync), "sync" (or "1": a device reduction read by the host, raised in
-    the offending call), "off" (or "0": dropped and counted only)."""
+    "async" (default; the intranode kernel notes them in host-mapped memory, the op's next eager call
+    warns InputWarning and op.check() raises InputError; no device sync), "sync" (or "1": a device
+    reduction read by the host, raised in the offending call), "off" (or "0": dropped and counted only)."""
     value = os.environ.get(ID_CHECK_ENV, "").strip().lower()
     if value not in ID_CHECK_MODES:
         raise EpgenError(f"environment {ID_CHECK_ENV}={value!r}: must be one of async, sync, off (or 1 = sync, "
@@ -324,10 +325,13 @@ class NativeBackend:
         rows = cfg.launch_rows or gspecs.geometry(load_specs(), self.arch, "dispatch", tokens, cfg.world_size).rows
         return rows == "block"
 
-    def check(self) -> None:
-        """Raise EpTimeoutError if a kernel of this op gave up waiting (reads pinned host memory only)."""
+    def check(self, ids: str = "raise") -> None:
+        """Raise EpTimeoutError if a kernel of this op gave up waiting; report an expert id >= num_experts
+        a dispatch kernel noted since the last report: ids="raise" (op.check()) raises InputError, "warn"
+        (the eager calls: raising on one rank between collective calls would leave its peers waiting)
+        warns InputWarning, "skip" leaves it for later. Reads pinned host memory only."""
         words = self._error_words  # pinned host memory, read through ctypes (no torch indexing)
-        if words[0] == 0 and words[7] == 0:
+        if words[0] == 0 and (words[7] == 0 or ids == "skip"):
             return
         if words[0] == 0:  # a dispatch kernel noted an expert id >= num_experts
             bad, seen = words[6], words[5]
@@ -335,10 +339,13 @@ class NativeBackend:
             if self.id_check == "off":
                 return
             n = self.config.num_experts
-            raise InputError(f"dispatch: expert id {bad} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no "
-                             f"expert), found on rank {self.config.rank} by the dispatch kernel of an earlier call of "
-                             f"this op ({seen} such id(s); their (token, k) pairs were dropped and nothing else "
-                             f"changed: the op stays usable)")
+            msg = (f"dispatch: expert id {bad} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
+                   f"found on rank {self.config.rank} by the dispatch kernel of an earlier call of this op ({seen} "
+                   f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
+            if ids == "warn":
+                warnings.warn(msg, errors.InputWarning, stacklevel=4)
+                return
+            raise InputError(msg)
         rank, peer, phase = (int(v) for v in self.error[1:4])
         what = PHASES.get(phase, f"phase {phase}")
         on = "its own blocks" if peer < 0 else f"rank {peer}"
@@ -348,7 +355,7 @@ class NativeBackend:
             f"peer process died", rank=rank, peer=peer, phase=what)
 
     def dispatch(self, x, weights, scales, indices, routing):
-        self.check()
+        self.check(ids="warn")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
         if self.id_check == "sync" and routing is None and not torch.cuda.is_current_stream_capturing():
@@ -372,7 +379,7 @@ class NativeBackend:
         a.block_rows = int(block_rows)
         self._dispatch.launch(blocks, threads, a)
         self._last = "dispatch"
-        self.check()
+        self.check(ids="skip")
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
             raise_if_dropped(cfg, self.dropped_count())
         out_w = self.recv_w if weights is not None else None
@@ -469,7 +476,7 @@ class NativeBackend:
                 "pinned_host_bytes": self.error.numel() * 4}
 
     def combine(self, expert_out, weights, indices, routing):
-        self.check()
+        self.check(ids="warn")
         cfg = self.config
         slots = routing.extra.get("slots")
         if slots is None:
@@ -485,7 +492,7 @@ class NativeBackend:
         a.entry_barrier = int(self._last == "combine")
         self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
         self._last = "combine"
-        self.check()
+        self.check(ids="skip")
         return out, out_w
 
     def combine_in_view(self) -> torch.Tensor:

@@ -466,7 +466,8 @@ class EpDispatchCombineOp:
 
     def check(self) -> None:
         """Raise EpTimeoutError if a device-side wait of this op expired, or InputError if a dispatch
-        kernel saw an expert id >= num_experts since the last report (see docs/GUARANTEES.md).
+        kernel saw an expert id >= num_experts since the last report (eager calls only warn
+        InputWarning for it; see docs/GUARANTEES.md).
 
         Eager calls check on their own; after CUDA graph replays call this. Reads host memory only
         (no device sync). A backend without device-side waits (torch) has nothing to report.

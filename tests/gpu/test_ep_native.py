@@ -152,8 +152,8 @@ def test_bad_expert_id_raises_and_op_stays_usable(monkeypatch):
     x, w, idx = _inputs(7, 64, cfg)
     bad = idx.clone()
     bad[3, 1] = cfg.num_experts + 5
-    # default ("async"): the kernel notes the id in host-mapped memory, the op's next call (or check())
-    # raises; the offending dispatch itself does not synchronise
+    # default ("async"): the kernel notes the id in host-mapped memory, op.check() raises (the next eager
+    # call would warn InputWarning); the offending dispatch itself does not synchronise
     monkeypatch.delenv("EPGEN_CHECK_EXPERT_IDS", raising=False)
     with EpDispatchCombineOp(cfg) as op:
         assert op._backend.id_check == "async"
