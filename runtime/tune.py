@@ -1,6 +1,6 @@
 """Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
 
-torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--rows wave block]
+torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--rows wave [block]]
                                             [--write [--fallback]]
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
@@ -104,8 +104,10 @@ def main(argv=None) -> int:
                    help="candidate grid sizes (0: one per multiprocessor); default 16 32 64 0 and twice the "
                         "multiprocessors (kept only where the kernel's occupancy lets them all stay resident)")
     p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
-    p.add_argument("--rows", nargs="+", default=["wave", "block"], choices=["wave", "block"],
-                   help="dispatch row modes to try (combine takes its best over all candidates)")
+    p.add_argument("--rows", nargs="+", default=["wave"], choices=["wave", "block"],
+                   help="dispatch row modes to try (add block for whole-block rows: slower at every point "
+                        "measured on 2xH200, results/tune_rows_and_host_2xH200.log); combine takes its best "
+                        "over all candidates")
     p.add_argument("--write", action="store_true")
     p.add_argument("--fallback", action="store_true",
                    help="write the buckets every world size falls back to, not those of this run's world size")
