@@ -231,7 +231,7 @@ def _worlds():
     shutdown_all()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("hidden", [64, 256])
 def test_identity_and_oracle(world, hidden):
     received = get_world(world).run(scn_identity_matrix, hidden)
@@ -243,7 +243,7 @@ def test_identity_fp32(world):
     get_world(world).run(scn_identity_matrix, 64, torch.float32)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_variants(world):
     get_world(world).run(scn_variants)
 
