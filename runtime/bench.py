@@ -397,6 +397,8 @@ def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP, host: list | None 
     """
     gpu = _on_gpu()
     out: list[list[float]] = [[] for _ in legs]
+    if host is not None and gpu:
+        host[:] = [[] for _ in legs]
     align = torch.zeros(1, device="cuda") if gpu else None
     for it in range(warmup + iters):
         dist.barrier()
@@ -416,8 +418,6 @@ def _eager_time(legs, iters: int, warmup: int = EAGER_WARMUP, host: list | None 
             torch.cuda.synchronize()
             ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(len(legs))]
             if host is not None and it >= warmup:
-                while len(host) < len(legs):
-                    host.append([])
                 for i, v in enumerate(hs):
                     host[i].append(v)
         else:

@@ -33,15 +33,14 @@ for v2_ll and N x T for stage 1 of v2 (hence v2_ll for small batches; "auto" pic
 
 from __future__ import annotations
 
-import ctypes
 
 import torch
 import torch.distributed as dist
 
 from . import kernels, workspace
-from .config import EpDispatchCombineConfig, load_specs, spec_dtype
+from .config import EpDispatchCombineConfig, spec_dtype
 from .errors import EpgenError, InputError
-from .native import id_check_mode, local_expert_count, native_group, raise_if_dropped
+from .native import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped
 from .routing import all_gather_counts, ordered_slots
 
 WAVES_PER_BLOCK = 8
@@ -105,12 +104,7 @@ class NativeInternodeBackend:
         if cfg.dispatch_quant_type != "none" or cfg.quant_type != "none":
             raise EpgenError("native internode moves payloads verbatim: dispatch_quant_type and quant_type "
                              "must be 'none' (rule internode_quant_none)")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.arch = kernels.device_arch(self.device)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        target = load_specs().targets.get(self.arch)
-        if target is None:
-            kernels.select(self.arch, "internode_pack")  # raises the miss error naming the declared targets
+        self.device, self.arch, self.num_sms, target = device_target("internode_pack")
         self.wave = target.wave_size
         payload, comb = spec_dtype(cfg.dispatch_dtype).name, spec_dtype(cfg.combine_dtype).name
         # every kernel a call can take, loaded now
@@ -234,15 +228,12 @@ class NativeInternodeBackend:
         given); args are tensors (their device addresses; None: 0) and ints, in the kernel's order."""
         if items <= 0:
             return
-        c = ctypes
-        vals = [c.c_uint64(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor)
-                else c.c_int64(a) for a in args]
         if threads:
             blocks = max(1, min(4 * self.num_sms, -(-items // threads)))
         else:
             threads = WAVES_PER_BLOCK * self.wave
             blocks = max(1, min(4 * self.num_sms, -(-items // WAVES_PER_BLOCK)))
-        self.kern[route][role].launch(blocks, threads, *vals)
+        kernels.launch_args(self.kern[route][role], blocks, threads, *args)
 
     # --- dispatch / combine --------------------------------------------------------------------
     def dispatch(self, x, weights, scales, indices, routing):

@@ -8,6 +8,7 @@ loaded module -> kernel handle launched on torch's current stream.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import warnings
 
@@ -74,6 +75,13 @@ def code_object(v) -> bytes:
     return res.artifact.read_bytes()
 
 
+def launch_args(kern, grid: int, block: int, *args) -> None:
+    """Launch `kern` with plain arguments in the kernel's order: tensors pass their device address
+    (None: 0), ints go as 64-bit integers."""
+    kern.launch(grid, block, *(ctypes.c_uint64(0 if a is None else a.data_ptr())
+                               if a is None or isinstance(a, torch.Tensor) else ctypes.c_int64(a) for a in args))
+
+
 def current_raw_stream() -> int:
     """torch's current stream on the current device, as the driver's handle (the cheap way)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -82,19 +90,28 @@ def current_raw_stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda_launch():
+    """libcuda's cuLaunchKernel through ctypes (loaded once), or None where there is no libcuda."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
+                                                             ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
 def _driver_launch(function):
     """A launcher calling libcuda's cuLaunchKernel through ctypes for this CUfunction, or None (then
     cuda-bindings launches). Python-side launch cost is most of an eager call's host time."""
+    fn = _libcuda_launch()
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernel
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
-                                                                 ctypes.c_void_p, ctypes.c_void_p]
         handle = int(function)
-    except (OSError, AttributeError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
-    if not handle:
+    if fn is None or not handle:
         return None
     return lambda grid, block, stream, params: fn(handle, grid, 1, 1, block, 1, 1, 0, stream,
                                                   ctypes.addressof(params), None)

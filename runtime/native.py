@@ -142,6 +142,17 @@ def native_group(cfg: EpDispatchCombineConfig, group):
     return group
 
 
+def device_target(probe: str):
+    """(device, arch, multiprocessors, spec target) of the current CUDA/HIP device; a target the specs do
+    not declare raises the variant-miss error for `probe` (a kernel name), naming the declared targets."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = kernels.device_arch(device)
+    target = load_specs().targets.get(arch)
+    if target is None:
+        kernels.select(arch, probe)
+    return device, arch, torch.cuda.get_device_properties(device).multi_processor_count, target
+
+
 ID_CHECK_ENV = "EPGEN_CHECK_EXPERT_IDS"
 ID_CHECK_MODES = {"": "async", "async": "async", "1": "sync", "sync": "sync", "0": "off", "off": "off"}
 
@@ -192,12 +203,7 @@ class NativeBackend:
         self.group = native_group(cfg, group)
         if cfg.world_size > 64:
             raise EpgenError(f"native intranode backend supports at most 64 ranks, got {cfg.world_size}")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.arch = kernels.device_arch(self.device)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        target = load_specs().targets.get(self.arch)
-        if target is None:
-            kernels.select(self.arch, "dispatch")  # raises the miss error naming the declared targets
+        self.device, self.arch, self.num_sms, target = device_target("dispatch")
         self.wave = target.wave_size
         plan = self.plan = Plan.of(cfg, target)
         for what, n in (("x row", plan.in_row), ("received row", plan.wire_row), ("combine row", plan.comb_row)):
@@ -424,26 +430,20 @@ class NativeBackend:
         Buckets are ordered by (received row, k); rows of packed_x past packed_count are not written.
         """
         st, cfg = self._std, self.config
-        c = ctypes
-        st["pack"].launch(cfg.num_experts_per_rank, BLOCK,
-                          *(c.c_uint64(t.data_ptr()) for t in (self.recv_x, self.recv_idx, self.recv_w, self.total_recv,
-                                                               st["x"], st["count"], st["src"], st["w"], st["pair_pos"],
-                                                               st["dropped"])),
-                          c.c_int64(cfg.num_experts_per_token), c.c_int64(cfg.rank * cfg.num_experts_per_rank),
-                          c.c_int64(cfg.resolved_expert_capacity), c.c_int64(self.plan.in_row),
-                          c.c_int64(int(self._had_weights)))
+        kernels.launch_args(st["pack"], cfg.num_experts_per_rank, BLOCK, self.recv_x, self.recv_idx, self.recv_w,
+                            self.total_recv, st["x"], st["count"], st["src"], st["w"], st["pair_pos"], st["dropped"],
+                            cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank,
+                            cfg.resolved_expert_capacity, self.plan.in_row, int(self._had_weights))
         return st["x"], st["count"], st["src"], st["w"]
 
     def convert_combine_input(self, expert_out, routing):
         """Weighted expert outputs [E, C, H] -> combine input rows (this op's combine buffer: zero-copy)."""
         st, cfg = self._std, self.config
-        c = ctypes
         items = cfg.max_recv_tokens * cfg.hidden_dim // 8
-        st["unpack"].launch(max(1, min(8 * self.num_sms, -(-items // BLOCK))), BLOCK,
-                            *(c.c_uint64(t.data_ptr()) for t in (expert_out, self.recv_idx, st["pair_pos"], st["w"],
-                                                                 self.total_recv, self.comb_x)),
-                            c.c_int64(cfg.num_experts_per_token), c.c_int64(cfg.rank * cfg.num_experts_per_rank),
-                            c.c_int64(cfg.num_experts_per_rank), c.c_int64(cfg.hidden_dim))
+        kernels.launch_args(st["unpack"], max(1, min(8 * self.num_sms, -(-items // BLOCK))), BLOCK, expert_out,
+                            self.recv_idx, st["pair_pos"], st["w"], self.total_recv, self.comb_x,
+                            cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank, cfg.num_experts_per_rank,
+                            cfg.hidden_dim)
         return self.comb_x
 
     def std_moe_dropped(self) -> torch.Tensor:
