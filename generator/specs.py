@@ -160,7 +160,7 @@ _CHOICES = {
     (Target, "fp8_e4m3"): ("ocp", "fnuz"),
     (Target, "fp4_conversion"): ("none", "pairs", "pack8", "software"),
     (Bucket, "rows"): ("wave", "block"),
-    (DType, "kind"): ("float", "fp8", "fp4"),
+    (DType, "kind"): ("float", "fp8", "fp4", "int"),
     (DType, "fp8_format"): ("", "ocp", "fnuz"),
     (Quant, "wire_kind"): ("none", "fp8", "fp4"),
     (Quant, "scale"): ("none", "fp32", "e8m0"),

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from . import kernels, workspace
 from .config import EpDispatchCombineConfig, spec_dtype
 from .errors import EpgenError, InputError
-from .native import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped
+from .native import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped, \
+    route_kernels
 from .routing import all_gather_counts, ordered_slots
 
 WAVES_PER_BLOCK = 8
@@ -117,6 +118,7 @@ class NativeInternodeBackend:
             if route == "v2":
                 names["forward"] = f"internode_forward.{payload}.{topo}"
             self.kern[route] = {role: kernels.load(kernels.select(self.arch, n)) for role, n in names.items()}
+        self._numbering = route_kernels(self.arch)  # the slot numbering kernels (routing.ordered_slots)
 
         self._setup_buffers(self.device)
         # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
@@ -250,7 +252,7 @@ class NativeInternodeBackend:
         else:
             route = self._route(counts)
             slots, total, dropped = ordered_slots(indices, rank, W, cfg.num_experts_per_rank, cfg.num_experts,
-                                                  cfg.max_recv_tokens, self._gather_counts)
+                                                  cfg.max_recv_tokens, self._gather_counts, self._numbering)
             self.dropped.copy_(dropped)
             self.bad_ids.add_((indices >= cfg.num_experts).sum().to(torch.int32))
         lay, rec = self.lay, self.lay["rec"]
@@ -358,7 +360,9 @@ class NativeInternodeBackend:
         for route in self.routes:
             for kern in self.kern[route].values():
                 kern.close()
-        self.kern = {}
+        for kern in self._numbering:
+            kern.close()
+        self.kern, self._numbering = {}, ()
         self.host_group = None  # shared by every op on this group: kept (see host_group)
         self.send = self.recv = self.mid = self.back_a = self.back_b = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

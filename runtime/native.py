@@ -169,6 +169,11 @@ def id_check_mode() -> str:
     return ID_CHECK_MODES[value]
 
 
+def route_kernels(arch: str) -> tuple:
+    """The routing kernels of this target (route_count, route_slots; see routing.ordered_slots), loaded."""
+    return tuple(kernels.load(kernels.select(arch, f"{name}.i32")) for name in ("route_count", "route_slots"))
+
+
 def check_expert_ids(cfg: EpDispatchCombineConfig, indices: torch.Tensor) -> None:
     """Eager dispatch: InputError for an id >= num_experts (one small reduction read by the host; the
     kernels also drop and count such ids, which is all that happens inside graph capture)."""
@@ -215,6 +220,8 @@ class NativeBackend:
         self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
         self._dispatch = kernels.load(dvariant)
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
+        self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
+        self._numbering = route_kernels(self.arch) if self.capped else ()  # the deterministic slot numbering
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
@@ -265,7 +272,6 @@ class NativeBackend:
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
-        self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
@@ -399,7 +405,7 @@ class NativeBackend:
         cfg = self.config
         slots, total, dropped = ordered_slots(indices, cfg.rank, cfg.world_size, cfg.num_experts_per_rank,
                                               cfg.num_experts, cfg.max_recv_tokens,
-                                              lambda counts: all_gather_counts(counts, self.group))
+                                              lambda counts: all_gather_counts(counts, self.group), self._numbering)
         self.state[STATE_WORDS.index("dropped")].copy_(dropped)
         self.state[STATE_WORDS.index("bad_ids")].add_((indices >= cfg.num_experts).sum().to(torch.int32))
         return slots, total
@@ -522,10 +528,12 @@ class NativeBackend:
     def close(self) -> None:
         """Unload the kernels, free the op's device buffers and give the workspace back to the pool."""
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
-        for kern in (self._dispatch, self._combine, *((self._std["pack"], self._std["unpack"]) if self._std else ())):
+        for kern in (self._dispatch, self._combine, *self._numbering,
+                     *((self._std["pack"], self._std["unpack"]) if self._std else ())):
             kern.close()
         workspace.release(self._ws)
         self._ws = self._std = self.dargs = self.cargs = None
+        self._numbering = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self._error_words = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

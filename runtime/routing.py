@@ -55,15 +55,19 @@ def send_counts(indices: torch.Tensor, world_size: int, experts_per_rank: int, n
 
 
 def ordered_slots(indices: torch.Tensor, rank: int, world_size: int, experts_per_rank: int, num_experts: int,
-                  capacity: int, all_gather: Callable[[torch.Tensor], torch.Tensor]):
+                  capacity: int, all_gather: Callable[[torch.Tensor], torch.Tensor], kernels=None):
     """Receive slots numbered in (source rank, token) order, the same on every run.
 
     all_gather(counts [W]) -> [W, W] (row s: source s's rows to each destination) is the only
     exchange. Returns (slots [T, k] int32 = row * W + destination, -1 for no row or a row at or past
-    `capacity`; total [1] int32 rows this rank receives, at most capacity; dropped int64 scalar).
-    Everything stays on indices' device: no host synchronisation, so it can be graph-captured.
+    `capacity`; total [1] int32 rows this rank receives, at most capacity; dropped: a 0-d integer
+    tensor). Everything stays on indices' device: no host synchronisation, so it can be graph-captured.
+    kernels: the loaded (route_count, route_slots) variants of the device: two one-block kernels
+    around the all-gather instead of the torch ops below (which are the reference, and the CPU path).
     """
     W = world_size
+    if kernels:
+        return _ordered_slots_kernels(indices, rank, W, experts_per_rank, num_experts, capacity, all_gather, *kernels)
     send, dest, hot = send_counts(indices, W, experts_per_rank, num_experts)
     every = all_gather(hot.sum(0))                                        # [source, destination]
     # rows before it at its destination, [T, W]; the scan runs along the last dimension of the [W, T]
@@ -87,3 +91,22 @@ def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     every = torch.empty(W * W, dtype=counts.dtype, device=counts.device)
     all_gather_single(every, counts, group)
     return every.view(W, W)
+
+
+ROUTE_THREADS = 1024  # the routing kernels run as one block
+
+
+def _ordered_slots_kernels(indices, rank, W, experts_per_rank, num_experts, capacity, all_gather, count, number):
+    from .kernels import launch_args
+
+    T, k = indices.shape
+    dev = indices.device
+    threads = min(ROUTE_THREADS, count.max_threads, number.max_threads) // 64 * 64  # whole waves, any target
+    counts = torch.empty(W, dtype=torch.int32, device=dev)
+    launch_args(count, 1, threads, indices, counts, T, k, W, experts_per_rank, num_experts)
+    every = all_gather(counts).contiguous()  # [source, destination] int32
+    slots = torch.empty((T, k), dtype=torch.int32, device=dev)
+    out = torch.empty(2, dtype=torch.int32, device=dev)  # total, dropped
+    launch_args(number, 1, threads, indices, every, slots, out[0:1], out[1:2], T, k, W, experts_per_rank,
+                num_experts, rank, capacity)
+    return slots, out[0:1], out[1]

@@ -140,6 +140,7 @@ class SimBackend(NativeInternodeBackend):
         self.device = torch.device("cpu")
         self.arch, self.num_sms, self.kern, self.group = "sim", 1, {}, None
         self.check_ids = True
+        self._numbering = None  # the torch reference numbering (routing.ordered_slots) on CPU
         self._setup_buffers(self.device)
         g = torch.Generator().manual_seed(seed)
         for buf in (self.send, self.recv, self.mid, self.back_a, self.back_b):
