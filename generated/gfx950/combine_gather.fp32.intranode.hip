@@ -279,11 +279,13 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // One barrier round across the grid and the peers. Every block arrives (its peer writes fenced at
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
-// (the grid must be co-resident: the runtime launches at most one block per multiprocessor).
+// (the grid must be co-resident: the runtime launches at most one block per multiprocessor); with
+// wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
+// need the peers' blocks done but not this rank's own).
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
 // block that ran the peer exchange, else EPG_BAR_OK.
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
-EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase) {
+EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -307,6 +309,9 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase)
   }
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
+  } else if (wait_peers && !last) {
+    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
+      ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
@@ -327,15 +332,20 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   if (nrecv > a.expert_rows) nrecv = a.expert_rows;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  if ((char*)a.expert_out != mine + a.off_comb_x) {
+  const bool stage_x = (char*)a.expert_out != mine + a.off_comb_x;
+  const bool stage_w = a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
+  if (stage_x) {
     for (epg_i64 i = gtid; i < nrecv * n16; i += gthreads)
       epg_st16(mine + a.off_comb_x + 16 * i, epg_ld16((const char*)a.expert_out + 16 * i));
   }
-  if (a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w) {
+  if (stage_w) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }
-  if (epg_barrier(a, ++epoch, true, 4) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
+  // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
+  // (stream order), so each block only waits for the peers' signals
+  const bool staged = stage_x || stage_w;
+  if (epg_barrier(a, ++epoch, staged, 4, !staged) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
 
   // One thread per (token, 16-byte chunk), token-major so a wave reads consecutive chunks. The loads of
   // up to 8 source rows are issued together (independent), then accumulated in k order.

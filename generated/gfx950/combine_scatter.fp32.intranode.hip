@@ -279,11 +279,13 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // One barrier round across the grid and the peers. Every block arrives (its peer writes fenced at
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
-// (the grid must be co-resident: the runtime launches at most one block per multiprocessor).
+// (the grid must be co-resident: the runtime launches at most one block per multiprocessor); with
+// wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
+// need the peers' blocks done but not this rank's own).
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
 // block that ran the peer exchange, else EPG_BAR_OK.
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
-EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase) {
+EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -307,6 +309,9 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase)
   }
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
+  } else if (wait_peers && !last) {
+    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
+      ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
