@@ -37,8 +37,10 @@ if [ "$ngpu" -ge 2 ]; then
       EPGEN_CHECK_EXPERT_IDS=$mode timeout 60 torchrun --nproc-per-node "$NPROC" scripts/host_profile.py --iters 300 2>&1 \
         | grep -vE "^(W|\*)" > "$OUT/host_$mode.log"; status[host_$mode]=${PIPESTATUS[0]}; head -1 "$OUT/host_$mode.log"
     done
+    timeout 90 torchrun --nproc-per-node "$NPROC" scripts/host_profile.py --iters 100 --internode v2_ll 2>&1 \
+      | grep -vE "^(W|\*)" > "$OUT/host_internode.log"; status[host_internode]=${PIPESTATUS[0]}; head -1 "$OUT/host_internode.log"
   fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death tune internode_bench host_async host_sync bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death tune internode_bench host_async host_sync host_internode bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
