@@ -96,14 +96,23 @@ EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8])
 // Eight activation elements <-> floats.
 // 16-byte vectors of the activation dtype <-> fp32 accumulators (16 elements each).
 
-// Copy n16 16-byte vectors with `span` threads (this one is number `me`), four loads in flight each.
+// Copy n16 16-byte vectors with `span` threads (this one is number `me`): eight loads in flight per
+// thread, then four, then one (a copy to a peer is bound by how many loads each thread has in flight).
 EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int me, int span) {
   int c = me;
+  for (; c + 7 * span < n16; c += 8 * span) {
+    epg_vec16 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = epg_ld16(src + 16 * (epg_i64)(c + u * span));
+#pragma unroll
+    for (int u = 0; u < 8; ++u) epg_st16(dst + 16 * (epg_i64)(c + u * span), v[u]);
+  }
   for (; c + 3 * span < n16; c += 4 * span) {
-    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + span));
-    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * span)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * span));
-    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + span), v1);
-    epg_st16(dst + 16 * (epg_i64)(c + 2 * span), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * span), v3);
+    epg_vec16 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = epg_ld16(src + 16 * (epg_i64)(c + u * span));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) epg_st16(dst + 16 * (epg_i64)(c + u * span), v[u]);
   }
   for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
@@ -266,13 +275,37 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
-// counter; the wave copies the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim);
+// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim (16 bytes at a time where aligned));
 // lanes < k store the token's weights and ids. With a.block_rows a whole block works on one row
 // instead (thread 0 claims, shared memory hands the slot on): more loads in flight per row, for small
 // batches whose rows are fewer than the grid's waves.// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. A final barrier round tells every peer this rank's rows are
 // complete; the last block publishes total_recv and resets the counter (two counters alternate,
 // so a fast peer's next dispatch never meets a counter this rank has not consumed yet).
+// The first k of token it / world naming rank it % world (-1: none). Along the way the other k of that
+// rank, and (on the rank-0 item) ids naming no rank, get no slot; ids >= num_experts are counted and
+// noted for the host. Every thread of the row reads the same ids, so the answer is uniform over them.
+EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
+  const epg_i64 t = it / a.world;
+  const int r = (int)(it % a.world);
+  const int* idx = (const int*)a.indices;
+  int* slots = (int*)a.slots;
+  int jf = -1;
+  for (int jj = 0; jj < a.k; ++jj) {
+    const int ee = idx[t * a.k + jj];
+    const bool ok = ee >= 0 && ee < a.num_experts;
+    const bool mine = ok && ee / (int)a.experts_per_rank == r;
+    if (mine && jf < 0) {
+      jf = jj;
+    } else if (!a.replay && me == 0 && (mine || (r == 0 && !ok))) {
+      slots[t * a.k + jj] = -1;
+      if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev((int*)a.state + EPG_ST_BAD_IDS, 1);
+    }
+    if (r == 0 && me == 0 && ee >= a.num_experts) epg_note_bad_id(a, ee);
+  }
+  return jf;
+}
+
 EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int e0 = state[EPG_ST_EPOCH];
@@ -293,55 +326,58 @@ EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
-  for (epg_i64 it = (epg_i64)epg_block() * per_block + (by_block ? 0 : epg_thread() / EPG_WAVE); it < items;
-       it += (epg_i64)epg_nblocks() * per_block) {
+  const bool scales16 = ((a.scales | a.scale_row_bytes | a.off_recv_scales) & 15) == 0;
+  const epg_i64 stride = (epg_i64)epg_nblocks() * per_block;
+  // Software-pipelined claims: the claim of the next item is issued before the current row is copied,
+  // so its round trip to the peer overlaps the copy (a claim's value is only waited for when used).
+  epg_i64 it = (epg_i64)epg_block() * per_block + (by_block ? 0 : epg_thread() / EPG_WAVE);
+  int jf = it < items ? epg_dispatch_first_k(a, it, me) : -1;
+  int claim = 0;  // thread `me == 0`'s claimed slot for item `it` (its value arrives while others work)
+  if (jf >= 0 && !a.replay && me == 0) claim = epg_atomic_add_sys((int*)(epg_peer(a, it % a.world) + a.off_counter) + parity, 1);
+  for (; it < items; it += stride) {
+    const epg_i64 nx = it + stride;
+    const int nx_jf = nx < items ? epg_dispatch_first_k(a, nx, me) : -1;
+    int nx_claim = 0;
+    if (nx_jf >= 0 && !a.replay && me == 0)
+      nx_claim = epg_atomic_add_sys((int*)(epg_peer(a, nx % a.world) + a.off_counter) + parity, 1);
     const epg_i64 t = it / a.world;
-    const int r = (int)(it % a.world);
-    // the first k naming rank r sends; the other k of rank r, and (on the rank-0 item) ids naming no
-    // rank, get no slot; ids >= num_experts are counted and noted for the host
-    int jf = -1;
-    for (int jj = 0; jj < a.k; ++jj) {
-      const int ee = idx[t * a.k + jj];
-      const bool ok = ee >= 0 && ee < a.num_experts;
-      const bool mine = ok && ee / (int)a.experts_per_rank == r;
-      if (mine && jf < 0) {
-        jf = jj;
-      } else if (!a.replay && me == 0 && (mine || (r == 0 && !ok))) {
-        slots[t * a.k + jj] = -1;
-        if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
-      }
-      if (r == 0 && me == 0 && ee >= a.num_experts) epg_note_bad_id(a, ee);
-    }
-    if (jf < 0) continue;  // uniform over the row's threads: they all read the same ids
-    int slot = -1;
-    if (a.replay) {  // routing replay: the handle's layout, no claims
-      slot = slots[t * a.k + jf];
-    } else {
-      int s = 0;
-      if (me == 0) s = epg_atomic_add_sys((int*)(epg_peer(a, r) + a.off_counter) + parity, 1);
-      if (by_block) {  // two words by round parity: no thread still reads the one written next
-        if (me == 0) claimed[round & 1] = s;
-        epg_syncthreads();
-        s = claimed[round & 1];
-        ++round;
+    if (jf >= 0) {  // uniform over the row's threads: they all read the same ids
+      int slot = -1;
+      if (a.replay) {  // routing replay: the handle's layout, no claims
+        slot = slots[t * a.k + jf];
       } else {
-        s = epg_bcast0(s);
+        int s = claim;
+        if (by_block) {  // two words by round parity: no thread still reads the one written next
+          if (me == 0) claimed[round & 1] = s;
+          epg_syncthreads();
+          s = claimed[round & 1];
+          ++round;
+        } else {
+          s = epg_bcast0(s);
+        }
+        if (s < a.max_recv) slot = s * (int)a.world + (int)(it % a.world);  // past the cap: dropped, counted on receive
       }
-      if (s < a.max_recv) slot = s * (int)a.world + r;  // past the cap: dropped, counted on receive
-    }
-    if (slot >= 0) {
-      const epg_i64 s = slot / (int)a.world;
-      char* peer = epg_peer(a, slot % (int)a.world);
-      epg_span_copy(peer + a.off_recv_x + s * a.row_bytes, (const char*)a.x + t * a.row_bytes, n16, me, span);
-      for (epg_i64 b = me; b < a.scale_row_bytes; b += span)
-        (peer + a.off_recv_scales + s * a.scale_row_bytes)[b] = ((const char*)a.scales)[t * a.scale_row_bytes + b];
-      if (me < a.k) {
-        ((int*)(peer + a.off_recv_idx))[s * a.k + me] = idx[t * a.k + me];
-        ((float*)(peer + a.off_recv_w))[s * a.k + me] = a.has_weights ? ((const float*)a.weights)[t * a.k + me] : 0.f;
+      if (slot >= 0) {
+        const epg_i64 s = slot / (int)a.world;
+        char* peer = epg_peer(a, slot % (int)a.world);
+        epg_span_copy(peer + a.off_recv_x + s * a.row_bytes, (const char*)a.x + t * a.row_bytes, n16, me, span);
+        char* dst_scales = peer + a.off_recv_scales + s * a.scale_row_bytes;
+        const char* src_scales = (const char*)a.scales + t * a.scale_row_bytes;
+        if (scales16) {  // 16-byte stores: one NVLink write per 16 bytes, not per byte
+          epg_span_copy(dst_scales, src_scales, (int)(a.scale_row_bytes / 16), me, span);
+        } else {
+          for (epg_i64 b = me; b < a.scale_row_bytes; b += span) dst_scales[b] = src_scales[b];
+        }
+        if (me < a.k) {
+          ((int*)(peer + a.off_recv_idx))[s * a.k + me] = idx[t * a.k + me];
+          ((float*)(peer + a.off_recv_w))[s * a.k + me] = a.has_weights ? ((const float*)a.weights)[t * a.k + me] : 0.f;
+        }
+        if (me == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
       }
-      if (me == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
+      if (!a.replay && me == 0) slots[t * a.k + jf] = slot;
     }
-    if (!a.replay && me == 0) slots[t * a.k + jf] = slot;
+    jf = nx_jf;
+    claim = nx_claim;
   }
 
   const int bar = epg_barrier(a, ++epoch, false, 2);

@@ -116,14 +116,23 @@ EPG_DEVICE epg_vec16 epg_pack16(const float acc[8]) {
   return v;
 }
 
-// Copy n16 16-byte vectors with `span` threads (this one is number `me`), four loads in flight each.
+// Copy n16 16-byte vectors with `span` threads (this one is number `me`): eight loads in flight per
+// thread, then four, then one (a copy to a peer is bound by how many loads each thread has in flight).
 EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int me, int span) {
   int c = me;
+  for (; c + 7 * span < n16; c += 8 * span) {
+    epg_vec16 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = epg_ld16(src + 16 * (epg_i64)(c + u * span));
+#pragma unroll
+    for (int u = 0; u < 8; ++u) epg_st16(dst + 16 * (epg_i64)(c + u * span), v[u]);
+  }
   for (; c + 3 * span < n16; c += 4 * span) {
-    epg_vec16 v0 = epg_ld16(src + 16 * (epg_i64)c), v1 = epg_ld16(src + 16 * (epg_i64)(c + span));
-    epg_vec16 v2 = epg_ld16(src + 16 * (epg_i64)(c + 2 * span)), v3 = epg_ld16(src + 16 * (epg_i64)(c + 3 * span));
-    epg_st16(dst + 16 * (epg_i64)c, v0); epg_st16(dst + 16 * (epg_i64)(c + span), v1);
-    epg_st16(dst + 16 * (epg_i64)(c + 2 * span), v2); epg_st16(dst + 16 * (epg_i64)(c + 3 * span), v3);
+    epg_vec16 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = epg_ld16(src + 16 * (epg_i64)(c + u * span));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) epg_st16(dst + 16 * (epg_i64)(c + u * span), v[u]);
   }
   for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }

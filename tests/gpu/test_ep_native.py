@@ -5,6 +5,7 @@ Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_nati
 
 import os
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,6 +83,16 @@ def test_identity(hidden, k, epr):
         for seed, T in enumerate([0, 1, 7, 128, 512, 4096]):
             x, w, idx = _inputs(seed, T, cfg)
             _check_identity(op, cfg, x, w, idx, seed, T)
+
+
+@pytest.mark.parametrize("blocks,threads,rows", [(1, 32, "wave"), (3, 64, "wave"), (5, 128, "block"), (0, 512, "block")])
+def test_identity_at_launch_geometries(blocks, threads, rows):
+    """Many rows per wave (the claims run one row ahead of the copies) and whole-block rows."""
+    cfg = attrs.evolve(_cfg(4096, 7168, 8, 128), launch_blocks=blocks, launch_threads=threads, launch_rows=rows)
+    with EpDispatchCombineOp(cfg) as op:
+        for seed, T in enumerate([1, 33, 1000]):
+            x, w, idx = _inputs(100 + seed, T, cfg)
+            _check_identity(op, cfg, x, w, idx, 100 + seed, T)
 
 
 def test_fp32_and_back_to_back_calls():
