@@ -72,7 +72,8 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,
-    dispatch_replay_us (+ _note), combine_staged_us (+ combine_input)
+    dispatch_replay_us (+ _note), combine_staged_us (+ combine_input), expert_us (the identity expert's
+    leg), round_us (+ _note: the three legs as one, no timing events between the kernels)
   eager times (us): eager_dispatch_us, eager_dispatch_p99_us, eager_combine_us, eager_combine_p99_us,
     eager_dispatch_host_us, eager_combine_host_us (host time of the call, slowest rank's median; GPU only)
   accounting: rows_matrix (rows_matrix[s][d]: rows rank s sends to rank d), sent_rows, local_rows,
@@ -669,10 +670,13 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         g_inner = max(inner, n_sets) if graph_ok else None
         graph = None
         if graph_ok:
-            d_ms, _, c_ms = _graph_time([disp, expert, comb], g_inner, reps)
+            d_ms, e_ms, c_ms = _graph_time([disp, expert, comb], g_inner, reps)
             _, _, s_ms = _graph_time([disp, expert_staged, comb_staged], g_inner, reps)
             _, r_ms, _, _ = _graph_time([disp, disp_replay, expert, comb], g_inner, reps)
+            # a whole round (dispatch, expert, combine) as one leg: no timing events between the kernels
+            round_ms = _graph_time([lambda: (disp(), expert(), comb())], g_inner, reps)[0]
             graph = {"d": _stats(d_ms), "c": _stats(c_ms), "s": _stats(s_ms), "r": _stats(r_ms),
+                     "round": _stats(round_ms), "e": _stats(e_ms),
                      "nd": _stats(_graph_time([a2a_d], g_inner, reps)[0]),
                      "nc": _stats(_graph_time([a2a_c], g_inner, reps)[0])}
         prof = _profile([disp, expert, comb]) if profile and _on_gpu() else None
@@ -709,6 +713,9 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "dispatch_us": _us(gd), "dispatch_p99_us": _us(gd, 1),
         "combine_us": _us(gc), "combine_p99_us": _us(gc, 1),
         "dispatch_combine_us": _us(gd) + _us(gc) if graph else None,
+        "round_us": _us(g.get("round")), "expert_us": _us(g.get("e")),
+        "round_note": "dispatch + identity expert + combine captured as one leg (no timing events between "
+                      "the kernels, as in a model's graph); dispatch_us / combine_us each carry one event pair",
         "dispatch_replay_us": _us(g.get("r")),
         "dispatch_replay_note": "routing replay of the same rows right after a dispatch (no slot claims; "
                                 "includes the dispatch->dispatch entry barrier)",
@@ -811,7 +818,7 @@ def _pair(r: dict, a: str, b: str, fmt: str) -> str:
     return f"{_cell(r.get(a), fmt)}/{_cell(r.get(b), fmt)}"
 
 
-TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 15), ("eager us d/c", 15),
+TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 15), ("round us", 8), ("eager us d/c", 15),
                  ("host us d/c", 13), ("nccl us d/c", 15), ("vs nccl d/c", 11), ("logical GB/s d/c", 16), ("link GB/s d/c", 13),
                  ("blocks d/c", 10)]
 
@@ -823,7 +830,8 @@ def format_table(rows: list[dict]) -> list[str]:
         tag = r["dtype"] if r.get("topology", "intranode") == "intranode" else \
             f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
         cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
-                 _pair(r, "dispatch_us", "combine_us", ".1f"), _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
+                 _pair(r, "dispatch_us", "combine_us", ".1f"), _cell(r.get("round_us"), ".1f"),
+                 _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
                  _pair(r, "eager_dispatch_host_us", "eager_combine_host_us", ".0f"),
                  _pair(r, "nccl_a2a_us", "nccl_a2a_combine_us", ".1f"),
                  _pair(r, "dispatch_vs_nccl", "combine_vs_nccl", ".2f"),

@@ -280,11 +280,18 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime launches at most one block per multiprocessor); with
 // wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
-// need the peers' blocks done but not this rank's own).
+// need the peers' blocks done but not this rank's own). With signaled, this rank's signal for `epoch`
+// went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
+// first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
 // block that ran the peer exchange, else EPG_BAR_OK.
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
-EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false) {
+EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
+  const int tid = epg_thread();
+  if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
+}
+EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
+                           bool signaled = false) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -296,19 +303,21 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   }
   epg_syncthreads();
   if (last) {
-    if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
-    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-      ok = 0;
-    epg_syncthreads();
+    if (!signaled) {
+      epg_signal_peers(a, epoch);
+      if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
+        ok = 0;
+      epg_syncthreads();
+    }
     if (tid == 0) {
       state[EPG_ST_DONE] = 0;
       state[EPG_ST_EPOCH] = epoch;  // every block read the start epoch before arriving here
-      if (ok) epg_st_release_sys(state + EPG_ST_GO, epoch);
+      if (ok && !signaled) epg_st_release_sys(state + EPG_ST_GO, epoch);
     }
   }
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
-  } else if (wait_peers && !last) {
+  } else if (wait_peers && (!last || signaled)) {
     if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
       ok = 0;
   }

@@ -280,11 +280,18 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime launches at most one block per multiprocessor); with
 // wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
-// need the peers' blocks done but not this rank's own).
+// need the peers' blocks done but not this rank's own). With signaled, this rank's signal for `epoch`
+// went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
+// first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
 // block that ran the peer exchange, else EPG_BAR_OK.
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
-EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false) {
+EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
+  const int tid = epg_thread();
+  if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
+}
+EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
+                           bool signaled = false) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -296,19 +303,21 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   }
   epg_syncthreads();
   if (last) {
-    if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
-    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-      ok = 0;
-    epg_syncthreads();
+    if (!signaled) {
+      epg_signal_peers(a, epoch);
+      if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
+        ok = 0;
+      epg_syncthreads();
+    }
     if (tid == 0) {
       state[EPG_ST_DONE] = 0;
       state[EPG_ST_EPOCH] = epoch;  // every block read the start epoch before arriving here
-      if (ok) epg_st_release_sys(state + EPG_ST_GO, epoch);
+      if (ok && !signaled) epg_st_release_sys(state + EPG_ST_GO, epoch);
     }
   }
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
-  } else if (wait_peers && !last) {
+  } else if (wait_peers && (!last || signaled)) {
     if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
       ok = 0;
   }
@@ -356,26 +365,31 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // dropped and counted on receive. A final barrier round tells every peer this rank's rows are
 // complete; the last block publishes total_recv and resets the counter (two counters alternate,
 // so a fast peer's next dispatch never meets a counter this rank has not consumed yet).
-// The first k of token it / world naming rank it % world (-1: none). Along the way the other k of that
-// rank, and (on the rank-0 item) ids naming no rank, get no slot; ids >= num_experts are counted and
-// noted for the host. Every thread of the row reads the same ids, so the answer is uniform over them.
+// The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
+// a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
+// that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and
+// noted for the host. Every wave of the row reads the same ids, so the answer is uniform over them.
 EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
   const epg_i64 t = it / a.world;
   const int r = (int)(it % a.world);
-  const int* idx = (const int*)a.indices;
-  int* slots = (int*)a.slots;
+  const int lane = epg_lane();
+  const bool first_wave = me == lane;
   int jf = -1;
-  for (int jj = 0; jj < a.k; ++jj) {
-    const int ee = idx[t * a.k + jj];
+  for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
+    const int jj = j0 + lane;
+    const bool in = jj < a.k;
+    const int ee = in ? ((const int*)a.indices)[t * a.k + jj] : 0;
     const bool ok = ee >= 0 && ee < a.num_experts;
-    const bool mine = ok && ee / (int)a.experts_per_rank == r;
-    if (mine && jf < 0) {
-      jf = jj;
-    } else if (!a.replay && me == 0 && (mine || (r == 0 && !ok))) {
-      slots[t * a.k + jj] = -1;
-      if (r == 0 && ee >= a.num_experts) epg_atomic_add_dev((int*)a.state + EPG_ST_BAD_IDS, 1);
+    const bool mine = in && ok && ee / (int)a.experts_per_rank == r;
+    const epg_u64 m = epg_ballot(mine);
+    if (jf < 0 && m) jf = j0 + epg_popc((m & (~m + 1)) - 1);  // the lowest lane naming rank r
+    if (in && first_wave) {
+      if (!a.replay && ((mine && jj != jf) || (r == 0 && !ok))) ((int*)a.slots)[t * a.k + jj] = -1;
+      if (r == 0 && ee >= a.num_experts) {
+        if (!a.replay) epg_atomic_add_dev((int*)a.state + EPG_ST_BAD_IDS, 1);
+        epg_note_bad_id(a, ee);
+      }
     }
-    if (r == 0 && me == 0 && ee >= a.num_experts) epg_note_bad_id(a, ee);
   }
   return jf;
 }
