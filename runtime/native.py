@@ -6,7 +6,7 @@ construction; dispatch/combine only pack arguments and launch on torch's current
 sync, no allocation beyond the outputs), so they can be graph-captured.
 
 Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
-  signal [W] i32 | counter [2] i32 | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
+  signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
   recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
   scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k]
 """
@@ -114,7 +114,7 @@ class Plan:
     def layout(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
         """Byte offsets of every region, and 'total' (the same on every rank)."""
         R, k, cells = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.max_num_inp_token_per_rank * cfg.world_size
-        sizes = [("signal", 4 * cfg.world_size), ("counter", 8), ("recv_x", R * self.wire_row),
+        sizes = [("signal", 4 * cfg.world_size), ("counter", 8 + 8 * cfg.world_size), ("recv_x", R * self.wire_row),
                  ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4), ("recv_idx", R * k * 4),
                  ("recv_src", R * 4)]
         if self.scatter:

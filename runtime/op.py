@@ -578,7 +578,7 @@ def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.
     else:
         scale_row = cfg.scale_dim * cfg.scale_type_size
     c = cfg.combine_dtype.itemsize
-    regions = [("signal", 4 * W), ("counter", 8), ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
+    regions = [("signal", 4 * W), ("counter", 8 + 8 * W), ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
                ("recv_w", R * 4 * k), ("recv_idx", R * 4 * k), ("recv_src", R * 4)]
     if cfg.resolved_combine_mode == "scatter":
         q = specs.quants[cfg.quant_type]

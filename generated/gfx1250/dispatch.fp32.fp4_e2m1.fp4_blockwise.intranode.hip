@@ -356,9 +356,10 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
 // counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies the row into the peer's receive buffer (quantized to fp4_e2m1, fp4_blockwise, scales beside the row);
 // lanes < k store the token's weights and ids.// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
-// dropped and counted on receive. A final barrier round tells every peer this rank's rows are
-// complete; the last block publishes total_recv and resets the counter (two counters alternate,
-// so a fast peer's next dispatch never meets a counter this rank has not consumed yet).
+// dropped and counted on receive. Each block then adds its share to every rank's arrival word for
+// this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
+// (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
+
 // The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
 // a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
 // that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and
@@ -388,13 +389,13 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
   return jf;
 }
 
+constexpr int EPG_ARRIVE = 1 << 16;  // one rank's arrival per dispatch (more than any grid has blocks)
+
 EPG_KERNEL void epg_dispatch__fp32__fp4_e2m1__fp4_blockwise__intranode(EpArgs a) {
   int* state = (int*)a.state;
-  const int e0 = state[EPG_ST_EPOCH];
   const int parity = state[EPG_ST_DISPATCHES] & 1;
-  int epoch = e0;
   // previous receive buffers consumed everywhere
-  if (a.entry_barrier && epg_barrier(a, ++epoch, true, 1) == EPG_BAR_FAIL) return;
+  if (a.entry_barrier && epg_barrier(a, state[EPG_ST_EPOCH] + 1, true, 1) == EPG_BAR_FAIL) return;
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
@@ -463,20 +464,41 @@ EPG_KERNEL void epg_dispatch__fp32__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
     claim = nx_claim;
   }
 
-  const int bar = epg_barrier(a, ++epoch, false, 2);
-  if (bar == EPG_BAR_FAIL && epg_block() == 0 && epg_thread() == 0) *(int*)a.total_recv = 0;  // after a timeout
-  if (bar == EPG_BAR_LAST && epg_thread() == 0) {
+  // Completion without a grid barrier: each block, its rows fenced, adds its share to every rank's
+  // arrival word for this rank (one rank's shares sum to EPG_ARRIVE per dispatch, whatever its grid);
+  // block 0 alone waits until every rank's word is full, then publishes total_recv.
+  int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter);
+  const int tid = epg_thread();
+  epg_fence_sys();
+  epg_syncthreads();
+  if (tid < a.world) {
+    const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
+    epg_atomic_add_sys((int*)(epg_peer(a, tid) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
+  }
+  if (epg_block() != 0) return;
+  __shared__ int ok;
+  if (tid == 0) ok = 1;
+  epg_syncthreads();
+  // a rank's own blocks are waited for as peer -1 (twice the timeout: a late peer is named first)
+  if (tid < a.world && !epg_wait_ge(a, counters + 2 + parity * (int)a.world + tid, EPG_ARRIVE, 2, tid == a.rank ? -1 : tid))
+    ok = 0;
+  epg_syncthreads();
+  if (!ok) {
+    if (tid == 0) *(int*)a.total_recv = 0;  // after a timeout
+    return;
+  }
+  if (tid < a.world) counters[2 + parity * (int)a.world + tid] = 0;  // every rank's blocks have arrived
+  if (tid == 0) {
     if (a.replay) {
       *(int*)a.total_recv = *(const int*)a.replay_total;  // the replayed dispatch's rows
     } else {
-      int* counter = (int*)(epg_peer(a, a.rank) + a.off_counter) + parity;
-      const int n = epg_ld_acquire_sys(counter);
+      const int n = epg_ld_acquire_sys(counters + parity);
       const int total = n < a.max_recv ? n : (int)a.max_recv;
       *(int*)a.total_recv = total;
       *(int*)a.replay_total = total;  // kept by the routing handle
       state[EPG_ST_DROPPED] = n - total;  // rows past the receive cap, this dispatch
-      *counter = 0;
+      counters[parity] = 0;
     }
-    state[EPG_ST_DISPATCHES] += 1;
+    state[EPG_ST_DISPATCHES] += 1;  // every block of this grid read it (its arrival is in)
   }
 }
