@@ -238,14 +238,14 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 }
 // A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
 // fault the wait on that peer expires first and names it. The error word lives in host memory: it
-// is polled rarely (every 1024 spins), the clock every 32; after 512 spins each spin also pauses.
+// is polled rarely (every 1024 spins), the clock every 32.
 EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
   const epg_u64 t0 = epg_clock_ns();
   const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
   for (int spin = 1; epg_ld_acquire_sys(p) < value; ++spin) {
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
-    if (spin > 512) epg_pause();  // short waits spin flat out (a sleep would add its granularity to the hop)
+    epg_pause();
   }
   return true;
 }
