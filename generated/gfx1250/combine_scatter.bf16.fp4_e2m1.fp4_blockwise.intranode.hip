@@ -292,7 +292,15 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
 EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
   const int tid = epg_thread();
-  if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
+  for (int p = tid; p < a.world; p += epg_block_dim())  // any world size, any block size
+    epg_st_release_sys((int*)(epg_peer(a, p) + a.off_signal) + a.rank, epoch);
+}
+// This thread's share of the waits for every peer's signal >= epoch (false after a timeout).
+EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase) {
+  bool ok = true;
+  for (int p = epg_thread(); p < a.world && ok; p += epg_block_dim())
+    ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
+  return ok;
 }
 EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
                            bool signaled = false) {
@@ -309,8 +317,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (last) {
     if (!signaled) {
       epg_signal_peers(a, epoch);
-      if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-        ok = 0;
+      if (!epg_wait_peers(a, epoch, phase)) ok = 0;
       epg_syncthreads();
     }
     if (tid == 0) {
@@ -322,8 +329,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
   } else if (wait_peers && (!last || signaled)) {
-    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-      ok = 0;
+    if (!epg_wait_peers(a, epoch, phase)) ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
@@ -383,8 +389,8 @@ EPG_KERNEL void epg_combine_scatter__bf16__fp4_e2m1__fp4_blockwise__intranode(Ep
       if (live) epg_load8(src + elem * 2, f);
       epg_wire_put8(dst, dst_scales, elem, f, live);
     }
-    if (a.has_weights && lane < a.k)
-      ((float*)(origin + a.off_scat_w))[cell * a.k + lane] = ((const float*)a.expert_weights)[i * a.k + lane];
+    for (int j = lane; a.has_weights && j < a.k; j += EPG_WAVE)  // any k
+      ((float*)(origin + a.off_scat_w))[cell * a.k + j] = ((const float*)a.expert_weights)[i * a.k + j];
   }
   if (epg_barrier(a, ++epoch, true, 4) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
 

@@ -284,7 +284,15 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 constexpr int EPG_BAR_FAIL = 0, EPG_BAR_OK = 1, EPG_BAR_LAST = 2;
 EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
   const int tid = epg_thread();
-  if (tid < a.world) epg_st_release_sys((int*)(epg_peer(a, tid) + a.off_signal) + a.rank, epoch);
+  for (int p = tid; p < a.world; p += epg_block_dim())  // any world size, any block size
+    epg_st_release_sys((int*)(epg_peer(a, p) + a.off_signal) + a.rank, epoch);
+}
+// This thread's share of the waits for every peer's signal >= epoch (false after a timeout).
+EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase) {
+  bool ok = true;
+  for (int p = epg_thread(); p < a.world && ok; p += epg_block_dim())
+    ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
+  return ok;
 }
 EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
                            bool signaled = false) {
@@ -301,8 +309,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (last) {
     if (!signaled) {
       epg_signal_peers(a, epoch);
-      if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-        ok = 0;
+      if (!epg_wait_peers(a, epoch, phase)) ok = 0;
       epg_syncthreads();
     }
     if (tid == 0) {
@@ -314,8 +321,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
   } else if (wait_peers && (!last || signaled)) {
-    if (tid < a.world && !epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + tid, epoch, phase, tid))
-      ok = 0;
+    if (!epg_wait_peers(a, epoch, phase)) ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
@@ -424,9 +430,9 @@ EPG_KERNEL void epg_dispatch__bf16__intranode(EpArgs a) {
         } else {
           for (epg_i64 b = me; b < a.scale_row_bytes; b += span) dst_scales[b] = src_scales[b];
         }
-        if (me < a.k) {
-          ((int*)(peer + a.off_recv_idx))[s * a.k + me] = idx[t * a.k + me];
-          ((float*)(peer + a.off_recv_w))[s * a.k + me] = a.has_weights ? ((const float*)a.weights)[t * a.k + me] : 0.f;
+        for (int j = me; j < a.k; j += span) {  // any k
+          ((int*)(peer + a.off_recv_idx))[s * a.k + j] = idx[t * a.k + j];
+          ((float*)(peer + a.off_recv_w))[s * a.k + j] = a.has_weights ? ((const float*)a.weights)[t * a.k + j] : 0.f;
         }
         if (me == 0) ((int*)(peer + a.off_recv_src))[s] = (int)(a.rank * a.max_tokens + t);
       }
@@ -443,23 +449,25 @@ EPG_KERNEL void epg_dispatch__bf16__intranode(EpArgs a) {
   const int tid = epg_thread();
   epg_fence_sys();
   epg_syncthreads();
-  if (tid < a.world) {
-    const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
-    epg_atomic_add_sys((int*)(epg_peer(a, tid) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
-  }
+  const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
+  for (int p = tid; p < a.world; p += epg_block_dim())
+    epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
   if (epg_block() != 0) return;
   __shared__ int ok;
   if (tid == 0) ok = 1;
   epg_syncthreads();
   // a rank's own blocks are waited for as peer -1 (twice the timeout: a late peer is named first)
-  if (tid < a.world && !epg_wait_ge(a, counters + 2 + parity * (int)a.world + tid, EPG_ARRIVE, 2, tid == a.rank ? -1 : tid))
-    ok = 0;
+  for (int p = tid; p < a.world; p += epg_block_dim())
+    if (!epg_wait_ge(a, counters + 2 + parity * (int)a.world + p, EPG_ARRIVE, 2, p == a.rank ? -1 : p)) {
+      ok = 0;
+      break;
+    }
   epg_syncthreads();
   if (!ok) {
     if (tid == 0) *(int*)a.total_recv = 0;  // after a timeout
     return;
   }
-  if (tid < a.world) counters[2 + parity * (int)a.world + tid] = 0;  // every rank's blocks have arrived
+  for (int p = tid; p < a.world; p += epg_block_dim()) counters[2 + parity * (int)a.world + p] = 0;  // all arrived
   if (tid == 0) {
     if (a.replay) {
       *(int*)a.total_recv = *(const int*)a.replay_total;  // the replayed dispatch's rows
