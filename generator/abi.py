@@ -21,7 +21,7 @@ EP_ARGS = (
 # [1] rank, [2] peer waited for (-1: this rank's own blocks), [3] phase, [4] claim counter;
 # expert ids >= num_experts seen by dispatch: [5] count, [6] the first one, [7] set to 1 once [6] is written
 ERROR_WORDS = 8
-PHASES = {1: "dispatch entry barrier", 2: "dispatch completion barrier", 3: "combine entry barrier",
+PHASES = {1: "dispatch entry barrier", 2: "dispatch arrival wait", 3: "combine entry barrier",
           4: "combine staging barrier"}
 
 # int32 words of each rank's local state tensor

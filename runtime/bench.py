@@ -5,6 +5,7 @@ torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168]
                                              [--torch-baseline] [--lowprec] [--out results.jsonl]
                                              [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
                                              [--launch-blocks B] [--launch-threads N] [--profile]
+                                             [--topk 8] [--experts 256] [--lowprec-tokens 128 4096]
 
 With --internode every point also runs internode (gpu_per_node G, default half the world) with each
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
@@ -33,7 +34,7 @@ Per point (tokens per rank x hidden x dtype):
    the dequantized input), total_recv must equal the rows addressed to the rank, and the received rows
    (payload, scales) must hold exactly those rows (an order-free bitwise checksum). A failure raises
    ``GateError`` on every rank (the run fails).
-4. Timing, each leg (dispatch, combine) on its own, device events, the slowest rank's median and p99
+4. Timing, each leg (dispatch, expert, combine) on its own, plus the whole round as one leg (round_us), device events, the slowest rank's median and p99
    (``_stats``):
    graph: ``_graph_time``: max(--inner, input sets) iterations captured in one CUDA graph, events
        recorded inside the graph, --reps replays (the first iteration of each replay absorbs the

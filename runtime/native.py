@@ -3,7 +3,8 @@
 Each rank owns one symmetric workspace (torch.distributed._symmetric_memory); the kernels address a
 peer's copy through the peer base pointers. Everything is allocated and every kernel loaded at
 construction; dispatch/combine only pack arguments and launch on torch's current stream (no host
-sync, no allocation beyond the outputs), so they can be graph-captured.
+sync, no allocation beyond the outputs; under a receive cap dispatch first numbers the slots: route_count,
+one all-gather of the counts on the op's group, route_slots), so they can be graph-captured.
 
 Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
   signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |

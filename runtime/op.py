@@ -551,10 +551,10 @@ class EpDispatchCombineOp:
 
 
 NATIVE_WORKSPACE_FORMULA = (
-    "per rank, bytes = 4*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
+    "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
     "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d, every region rounded up to 256 bytes "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
-    "scat_s, scat_w, std_moe_x); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
+    "scat_s, scat_w; std_moe_x outside the symmetric workspace); counter = 2 claim + 2W arrival words; R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
     "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
     "E_local = num_experts_per_rank")
 _REGION_ALIGN = 256

@@ -1,6 +1,7 @@
 """Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
 
-torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--rows wave [block]]
+torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--topk 8] [--experts 256]
+                                            [--blocks B ...] [--threads 256 512] [--rows wave [block]]
                                             [--write [--fallback]]
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank

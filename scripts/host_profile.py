@@ -1,7 +1,7 @@
 """Where the host time of an eager dispatch / combine goes (GPU machine, 2+ ranks).
 
     torchrun --nproc-per-node 2 scripts/host_profile.py [--tokens 128] [--hidden 7168] [--iters 300]
-                                                        [--internode v2|v2_ll]
+                                                        [--internode v2|v2_ll] [--top 18]
 
 Builds one native op (bf16, top-8 of 256 experts), then on every rank times the host side of each
 call (perf_counter around dispatch / combine, the GPU work runs asynchronously behind it) and runs the

@@ -117,7 +117,7 @@ def test_a_timeout_is_reported_before_a_noted_bad_id():
 
     fake = _checker()
     fake.error[:8] = torch.tensor([1, 0, 1, 2, 1, 1, 999, 1], dtype=torch.int32)
-    with pytest.raises(EpTimeoutError, match="on rank 0 waiting for rank 1 in the dispatch completion barrier"):
+    with pytest.raises(EpTimeoutError, match="on rank 0 waiting for rank 1 in the dispatch arrival wait"):
         NativeBackend.check(fake)
 
 

@@ -257,7 +257,7 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // One barrier round across the grid and the peers. Every block arrives (its peer writes fenced at
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
-// (the grid must be co-resident: the runtime launches at most one block per multiprocessor); with
+// (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
 // wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
 // need the peers' blocks done but not this rank's own). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
