@@ -301,6 +301,15 @@ class EpDispatchCombineConfig:
             raise self._fail("max_total_recv_tokens",
                              f"capacity smaller than one token per rank: must be >= world_size={self.world_size} "
                              f"(0 selects the worst case)")
+        # routing handles number rows in int32: slot * world + rank, rank * T + token, (row, k) pairs
+        for what, n in (("max_total_recv_tokens (resolved) x world_size", self.max_recv_tokens * self.world_size),
+                        ("max_num_inp_token_per_rank x world_size", self.worst_case_recv_tokens),
+                        ("max_total_recv_tokens (resolved) x num_experts_per_token",
+                         self.max_recv_tokens * self.num_experts_per_token),
+                        ("num_experts_per_rank x expert capacity (resolved)",
+                         self.num_experts_per_rank * self.resolved_expert_capacity)):
+            if n >= 2 ** 31:
+                raise self._fail("max_num_inp_token_per_rank", f"{what} = {n}: row numbers are int32 (must be < 2^31)")
         if self.expert_capacity > self.max_recv_tokens:
             raise self._fail("expert_capacity", f"must be <= max_recv_tokens={self.max_recv_tokens} (rows per local "
                                                 f"expert in the standard-MoE layout; 0 selects max_recv_tokens)")

@@ -201,6 +201,16 @@ def local_expert_count(cfg: EpDispatchCombineConfig, recv_idx: torch.Tensor, tot
     return counts.scatter_add_(0, local.clamp(0, epr - 1).flatten().long(), hit.flatten().int())
 
 
+def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
+    """The row shapes the native kernels handle: whole 16-byte vectors, 8 elements at a time."""
+    if cfg.hidden_dim % 8:  # the kernels convert, scatter and reduce 8 elements at a time
+        raise EpgenError(f"native backend: hidden_dim must be a multiple of 8, got {cfg.hidden_dim}")
+    for what, n in (("x row", plan.in_row), ("received row", plan.wire_row), ("combine row", plan.comb_row)):
+        if n % 16:
+            raise EpgenError(f"native backend: a {what} must be a multiple of 16 bytes, got {n} "
+                             f"(hidden_dim={cfg.hidden_dim})")
+
+
 class NativeBackend:
     name = "native"
 
@@ -212,10 +222,7 @@ class NativeBackend:
         self.device, self.arch, self.num_sms, target = device_target("dispatch")
         self.wave = target.wave_size
         plan = self.plan = Plan.of(cfg, target)
-        for what, n in (("x row", plan.in_row), ("received row", plan.wire_row), ("combine row", plan.comb_row)):
-            if n % 16:
-                raise EpgenError(f"native backend: a {what} must be a multiple of 16 bytes, got {n} "
-                                 f"(hidden_dim={cfg.hidden_dim})")
+        check_rows(cfg, plan)
         # every kernel this op can use, loaded before the first call
         dvariant = kernels.select(self.arch, plan.dispatch_variant)
         self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
@@ -293,6 +300,9 @@ class NativeBackend:
         """Every thread count this op can launch with (tuning table or config) fits its kernels: raise now,
         before any memory is allocated, rather than at a launch."""
         cfg = self.config
+        if cfg.launch_threads % self.wave:
+            raise EpgenError(f"launch_threads: {cfg.launch_threads} threads per block is not a whole number of "
+                             f"{self.wave}-lane waves on {self.arch}")
         for role, kern in (("dispatch", self._dispatch), ("combine", self._combine)):
             counts = {cfg.launch_threads} if cfg.launch_threads else \
                 {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}

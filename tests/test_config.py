@@ -117,6 +117,19 @@ def test_non_negative_fields(field):
     rejects(f"^{field}=-1: must be >= 0$", **{field: -1})
 
 
+@pytest.mark.parametrize("kw,what", [
+    (dict(world_size=64, rank=0, max_num_inp_token_per_rank=2 ** 20), "max_total_recv_tokens (resolved) x world_size"),
+    (dict(world_size=2, max_num_inp_token_per_rank=2 ** 30, max_total_recv_tokens=2), "max_num_inp_token_per_rank x world_size"),
+    (dict(world_size=2, max_num_inp_token_per_rank=2 ** 26, num_experts_per_token=32, num_experts_per_rank=16),
+     "max_total_recv_tokens (resolved) x num_experts_per_token"),
+    (dict(world_size=2, max_num_inp_token_per_rank=2 ** 24, num_experts_per_rank=2 ** 10),
+     "num_experts_per_rank x expert capacity"),
+])
+def test_row_numbers_fit_int32(kw, what):
+    """Routing handles number rows in int32: configs whose row numbers would wrap are rejected."""
+    rejects(rf"^max_num_inp_token_per_rank=\d+: {re.escape(what)}", **kw)
+
+
 @pytest.mark.parametrize("rank", [-1, 2, 7])
 def test_rank_range(rank):
     rejects(rf"^rank={rank}: must be in \[0, world_size=2\)$", rank=rank)

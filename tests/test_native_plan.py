@@ -125,3 +125,38 @@ def test_launch_falls_back_to_cuda_bindings_without_a_handle():
     from runtime.kernels import _driver_launch
 
     assert _driver_launch(object()) is None  # no integer handle: cuda-bindings launches
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_rows_of_whole_8_element_groups(arch):
+    """fp32 rows of 4 mod 8 elements are whole 16-byte vectors but not whole 8-element groups: the
+    scatter, conversion and std-MoE kernels would leave the tail unwritten or overrun the row."""
+    from runtime.errors import EpgenError
+    from runtime.native import check_rows
+
+    target = load_specs().targets[arch]
+    cfg = EpDispatchCombineConfig(**dict(BASE, hidden_dim=20, data_type=torch.float32))
+    with pytest.raises(EpgenError, match="hidden_dim must be a multiple of 8, got 20"):
+        check_rows(cfg, Plan.of(cfg, target))
+    ok = EpDispatchCombineConfig(**dict(BASE, hidden_dim=24, data_type=torch.float32))
+    check_rows(ok, Plan.of(ok, target))  # 96-byte rows: fine
+
+
+@pytest.mark.parametrize("arch,threads,bad", [("gfx942", 96, True), ("gfx942", 32, True), ("gfx942", 128, False),
+                                              ("sm_90", 96, False)])
+def test_launch_threads_whole_waves(arch, threads, bad):
+    """A block of a partial wave would take another block's rows (dispatch) or loop forever (scatter)."""
+    import types
+
+    from runtime.errors import EpgenError
+    from runtime.native import NativeBackend
+
+    kern = types.SimpleNamespace(max_threads=1024, symbol="k")
+    fake = types.SimpleNamespace(config=EpDispatchCombineConfig(**dict(BASE, launch_threads=threads)), arch=arch,
+                                 wave=load_specs().targets[arch].wave_size, _dispatch=kern, _combine=kern)
+    if bad:
+        with pytest.raises(EpgenError, match=f"launch_threads: {threads} threads per block is not a whole number of "
+                                             f"64-lane waves on {arch}"):
+            NativeBackend._check_geometry(fake)
+    else:
+        NativeBackend._check_geometry(fake)

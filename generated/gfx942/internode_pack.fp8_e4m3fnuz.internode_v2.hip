@@ -182,7 +182,7 @@ EPG_KERNEL void epg_internode_pack__fp8_e4m3fnuz__internode_v2(const char* __res
         if (s >= 0 && s % (int)world == dst) row = s / (int)world;
       }
       any |= row >= 0;
-      if (lane == g) ((int*)(cell + off_rows))[g] = row;
+      if (lane == g % EPG_WAVE) ((int*)(cell + off_rows))[g] = row;  // any gpu_per_node
     }
     if (!any) continue;  // wave-uniform
     epg_wave_copy(cell, x + t * row_bytes, (int)(row_bytes / 16), lane);
