@@ -6,6 +6,7 @@ torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168]
                                              [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
                                              [--launch-blocks B] [--launch-threads N] [--profile]
                                              [--topk 8] [--experts 256] [--lowprec-tokens 128 4096]
+                                             [--routing uniform|remote]
 
 With --internode every point also runs internode (gpu_per_node G, default half the world) with each
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
@@ -26,8 +27,8 @@ Per point (tokens per rank x hidden x dtype):
    scale_type_size=4; quantized outside the timed region by ``quantize_blocks``).
 2. Input sets: ``--input-sets`` (0: enough that their bytes are at least twice the L2 cache, 2..32)
    pre-generated (x, weights, scales, indices), used in turn by the timed dispatches so caches do not
-   flatter. Each set has its own payload and weights; its routing (k distinct uniform experts per
-   token) is a token permutation of one routing, so every set moves exactly the same rows per
+   flatter. Each set has its own payload and weights; its routing (k distinct experts per token,
+   uniform over all experts, or with --routing remote over the other ranks' only) is a token permutation of one routing, so every set moves exactly the same rows per
    (source, destination) rank and the byte accounting below holds for every timed iteration.
 3. Correctness gate (``identity_gate``), on every input set before any timing: dispatch -> identity
    expert -> combine must give U*x exactly (U = distinct destination ranks of the token; fp8: U times
@@ -68,7 +69,7 @@ each divided by the leg's slowest-rank median time (GB/s = 1e9 bytes/s).
 JSON fields (one line per point; run_lowprec adds lines of its own, with a "modes" dict):
   metadata: commit, date, backend, target, gpu, driver (nvidia-smi), cuda_driver_api, torch, world_size,
     dtype, combine_dtype, quant ("none" | "payload_block128_fp32_scales"), scale_dim, tokens_per_rank,
-    hidden, topk, experts, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
+    hidden, topk, experts, routing, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
     sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
     expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
@@ -528,13 +529,26 @@ def point_config(rank: int, world: int, T: int, hidden: int, k: int, num_experts
     return kw
 
 
-def make_input_sets(cfg: EpDispatchCombineConfig, n_sets: int, seed: int, device) -> list[dict]:
+ROUTINGS = ("uniform", "remote")
+
+
+def make_input_sets(cfg: EpDispatchCombineConfig, n_sets: int, seed: int, device,
+                    routing: str = "uniform") -> list[dict]:
     """`n_sets` input sets {x, w, scales, idx} of this rank: fresh payloads and weights; routings that
-    are token permutations of one uniform routing (k distinct experts per token), so every set moves
-    the same rows per (source, destination) rank."""
+    are token permutations of one routing of k distinct experts per token, so every set moves the same
+    rows per (source, destination) rank. routing="uniform": the k experts uniform over all experts;
+    "remote": uniform over the other ranks' experts only (no row stays on its rank: the link alone)."""
     T, H, k, E = cfg.max_num_inp_token_per_rank, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    epr = cfg.num_experts_per_rank
+    if routing == "remote" and k > E - epr:
+        raise ValueError(f"routing='remote' needs k <= the other ranks' experts ({E - epr}), got k={k}")
     g = torch.Generator(device=device).manual_seed(seed)
-    idx0 = torch.rand(T, E, device=device, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    scores = torch.rand(T, E, device=device, generator=g)
+    if routing == "remote":
+        scores[:, cfg.rank * epr:(cfg.rank + 1) * epr] = -1.0  # never among the top k
+    idx0 = scores.topk(k, dim=1).indices.to(torch.int32)
     sets = []
     for _ in range(n_sets):
         perm = torch.randperm(T, device=device, generator=g)
@@ -608,7 +622,7 @@ def _device_info(device) -> dict:
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
               input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
-              profile: bool = False) -> dict:
+              profile: bool = False, routing: str = "uniform") -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
@@ -622,7 +636,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         dev = op.device
         graph_ok = dev.type == "cuda" and bool(op.capabilities.get("graph_capture"))
         n_sets = input_sets or auto_input_sets(T * (d_row + 8 * k), dev)
-        sets = make_input_sets(cfg, n_sets, seed=1234 + 7919 * rank, device=dev)
+        sets = make_input_sets(cfg, n_sets, seed=1234 + 7919 * rank, device=dev, routing=routing)
         # correctness gate on every set, before any timing (GateError on every rank)
         for i, s in enumerate(sets):
             identity_gate(op, s["x"], s["w"], s["scales"], s["idx"], point=f"{point} input set {i}")
@@ -702,7 +716,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "topology": "internode" if cfg.is_internode else "intranode", "gpu_per_node": cfg.resolved_gpu_per_node,
         "internode_kernel": cfg.internode_kernel if cfg.is_internode else None, "internode_route": route,
         "quant": "payload_block128_fp32_scales" if cfg.prequantized else "none", "scale_dim": cfg.scale_dim,
-        "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts,
+        "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "routing": routing,
         "graph": graph_ok, "graph_modes": ["graph", "eager"] if graph_ok else ["eager"],
         "input_sets": n_sets, "graph_iters": g_inner, "graph_reps": reps if graph_ok else None,
         "eager_iters": eager_iters,
@@ -869,6 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-threads", type=int, default=0,
                    help="threads per block override for every point (0: tuning table)")
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                   help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
     p.add_argument("--out")
     return p
 
@@ -891,7 +907,7 @@ def main(argv=None) -> int:
                     rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
                                           args.torch_baseline and topo is None, eager_iters=args.eager_iters,
                                           input_sets=args.input_sets, topology=topo, geometry=geometry,
-                                          profile=args.profile))
+                                          profile=args.profile, routing=args.routing))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
            for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:

@@ -418,3 +418,24 @@ def test_internode_point_is_gated_and_labelled(kind):
         assert r["gate"].endswith("(passed)") and r["eager_dispatch_us"] > 0
     assert f"bfloat16/{kind}" in bench.format_table(recs[:1])[1]
     assert bench.build_parser().parse_args(["--internode", "v2", "auto", "--emulate-nodes"]).internode == ["v2", "auto"]
+
+
+@pytest.mark.parametrize("routing,local", [("uniform", True), ("remote", False)])
+def test_input_set_routings(routing, local):
+    """--routing remote: every token's k distinct experts live on other ranks, so no row stays local
+    (the link alone); uniform: top-k of all experts. Every set permutes one routing."""
+    cfg = EpDispatchCombineConfig(rank=1, world_size=4, hidden_dim=64, max_num_inp_token_per_rank=200,
+                                  num_experts_per_rank=8, num_experts_per_token=6, kernel_backend="torch")
+    sets = bench.make_input_sets(cfg, 3, seed=5, device="cpu", routing=routing)
+    for s in sets:
+        idx = s["idx"]
+        assert all(len(set(row)) == 6 for row in idx.tolist())  # k distinct experts
+        on_me = ((idx // 8) == 1).any(1)
+        assert bool(on_me.any()) == local
+        assert rows_per_destination(idx, 4, 8) == rows_per_destination(sets[0]["idx"], 4, 8)
+    with pytest.raises(ValueError, match="routing must be one of uniform, remote"):
+        bench.make_input_sets(cfg, 1, seed=5, device="cpu", routing="skewed")
+    tight = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8,
+                                    num_experts_per_rank=4, num_experts_per_token=5, kernel_backend="torch")
+    with pytest.raises(ValueError, match="needs k <= the other ranks' experts \\(4\\), got k=5"):
+        bench.make_input_sets(tight, 1, seed=5, device="cpu", routing="remote")
