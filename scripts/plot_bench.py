@@ -1,7 +1,8 @@
 """Render results/bench.jsonl into results/bench.png: latency and link bandwidth vs tokens per rank.
 
 python scripts/plot_bench.py [results/bench.jsonl] [results/bench.png]   (needs matplotlib)
-Plots the rows of the commit with the widest sweep.
+Plots the intranode rows (default routing and geometry, no experiment note) of the commit with the
+widest sweep.
 """
 
 import json
@@ -16,7 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
     rows = [json.loads(line) for line in Path(src).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "dispatch_us" in r]
+    # intranode points of the default routing and launch geometry (experiments carry a note)
+    rows = [r for r in rows if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
+            and r.get("routing", "uniform") == "uniform" and not r.get("note")]
     if not rows:
         print(f"no benchmark rows in {src}")
         return 1

@@ -439,3 +439,29 @@ def test_input_set_routings(routing, local):
                                     num_experts_per_rank=4, num_experts_per_token=5, kernel_backend="torch")
     with pytest.raises(ValueError, match="needs k <= the other ranks' experts \\(4\\), got k=5"):
         bench.make_input_sets(tight, 1, seed=5, device="cpu", routing="remote")
+
+
+def test_sweep_table_picks_one_commits_default_points():
+    """scripts/sweep_table.py: the commit with the most default intranode points; experiments (a note),
+    internode and remote-routing points left out; a point measured twice shows its later record."""
+    spec = importlib.util.spec_from_file_location("sweep_table", ROOT / "scripts" / "sweep_table.py")
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+
+    def rec(commit, T, us, **kw):
+        return dict(commit=commit, dtype="bfloat16", hidden=7168, tokens_per_rank=T, dispatch_us=us, combine_us=us,
+                    **kw)
+
+    records = [rec("a", 1, 9.0), rec("a", 128, 10.0), rec("b", 1, 5.0), rec("b", 128, 6.0), rec("b", 128, 7.0),
+               rec("b", 4096, 1.0, note="experiment"), rec("b", 8, 1.0, topology="internode"),
+               rec("b", 32, 1.0, routing="remote"), dict(rec("b", 8, 2.0), hidden=4096)]
+    commit, rows = st.sweep_rows(records)
+    assert commit == "b"
+    assert [(r["hidden"], r["tokens_per_rank"], r["dispatch_us"]) for r in rows] == [(7168, 1, 5.0), (7168, 128, 7.0),
+                                                                                    (4096, 8, 2.0)]
+    lines = st.table(rows)
+    assert len(lines) == 2 + 3 and lines[2].startswith("| bfloat16 | 7168 | 1 | 5.0 | 5.0 | – |")
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert st.sweep_rows(records, "a")[1][1]["dispatch_us"] == 10.0
+    with pytest.raises(ValueError, match="no intranode benchmark points for commit c"):
+        st.sweep_rows(records, "c")

@@ -1,0 +1,81 @@
+"""Print the README's sweep table (markdown) from benchmark records.
+
+python scripts/sweep_table.py [results/bench.jsonl] [--commit C]
+
+Takes the intranode points of the default routing and launch geometry (records without an experiment
+note) of one commit (default: the commit with the most such points, the newest among equals), one row
+per (dtype, hidden, tokens per rank), graph-replay times and the eager, host and torch-backend columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HEADER = ("| dtype | hidden | tokens/rank | dispatch µs | combine µs | staged µs | round µs | NCCL a2a µs (d / c) "
+          "| vs NCCL (d / c) | link GB/s (d / c) | eager µs (d / c) | host µs (d / c) | torch backend µs (d / c) |")
+
+
+def sweep_rows(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
+    """(commit, its sweep points sorted by dtype, hidden descending, tokens)."""
+    pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
+           and r.get("routing", "uniform") == "uniform" and not r.get("note")]
+    if commit is None:
+        counts: dict[str, int] = {}
+        for r in pts:
+            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
+        if not counts:
+            raise ValueError("no intranode benchmark points")
+        commit = max(reversed(list(counts)), key=lambda c: counts[c])
+    pts = [r for r in pts if r["commit"] == commit]
+    if not pts:
+        raise ValueError(f"no intranode benchmark points for commit {commit}")
+    latest = {}
+    for r in pts:  # a point measured twice: the later record
+        latest[(r["dtype"], r["hidden"], r["tokens_per_rank"])] = r
+    order = sorted(latest, key=lambda key: (key[0], -key[1], key[2]))
+    return commit, [latest[key] for key in order]
+
+
+def _f(v, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    for r in rows:
+        cells = [r["dtype"], str(r["hidden"]), str(r["tokens_per_rank"]), _f(r.get("dispatch_us"), ".1f"),
+                 _f(r.get("combine_us"), ".1f"), _f(r.get("combine_staged_us"), ".1f"), _f(r.get("round_us"), ".1f"),
+                 f"{_f(r.get('nccl_a2a_us'), '.1f')} / {_f(r.get('nccl_a2a_combine_us'), '.1f')}",
+                 f"{_f(r.get('dispatch_vs_nccl'), '.2f')}× / {_f(r.get('combine_vs_nccl'), '.2f')}×",
+                 f"{_f(r.get('dispatch_link_GBps'), '.0f')} / {_f(r.get('combine_link_GBps'), '.0f')}",
+                 f"{_f(r.get('eager_dispatch_us'), '.1f')} / {_f(r.get('eager_combine_us'), '.1f')}",
+                 f"{_f(r.get('eager_dispatch_host_us'), '.0f')} / {_f(r.get('eager_combine_host_us'), '.0f')}",
+                 f"{_f(r.get('torch_backend_dispatch_us'), '.0f')} / {_f(r.get('torch_backend_combine_us'), '.0f')}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("src", nargs="?", default="results/bench.jsonl")
+    p.add_argument("--commit", default=None)
+    args = p.parse_args(argv)
+    records = [json.loads(line) for line in Path(args.src).read_text().splitlines() if line.strip()]
+    try:
+        commit, rows = sweep_rows(records, args.commit)
+    except ValueError as e:
+        print(f"sweep_table: {e}", file=sys.stderr)
+        return 1
+    r0 = rows[0]
+    print(f"Sweep (commit {commit}; {r0.get('world_size')}×{r0.get('gpu')}, driver {r0.get('driver')}, "
+          f"torch {r0.get('torch')}, top-{r0.get('topk')} of {r0.get('experts')} experts, uniform routing)")
+    print()
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
