@@ -360,8 +360,9 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
-// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies the row into the peer's receive buffer (quantized to fp4_e2m1, fp4_blockwise, scales beside the row);
-// lanes < k store the token's weights and ids.// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
+// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies
+// the row into the peer's receive buffer (quantized to fp4_e2m1, fp4_blockwise, scales beside the row) and the token's weights and ids.
+// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. Each block then adds its share to every rank's arrival word for
 // this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
 // (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).

@@ -325,10 +325,12 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
 // (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
-// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim (16 bytes at a time where aligned));
-// lanes < k store the token's weights and ids. With a.block_rows a whole block works on one row
-// instead (thread 0 claims, shared memory hands the slot on): more loads in flight per row, for small
-// batches whose rows are fewer than the grid's waves.// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
+// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies
+// the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim,
+// 16 bytes at a time where aligned) and the token's weights and ids.
+// With a.block_rows a whole block works on one row instead (thread 0 claims, shared memory hands the
+// slot on): more loads in flight per row, for small batches whose rows are fewer than the grid's waves.
+// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
 // dropped and counted on receive. Each block then adds its share to every rank's arrival word for
 // this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
 // (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
