@@ -454,14 +454,22 @@ class NativeBackend:
         return st["x"], st["count"], st["src"], st["w"]
 
     def convert_combine_input(self, expert_out, routing):
-        """Weighted expert outputs [E, C, H] -> combine input rows (this op's combine buffer: zero-copy)."""
+        """Weighted expert outputs [E, C, H] -> combine input rows: this op's combine buffer (zero-copy),
+        except right after a combine, whose peers may still be reading that buffer (only the next dispatch
+        orders their reads before this rank's writes): then a tensor of its own, which combine stages
+        after its entry barrier."""
         st, cfg = self._std, self.config
+        dst = self.comb_x
+        if self._last == "combine":
+            if "restage" not in st:
+                st["restage"] = torch.empty_like(self.comb_x)
+            dst = st["restage"]
         items = cfg.max_recv_tokens * cfg.hidden_dim // 8
         kernels.launch_args(st["unpack"], max(1, min(8 * self.num_sms, -(-items // BLOCK))), BLOCK, expert_out,
-                            self.recv_idx, st["pair_pos"], st["w"], self.total_recv, self.comb_x,
+                            self.recv_idx, st["pair_pos"], st["w"], self.total_recv, dst,
                             cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank, cfg.num_experts_per_rank,
                             cfg.hidden_dim)
-        return self.comb_x
+        return dst
 
     def std_moe_dropped(self) -> torch.Tensor:
         """(row, k) pairs past an expert's capacity in the last conversion (device int32 scalar)."""

@@ -362,7 +362,10 @@ class EpDispatchCombineOp:
         return self._backend.combine(expert_out, weights, indices, routing)
 
     def combine_in_view(self) -> torch.Tensor:
-        """A [max_recv_tokens, hidden_dim] tensor the expert may write its output into directly."""
+        """A [max_recv_tokens, hidden_dim] tensor the expert may write its output into directly (combine then
+        reads it in place, no staging copy). Write it between a dispatch and the combine that follows: after a
+        combine the peers may still be reading it until this rank's next dispatch. To combine again without
+        a dispatch, pass the new expert output in a tensor of its own (combine stages it safely)."""
         self._check_open("combine_in_view")
         return self._backend.combine_in_view()
 

@@ -264,10 +264,15 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
 // fault the wait on that peer expires first and names it. The error word lives in host memory: it
 // is polled rarely (every 1024 spins), the clock every 32.
+// Epochs and counters compare in modular order (a - b as a signed 32-bit difference), so a long-lived
+// op's epochs may wrap around 2^32 (about 2^31 barriers, a day of back-to-back calls) without a wait
+// passing early: values that matter are never 2^31 apart.
+EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
+EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
 EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
   const epg_u64 t0 = epg_clock_ns();
   const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
-  for (int spin = 1; epg_ld_acquire_sys(p) < value; ++spin) {
+  for (int spin = 1; !epg_reached(epg_ld_acquire_sys(p), value); ++spin) {
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
     epg_pause();
@@ -338,7 +343,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
 EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (a.entry_barrier && epg_barrier(a, ++epoch, true, 3) == EPG_BAR_FAIL) return;  // peers done reading the previous combine
+  if (a.entry_barrier && epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;  // peers done reading the previous combine
 
   char* mine = epg_peer(a, a.rank);
   const int n16 = (int)(a.row_bytes / 16);
@@ -349,7 +354,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   const bool stage_x = (char*)a.expert_out != mine + a.off_comb_x;
   const bool stage_w = a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
   // nothing to stage: this rank's rows are readable now, so block 0 tells the peers at once
-  if (!stage_x && !stage_w && epg_block() == 0) epg_signal_peers(a, epoch + 1);
+  if (!stage_x && !stage_w && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
   if (stage_x) {
     for (epg_i64 i = gtid; i < nrecv * n16; i += gthreads)
       epg_st16(mine + a.off_comb_x + 16 * i, epg_ld16((const char*)a.expert_out + 16 * i));
@@ -361,7 +366,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
   // (stream order; its signal went out above), so each block only waits for the peers' signals
   const bool staged = stage_x || stage_w;
-  if (epg_barrier(a, ++epoch, staged, 4, !staged, !staged) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
+  if (epg_barrier(a, epoch = epg_next(epoch), staged, 4, !staged, !staged) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
 
   // One thread per (token, 16-byte chunk), token-major so a wave reads consecutive chunks. The loads of
   // up to 8 source rows are issued together (independent), then accumulated in k order.

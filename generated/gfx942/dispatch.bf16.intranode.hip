@@ -260,10 +260,15 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // A wait on this rank's own blocks (peer -1) allows twice the timeout, so that when a peer is at
 // fault the wait on that peer expires first and names it. The error word lives in host memory: it
 // is polled rarely (every 1024 spins), the clock every 32.
+// Epochs and counters compare in modular order (a - b as a signed 32-bit difference), so a long-lived
+// op's epochs may wrap around 2^32 (about 2^31 barriers, a day of back-to-back calls) without a wait
+// passing early: values that matter are never 2^31 apart.
+EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
+EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
 EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
   const epg_u64 t0 = epg_clock_ns();
   const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
-  for (int spin = 1; epg_ld_acquire_sys(p) < value; ++spin) {
+  for (int spin = 1; !epg_reached(epg_ld_acquire_sys(p), value); ++spin) {
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
     epg_pause();
@@ -376,7 +381,7 @@ EPG_KERNEL void epg_dispatch__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int parity = state[EPG_ST_DISPATCHES] & 1;
   // previous receive buffers consumed everywhere
-  if (a.entry_barrier && epg_barrier(a, state[EPG_ST_EPOCH] + 1, true, 1) == EPG_BAR_FAIL) return;
+  if (a.entry_barrier && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL) return;
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;

@@ -207,3 +207,27 @@ def test_std_moe_round_trip_and_graph():
                 assert bool(((res.float() - want).abs() <= scale * 2**-6 + 1e-3).all()), f"replay {rep}"
         dist.barrier()
     run_collective(check)
+
+
+def test_std_moe_second_combine_without_dispatch():
+    """convert_combine_input right after a combine must not write the combine buffer the peers may still
+    be reading: it returns a tensor of its own (staged by combine), and the second combine is right."""
+    def check():
+        world = dist.get_world_size()
+        a, b = _affine(EPR * world)
+        with EpDispatchCombineOp(_cfg(enable_std_moe=True, expert_capacity=T * world)) as op:
+            x, w, idx = _inputs(7, dist.get_rank())
+            out, ow, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+            px, _, _, _ = op.convert_dispatch_output()
+            first = dist.get_rank() * EPR
+            view = op.combine_in_view()
+            for scale_a in (1.0, -2.0):  # two expert passes over one dispatch
+                aa = a * scale_a
+                y = (aa[first:first + EPR, None, None] * px.float() + b[first:first + EPR, None, None]).to(torch.bfloat16)
+                conv = op.convert_combine_input(y, h)
+                assert (conv.data_ptr() == view.data_ptr()) == (scale_a == 1.0)  # zero-copy only after the dispatch
+                got = op.combine(conv, routing=h)[0].float()
+                want, tol = _std_moe_expected(x, w, idx, aa, b)
+                assert bool(((got - want).abs() <= tol * 2**-6 + 1e-3).all()), f"pass {scale_a}: {(got - want).abs().max()}"
+        dist.barrier()
+    run_collective(check)
