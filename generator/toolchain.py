@@ -116,23 +116,29 @@ def run(cmd: list[str], tools: Tools, timeout: float = 300) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-_AMD_LINE = re.compile(r"^\s+([a-z][a-z0-9_]*)\b")
+_AMD_LINE = re.compile(r"^\s+([a-z][a-z0-9_]*)\b([^/]*)")
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 def opcodes(disassembly: str, vendor: str) -> set[str]:
-    """The set of instruction opcodes (with modifiers) in a disassembly listing."""
+    """The set of instruction opcodes (with modifiers) in a disassembly listing. AMD: also each
+    instruction with its operands ("buffer_wbl2 sc0 sc1"), so an expectation can name a scope operand."""
     pat = _AMD_LINE if vendor == "amd" else _SASS_LINE
     out = set()
     for line in disassembly.splitlines():
         m = pat.search(line) if vendor != "amd" else pat.match(line)
         if m:
             out.add(m.group(1))
+            if vendor == "amd" and m.group(2).strip():
+                out.add(f"{m.group(1)} {' '.join(m.group(2).split())}")
     return out
 
 
 def has_mnemonic(ops: set[str], mnemonic: str) -> bool:
-    """AMD: exact, or with an encoding suffix (_e32/_e64/_sdwa/_dpp). NVIDIA: exact or with more modifiers."""
+    """AMD: exact, or with an encoding suffix (_e32/_e64/_sdwa/_dpp); a mnemonic with operands ("buffer_inv
+    sc0 sc1") matches an instruction whose operands start with them. NVIDIA: exact or with more modifiers."""
+    if " " in mnemonic:
+        return any(op == mnemonic or op.startswith(mnemonic + " ") or op.startswith(mnemonic + ",") for op in ops)
     for op in ops:
         if op == mnemonic or op.startswith(mnemonic + ".") or re.fullmatch(re.escape(mnemonic) + r"_(e32|e64|sdwa|dpp)", op):
             return True

@@ -54,6 +54,31 @@ def test_gfx1250_has_no_pair_form(all_results):
     assert not toolchain.has_mnemonic(ops, "v_cvt_scalef32_pk_fp4_f32")
 
 
+@pytest.mark.parametrize("key,scope,weaker", [
+    ("gfx942/dispatch.bf16.intranode", "buffer_wbl2 sc0 sc1", "buffer_wbl2 sc1"),
+    ("gfx950/combine_gather.bf16.intranode", "buffer_inv sc0 sc1", "buffer_inv sc1"),
+    ("gfx1250/combine_scatter.bf16.intranode", "global_wb scope:SCOPE_SYS", "global_wb scope:SCOPE_DEV"),
+])
+def test_ep_kernels_order_at_system_scope(all_results, key, scope, weaker):
+    """The EP kernels' write-backs and invalidations are system-scoped (the scope is an operand on AMD):
+    expectations with operands match the instruction's operands, not just its mnemonic."""
+    r = all_results[key]
+    assert scope in r.variant.expected_isa and r.ok
+    ops = _disasm_ops(r)
+    assert toolchain.has_mnemonic(ops, scope)
+    # a kernel holding only the weaker (device) scope would not pass
+    weak_only = {op for op in ops if not op.startswith(scope)} | {weaker}
+    assert not toolchain.has_mnemonic(weak_only, scope)
+
+
+def test_operand_expectations_match_prefixes():
+    ops = toolchain.opcodes("\tbuffer_wbl2 sc0 sc1                      // 000000001a2c: E0...\n"
+                            "\ts_waitcnt vmcnt(0)\n\tglobal_inv scope:SCOPE_SYS\n", "amd")
+    assert {"buffer_wbl2", "buffer_wbl2 sc0 sc1", "s_waitcnt vmcnt(0)", "global_inv scope:SCOPE_SYS"} <= ops
+    assert toolchain.has_mnemonic(ops, "buffer_wbl2") and toolchain.has_mnemonic(ops, "buffer_wbl2 sc0")
+    assert not toolchain.has_mnemonic(ops, "buffer_wbl2 sc1") and not toolchain.has_mnemonic(ops, "global_inv scope:SCOPE_DEV")
+
+
 def test_verify_detects_missing_instruction(all_results):
     r = all_results["gfx950/quantize_fp8.bf16.fp8_e4m3fn.fp8_blockwise"]
     v = r.variant
