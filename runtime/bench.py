@@ -838,6 +838,30 @@ TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 1
                  ("blocks d/c", 10)]
 
 
+def sweep_points(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
+    """(commit, its sweep points sorted by dtype, hidden descending, tokens): the intranode points of the
+    default routing and launch geometry (experiments carry a note) of `commit` (default: the commit with
+    the most such points, the newest among equals); a point measured twice gives its later record.
+    scripts/sweep_table.py and scripts/plot_bench.py show these."""
+    pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
+           and r.get("routing", "uniform") == "uniform" and not r.get("note")]
+    if commit is None:
+        counts: dict[str, int] = {}
+        for r in pts:
+            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
+        if not counts:
+            raise ValueError("no intranode benchmark points")
+        commit = max(reversed(list(counts)), key=lambda c: counts[c])
+    pts = [r for r in pts if r["commit"] == commit]
+    if not pts:
+        raise ValueError(f"no intranode benchmark points for commit {commit}")
+    latest = {}
+    for r in pts:  # a point measured twice: the later record
+        latest[(r["dtype"], r["hidden"], r["tokens_per_rank"])] = r
+    order = sorted(latest, key=lambda key: (key[0], -key[1], key[2]))
+    return commit, [latest[key] for key in order]
+
+
 def format_table(rows: list[dict]) -> list[str]:
     """The printed summary: a header and one line per point (graph times and bandwidths; eager times)."""
     lines = [" ".join(f"{name:>{w}}" for name, w in TABLE_COLUMNS)]

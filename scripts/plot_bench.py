@@ -14,21 +14,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
+from runtime.bench import sweep_points  # noqa: E402
+
 
 def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
-    rows = [json.loads(line) for line in Path(src).read_text().splitlines() if line.strip()]
-    # intranode points of the default routing and launch geometry (experiments carry a note)
-    rows = [r for r in rows if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
-            and r.get("routing", "uniform") == "uniform" and not r.get("note")]
-    if not rows:
+    records = [json.loads(line) for line in Path(src).read_text().splitlines() if line.strip()]
+    try:
+        newest, rows = sweep_points(records)
+    except ValueError:
         print(f"no benchmark rows in {src}")
         return 1
-    # the commit with the widest sweep (the newest among equals)
-    counts = {}
-    for r in rows:
-        counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-    newest = max(reversed(list(counts)), key=lambda c: counts[c])
-    rows = [r for r in rows if r["commit"] == newest]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r["hidden"], r["dtype"]) for r in rows})
     for hidden, dtype in series:

@@ -14,29 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
+from runtime.bench import sweep_points as sweep_rows  # noqa: E402
+
 HEADER = ("| dtype | hidden | tokens/rank | dispatch µs | combine µs | staged µs | round µs | NCCL a2a µs (d / c) "
           "| vs NCCL (d / c) | link GB/s (d / c) | eager µs (d / c) | host µs (d / c) | torch backend µs (d / c) |")
-
-
-def sweep_rows(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
-    """(commit, its sweep points sorted by dtype, hidden descending, tokens)."""
-    pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
-           and r.get("routing", "uniform") == "uniform" and not r.get("note")]
-    if commit is None:
-        counts: dict[str, int] = {}
-        for r in pts:
-            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-        if not counts:
-            raise ValueError("no intranode benchmark points")
-        commit = max(reversed(list(counts)), key=lambda c: counts[c])
-    pts = [r for r in pts if r["commit"] == commit]
-    if not pts:
-        raise ValueError(f"no intranode benchmark points for commit {commit}")
-    latest = {}
-    for r in pts:  # a point measured twice: the later record
-        latest[(r["dtype"], r["hidden"], r["tokens_per_rank"])] = r
-    order = sorted(latest, key=lambda key: (key[0], -key[1], key[2]))
-    return commit, [latest[key] for key in order]
 
 
 def _f(v, fmt: str) -> str:
