@@ -13,7 +13,7 @@ EP_ARGS = (
     "off_comb_x", "off_comb_w", "off_recv_scales", "off_scat_x", "off_scat_s", "off_scat_w",
     # sizes and flags
     "num_tokens", "row_bytes", "hidden", "wire_row_bytes", "scale_row_bytes", "k", "experts_per_rank",
-    "num_experts", "rank", "world", "max_recv", "max_tokens", "expert_rows", "entry_barrier", "has_weights",
+    "num_experts", "rank", "world", "max_recv", "max_tokens", "expert_rows", "has_weights",
     "timeout_ns", "replay", "block_rows",
 )
 
@@ -25,5 +25,7 @@ PHASES = {1: "dispatch entry barrier", 2: "dispatch arrival wait", 3: "combine e
           4: "combine staging barrier"}
 
 # int32 words of each rank's local state tensor
-STATE_WORDS = ("epoch", "done", "go", "bad_ids", "dropped", "dispatches")
+# (last: the kind of this op's last completed EP kernel, 1 dispatch / 2 combine; the next one of the same kind
+# starts with an entry barrier: decided on the device, so graph replays and eager calls mix safely)
+STATE_WORDS = ("epoch", "done", "go", "bad_ids", "dropped", "dispatches", "last")
 STATE_SIZE = 8

@@ -278,7 +278,7 @@ class NativeBackend:
         self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
-        self._last = None  # "dispatch" / "combine": decides the entry barrier of the next call
+        self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -397,7 +397,6 @@ class NativeBackend:
         self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
-        a.entry_barrier = int(self._last == "dispatch")
         blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
         a.block_rows = int(block_rows)
         self._dispatch.launch(blocks, threads, a)
@@ -514,7 +513,6 @@ class NativeBackend:
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
-        a.entry_barrier = int(self._last == "combine")
         self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
         self._last = "combine"
         self.check(ids="skip")

@@ -227,7 +227,6 @@ struct EpArgs {
   epg_i64 max_recv;
   epg_i64 max_tokens;
   epg_i64 expert_rows;
-  epg_i64 entry_barrier;
   epg_i64 has_weights;
   epg_i64 timeout_ns;
   epg_i64 replay;
@@ -239,7 +238,12 @@ constexpr int EPG_ST_GO = 2;
 constexpr int EPG_ST_BAD_IDS = 3;
 constexpr int EPG_ST_DROPPED = 4;
 constexpr int EPG_ST_DISPATCHES = 5;
+constexpr int EPG_ST_LAST = 6;
 
+// state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
+// an entry barrier (the peers are done with the buffers the previous one filled); read by every block at
+// start, written by the block that finishes last (every block has read it by then).
+constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -372,7 +376,8 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 EPG_KERNEL void epg_combine_scatter__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (a.entry_barrier && epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;  // origins done reading the previous combine
+  if (state[EPG_ST_LAST] == EPG_LAST_COMBINE &&  // origins done reading the previous combine
+      epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;
 
   char* mine = epg_peer(a, a.rank);
   epg_i64 nrecv = *(const int*)a.total_recv;
@@ -397,7 +402,9 @@ EPG_KERNEL void epg_combine_scatter__bf16__fp4_e2m1__fp4_blockwise__intranode(Ep
     for (int j = lane; a.has_weights && j < a.k; j += EPG_WAVE)  // any k
       ((float*)(origin + a.off_scat_w))[cell * a.k + j] = ((const float*)a.expert_weights)[i * a.k + j];
   }
-  if (epg_barrier(a, epoch = epg_next(epoch), true, 4) == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
+  const int bar = epg_barrier(a, epoch = epg_next(epoch), true, 4);
+  if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
+  if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
 
   // Reduce at the origin: one thread per (token, 8 elements).
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();

@@ -202,7 +202,6 @@ struct EpArgs {
   epg_i64 max_recv;
   epg_i64 max_tokens;
   epg_i64 expert_rows;
-  epg_i64 entry_barrier;
   epg_i64 has_weights;
   epg_i64 timeout_ns;
   epg_i64 replay;
@@ -214,7 +213,12 @@ constexpr int EPG_ST_GO = 2;
 constexpr int EPG_ST_BAD_IDS = 3;
 constexpr int EPG_ST_DROPPED = 4;
 constexpr int EPG_ST_DISPATCHES = 5;
+constexpr int EPG_ST_LAST = 6;
 
+// state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
+// an entry barrier (the peers are done with the buffers the previous one filled); read by every block at
+// start, written by the block that finishes last (every block has read it by then).
+constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -386,7 +390,8 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
   int* state = (int*)a.state;
   const int parity = state[EPG_ST_DISPATCHES] & 1;
   // previous receive buffers consumed everywhere
-  if (a.entry_barrier && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL) return;
+  const bool entry_barrier = state[EPG_ST_LAST] == EPG_LAST_DISPATCH;
+  if (entry_barrier && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL) return;
 
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
@@ -493,5 +498,6 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
       counters[parity] = 0;
     }
     state[EPG_ST_DISPATCHES] += 1;  // every block of this grid read it (its arrival is in)
+    state[EPG_ST_LAST] = EPG_LAST_DISPATCH;  // likewise
   }
 }

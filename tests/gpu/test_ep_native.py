@@ -158,6 +158,41 @@ def test_graph_capture_replays():
             assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
 
 
+def test_graph_replay_after_an_eager_dispatch():
+    """The entry barrier is decided on the device from the op's last kernel: a replayed dispatch ->
+    combine graph (captured after a combine) right after an eager dispatch still waits for the peers to
+    be done with the eager dispatch's receive buffers, and eager combines mix with replays."""
+    cfg = _cfg(128, 2048, 8, 32)
+    with EpDispatchCombineOp(cfg) as op:
+        T = 96
+        sx, sw, sidx = (t.clone() for t in _inputs(300, T, cfg))
+        view = op.combine_in_view()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
+            view.copy_(out)
+            op.combine(view, weights=ow, routing=h)
+        torch.cuda.current_stream().wait_stream(s)
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
+            view.copy_(out)
+            comb, comb_w = op.combine(view, weights=ow, routing=h)
+        for rep in range(4):
+            x, w, idx = _inputs(400 + rep, T, cfg)
+            op.dispatch(x, w, None, idx)  # eager dispatch, no combine: the replay's dispatch comes next
+            if rep % 2:
+                _check_identity(op, cfg, x, w, idx, 400 + rep, T)  # eager dispatch -> combine in between
+            sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
+            g.replay()
+            torch.cuda.synchronize()
+            U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
+            assert torch.equal(comb, (x.float() * U[:, None]).to(cfg.data_type)), f"replay {rep}"
+            assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
+
+
 def test_bad_expert_id_raises_and_op_stays_usable(monkeypatch):
     cfg = _cfg(64, 2048, 4, 8)
     x, w, idx = _inputs(7, 64, cfg)
