@@ -136,6 +136,19 @@ EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
+// The first EPG_HEAD vectors of a span copy (`me`'s share), loaded ahead and stored later; the rest
+// of the copy then starts at me + EPG_HEAD * span.
+constexpr int EPG_HEAD = 4;
+EPG_DEVICE void epg_copy_head_load(epg_vec16 head[EPG_HEAD], const char* __restrict__ src, int n16, int me, int span) {
+#pragma unroll
+  for (int u = 0; u < EPG_HEAD; ++u)
+    if (me + u * span < n16) head[u] = epg_ld16(src + 16 * (epg_i64)(me + u * span));
+}
+EPG_DEVICE void epg_copy_head_store(char* __restrict__ dst, const epg_vec16 head[EPG_HEAD], int n16, int me, int span) {
+#pragma unroll
+  for (int u = 0; u < EPG_HEAD; ++u)
+    if (me + u * span < n16) epg_st16(dst + 16 * (epg_i64)(me + u * span), head[u]);
+}
 // ... with one wave.
 EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
   epg_span_copy(dst, src, n16, lane, EPG_WAVE);
@@ -395,6 +408,11 @@ EPG_KERNEL void epg_dispatch__fp32__intranode(EpArgs a) {
       nx_claim = epg_atomic_add_sys((int*)(epg_peer(a, nx % a.world) + a.off_counter) + parity, 1);
     const epg_i64 t = it / a.world;
     if (jf >= 0) {  // uniform over the row's threads: they all read the same ids
+      // the row's first vectors are loaded before the claim's value is waited for (its round trip
+      // to the peer then overlaps the loads from memory)
+      const char* src_x = (const char*)a.x + t * a.row_bytes;
+      epg_vec16 head[EPG_HEAD];
+      epg_copy_head_load(head, src_x, n16, me, span);
       int slot = -1;
       if (a.replay) {  // routing replay: the handle's layout, no claims
         slot = slots[t * a.k + jf];
@@ -413,7 +431,9 @@ EPG_KERNEL void epg_dispatch__fp32__intranode(EpArgs a) {
       if (slot >= 0) {
         const epg_i64 s = slot / (int)a.world;
         char* peer = epg_peer(a, slot % (int)a.world);
-        epg_span_copy(peer + a.off_recv_x + s * a.row_bytes, (const char*)a.x + t * a.row_bytes, n16, me, span);
+        char* dst_x = peer + a.off_recv_x + s * a.row_bytes;
+        epg_copy_head_store(dst_x, head, n16, me, span);
+        epg_span_copy(dst_x, src_x, n16, me + EPG_HEAD * span, span);
         char* dst_scales = peer + a.off_recv_scales + s * a.scale_row_bytes;
         const char* src_scales = (const char*)a.scales + t * a.scale_row_bytes;
         if (scales16) {  // 16-byte stores: one NVLink write per 16 bytes, not per byte

@@ -136,6 +136,19 @@ EPG_DEVICE void epg_span_copy(char* __restrict__ dst, const char* __restrict__ s
   }
   for (; c < n16; c += span) epg_st16(dst + 16 * (epg_i64)c, epg_ld16(src + 16 * (epg_i64)c));
 }
+// The first EPG_HEAD vectors of a span copy (`me`'s share), loaded ahead and stored later; the rest
+// of the copy then starts at me + EPG_HEAD * span.
+constexpr int EPG_HEAD = 4;
+EPG_DEVICE void epg_copy_head_load(epg_vec16 head[EPG_HEAD], const char* __restrict__ src, int n16, int me, int span) {
+#pragma unroll
+  for (int u = 0; u < EPG_HEAD; ++u)
+    if (me + u * span < n16) head[u] = epg_ld16(src + 16 * (epg_i64)(me + u * span));
+}
+EPG_DEVICE void epg_copy_head_store(char* __restrict__ dst, const epg_vec16 head[EPG_HEAD], int n16, int me, int span) {
+#pragma unroll
+  for (int u = 0; u < EPG_HEAD; ++u)
+    if (me + u * span < n16) epg_st16(dst + 16 * (epg_i64)(me + u * span), head[u]);
+}
 // ... with one wave.
 EPG_DEVICE void epg_wave_copy(char* __restrict__ dst, const char* __restrict__ src, int n16, int lane) {
   epg_span_copy(dst, src, n16, lane, EPG_WAVE);
