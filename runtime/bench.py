@@ -71,6 +71,8 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     dtype, combine_dtype, quant ("none" | "payload_block128_fp32_scales"), scale_dim, tokens_per_rank,
     hidden, topk, experts, routing, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
     sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
+    launch_override ({"launch_blocks": B, "launch_threads": N} as given by --launch-blocks / --launch-threads,
+    null: the tuning table's geometry; the README sweep leaves such points out),
     expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,
@@ -625,6 +627,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
               profile: bool = False, routing: str = "uniform") -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    geometry_override = geometry
     cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
@@ -744,6 +747,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "dispatch_blocks": geometry["dispatch"][0], "combine_blocks": geometry["combine"][0],
         "dispatch_threads": geometry["dispatch"][1], "combine_threads": geometry["combine"][1],
         "sms": info["sms"],
+        "launch_override": {key: v for key, v in (geometry_override or {}).items() if v} or None,
         # accounting (this rank's view; rows_matrix has every rank's rows)
         "rows_matrix": matrix,
         **{key: acc[key] for key in ("sent_rows", "local_rows", "remote_rows", "recv_rows", "recv_remote_rows",
@@ -840,11 +844,11 @@ TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 1
 
 def sweep_points(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
     """(commit, its sweep points sorted by dtype, hidden descending, tokens): the intranode points of the
-    default routing and launch geometry (experiments carry a note) of `commit` (default: the commit with
+    default routing and the tuning table's launch geometry (no launch_override; experiments carry a note) of `commit` (default: the commit with
     the most such points, the newest among equals); a point measured twice gives its later record.
     scripts/sweep_table.py and scripts/plot_bench.py show these."""
     pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
-           and r.get("routing", "uniform") == "uniform" and not r.get("note")]
+           and r.get("routing", "uniform") == "uniform" and not r.get("note") and not r.get("launch_override")]
     if commit is None:
         counts: dict[str, int] = {}
         for r in pts:
