@@ -845,17 +845,17 @@ TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 1
 def sweep_points(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
     """(commit, its sweep points sorted by dtype, hidden descending, tokens): the intranode points of the
     default routing and the tuning table's launch geometry (no launch_override; experiments carry a note) of `commit` (default: the commit with
-    the most such points, the newest among equals); a point measured twice gives its later record.
+    the most distinct such points, the newest among equals); a point measured twice gives its later record.
     scripts/sweep_table.py and scripts/plot_bench.py show these."""
     pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
            and r.get("routing", "uniform") == "uniform" and not r.get("note") and not r.get("launch_override")]
     if commit is None:
-        counts: dict[str, int] = {}
+        points: dict[str, set] = {}  # distinct (dtype, hidden, tokens) per commit, in order of first record
         for r in pts:
-            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-        if not counts:
+            points.setdefault(r["commit"], set()).add((r["dtype"], r["hidden"], r["tokens_per_rank"]))
+        if not points:
             raise ValueError("no intranode benchmark points")
-        commit = max(reversed(list(counts)), key=lambda c: counts[c])
+        commit = max(reversed(list(points)), key=lambda c: len(points[c]))
     pts = [r for r in pts if r["commit"] == commit]
     if not pts:
         raise ValueError(f"no intranode benchmark points for commit {commit}")

@@ -2,9 +2,10 @@
 
 python scripts/sweep_table.py [results/bench.jsonl] [--commit C]
 
-Takes the intranode points of the default routing and launch geometry (records without an experiment
-note) of one commit (default: the commit with the most such points, the newest among equals), one row
-per (dtype, hidden, tokens per rank), graph-replay times and the eager, host and torch-backend columns.
+Takes the intranode points of the default routing and the tuning table's launch geometry (records
+without an experiment note or a launch_override) of one commit (default: the commit with the most
+distinct such points, the newest among equals), one row per (dtype, hidden, tokens per rank),
+graph-replay times and the eager, host and torch-backend columns.
 """
 
 from __future__ import annotations

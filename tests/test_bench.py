@@ -442,7 +442,7 @@ def test_input_set_routings(routing, local):
 
 
 def test_sweep_table_picks_one_commits_default_points():
-    """scripts/sweep_table.py: the commit with the most default intranode points; experiments (a note),
+    """scripts/sweep_table.py: the commit with the most distinct default intranode points; experiments (a note),
     internode, remote-routing and launch-override points left out; a point measured twice shows its later record."""
     spec = importlib.util.spec_from_file_location("sweep_table", ROOT / "scripts" / "sweep_table.py")
     st = importlib.util.module_from_spec(spec)
@@ -456,7 +456,7 @@ def test_sweep_table_picks_one_commits_default_points():
                rec("b", 4096, 1.0, note="experiment"), rec("b", 8, 1.0, topology="internode"),
                rec("b", 32, 1.0, routing="remote"), dict(rec("b", 8, 2.0), hidden=4096),
                rec("b", 1, 3.0, launch_override={"launch_blocks": 132, "launch_threads": 64}),
-               rec("b", 8, 4.0, launch_override=None)]
+               rec("b", 8, 4.0, launch_override=None)] + [rec("c", 1, 1.0)] * 6  # c: many records, one point
     commit, rows = st.sweep_rows(records)
     assert commit == "b"
     assert [(r["hidden"], r["tokens_per_rank"], r["dispatch_us"]) for r in rows] == [(7168, 1, 5.0), (7168, 8, 4.0),
@@ -465,5 +465,5 @@ def test_sweep_table_picks_one_commits_default_points():
     assert len(lines) == 2 + 4 and lines[2].startswith("| bfloat16 | 7168 | 1 | 5.0 | 5.0 | – |")
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert st.sweep_rows(records, "a")[1][1]["dispatch_us"] == 10.0
-    with pytest.raises(ValueError, match="no intranode benchmark points for commit c"):
-        st.sweep_rows(records, "c")
+    with pytest.raises(ValueError, match="no intranode benchmark points for commit d"):
+        st.sweep_rows(records, "d")
