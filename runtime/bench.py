@@ -627,7 +627,6 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
               profile: bool = False, routing: str = "uniform") -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    geometry_override = geometry
     cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
@@ -700,7 +699,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         prof = _profile([disp, expert, comb]) if profile and _on_gpu() else None
         route = op.last_internode_kernel
         geo = getattr(op._backend, "_geometry", None)
-        geometry = {role: geo(role, T, T * world if role == "dispatch" else T) if geo else (None, None)
+        launched = {role: geo(role, T, T * world if role == "dispatch" else T) if geo else (None, None)
                     for role in ("dispatch", "combine")}
     tb = "not run"
     if torch_baseline and backend != "torch":
@@ -744,10 +743,11 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "eager_combine_us": _us(eager["c"]), "eager_combine_p99_us": _us(eager["c"], 1),
         "eager_dispatch_host_us": _us(eager["hd"]), "eager_combine_host_us": _us(eager["hc"]),
         # launch geometry (SMs used)
-        "dispatch_blocks": geometry["dispatch"][0], "combine_blocks": geometry["combine"][0],
-        "dispatch_threads": geometry["dispatch"][1], "combine_threads": geometry["combine"][1],
+        "dispatch_blocks": launched["dispatch"][0], "combine_blocks": launched["combine"][0],
+        "dispatch_threads": launched["dispatch"][1], "combine_threads": launched["combine"][1],
         "sms": info["sms"],
-        "launch_override": {key: v for key, v in (geometry_override or {}).items() if v} or None,
+        "launch_override": {key: getattr(cfg, key) for key in ("launch_blocks", "launch_threads")
+                            if getattr(cfg, key)} or None,
         # accounting (this rank's view; rows_matrix has every rank's rows)
         "rows_matrix": matrix,
         **{key: acc[key] for key in ("sent_rows", "local_rows", "remote_rows", "recv_rows", "recv_remote_rows",
@@ -829,12 +829,13 @@ def op_arch() -> str:
 
 
 # --- report --------------------------------------------------------------------------------------
-def _cell(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
+def cell(v, fmt: str, missing: str = "-") -> str:
+    """One table cell: `v` formatted, or `missing` for an absent value."""
+    return missing if v is None else format(v, fmt)
 
 
 def _pair(r: dict, a: str, b: str, fmt: str) -> str:
-    return f"{_cell(r.get(a), fmt)}/{_cell(r.get(b), fmt)}"
+    return f"{cell(r.get(a), fmt)}/{cell(r.get(b), fmt)}"
 
 
 TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 15), ("round us", 8), ("eager us d/c", 15),
@@ -842,11 +843,18 @@ TABLE_COLUMNS = [("dtype", 13), ("tokens", 6), ("hidden", 6), ("graph us d/c", 1
                  ("blocks d/c", 10)]
 
 
+def read_records(path) -> list[dict]:
+    """The benchmark records of a JSON-lines file (blank lines skipped)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def sweep_points(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
     """(commit, its sweep points sorted by dtype, hidden descending, tokens): the intranode points of the
-    default routing and the tuning table's launch geometry (no launch_override; experiments carry a note) of `commit` (default: the commit with
-    the most distinct such points, the newest among equals); a point measured twice gives its later record.
-    scripts/sweep_table.py and scripts/plot_bench.py show these."""
+    default routing and the tuning table's launch geometry (no launch_override; experiments carry a
+    note) of `commit` (default: the commit with the most distinct such points, the newest among
+    equals); a point measured twice gives its later record. scripts/sweep_table.py and
+    scripts/plot_bench.py show these."""
     pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
            and r.get("routing", "uniform") == "uniform" and not r.get("note") and not r.get("launch_override")]
     if commit is None:
@@ -873,7 +881,7 @@ def format_table(rows: list[dict]) -> list[str]:
         tag = r["dtype"] if r.get("topology", "intranode") == "intranode" else \
             f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
         cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
-                 _pair(r, "dispatch_us", "combine_us", ".1f"), _cell(r.get("round_us"), ".1f"),
+                 _pair(r, "dispatch_us", "combine_us", ".1f"), cell(r.get("round_us"), ".1f"),
                  _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
                  _pair(r, "eager_dispatch_host_us", "eager_combine_host_us", ".0f"),
                  _pair(r, "nccl_a2a_us", "nccl_a2a_combine_us", ".1f"),

@@ -6,7 +6,6 @@ experiment note, of the commit with the most distinct points): one row of panels
 one colour per dtype, and the performance issue's targets on the hidden-7168 panels.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,11 +15,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from runtime.bench import sweep_points  # noqa: E402
+from runtime.bench import read_records, sweep_points  # noqa: E402
 
 
 def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
-    records = [json.loads(line) for line in Path(src).read_text().splitlines() if line.strip()]
+    records = read_records(src)
     try:
         newest, rows = sweep_points(records)
     except ValueError:

@@ -11,19 +11,18 @@ graph-replay times and the eager, host and torch-backend columns.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from runtime.bench import sweep_points as sweep_rows  # noqa: E402
+from runtime.bench import cell, read_records, sweep_points as sweep_rows  # noqa: E402
 
 HEADER = ("| dtype | hidden | tokens/rank | dispatch µs | combine µs | staged µs | round µs | NCCL a2a µs (d / c) "
           "| vs NCCL (d / c) | link GB/s (d / c) | eager µs (d / c) | host µs (d / c) | torch backend µs (d / c) |")
 
 
 def _f(v, fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
+    return cell(v, fmt, missing="–")
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", nargs="?", default="results/bench.jsonl")
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)
-    records = [json.loads(line) for line in Path(args.src).read_text().splitlines() if line.strip()]
+    records = read_records(args.src)
     try:
         commit, rows = sweep_rows(records, args.commit)
     except ValueError as e:
