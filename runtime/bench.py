@@ -103,7 +103,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import EpDispatchCombineConfig, EpDispatchCombineOp
+from . import EpDispatchCombineConfig, EpDispatchCombineOp, workspace
 from .config import EMULATE_NODES_ENV
 from .native import id_check_mode
 
@@ -712,6 +712,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
     info = _device_info(dev)
     rec = {
         "commit": _commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "backend": cfg.resolved_backend,
+        "workspace": workspace.allocator_name(),
         "target": info["target"], "gpu": info["gpu"], "driver": info["driver"],
         "cuda_driver_api": info["cuda_driver_api"], "torch": torch.__version__, "world_size": world,
         "dtype": name, "combine_dtype": dtype_name(cfg.combine_dtype),

@@ -222,8 +222,8 @@ class NativeInternodeBackend:
         return "v2_ll" if max(counts) <= cfg.internode_auto_ll_max_tokens else "v2"
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_cells: list[int], in_cells: list[int], size: int):
-        dist.all_to_all_single(out[: sum(out_cells) * size], inp[: sum(in_cells) * size],
-                               [c * size for c in out_cells], [c * size for c in in_cells], group=self.group)
+        workspace.all_to_all_single(out[: sum(out_cells) * size], inp[: sum(in_cells) * size],
+                                    [c * size for c in out_cells], [c * size for c in in_cells], self.group)
 
     def _launch(self, route: str, role: str, items: int, *args, threads: int = 0) -> None:
         """Run kernel `role` of `route` over `items` work items (waves, or threads when `threads` is

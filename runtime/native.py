@@ -1,7 +1,7 @@
 """The native backend: generated dispatch / combine kernels over peer-mapped memory.
 
-Each rank owns one symmetric workspace (torch.distributed._symmetric_memory); the kernels address a
-peer's copy through the peer base pointers. Everything is allocated and every kernel loaded at
+Each rank owns one peer-mapped workspace (runtime/ipc.py, or torch's _symmetric_memory: see
+runtime/workspace.py); the kernels address a peer's copy through the peer base pointers. Everything is allocated and every kernel loaded at
 construction; dispatch/combine only pack arguments and launch on torch's current stream (no host
 sync, no allocation beyond the outputs; under a receive cap dispatch first numbers the slots: route_count,
 one all-gather of the counts on the op's group, route_slots), so they can be graph-captured.
@@ -135,7 +135,8 @@ def native_group(cfg: EpDispatchCombineConfig, group):
     if not torch.cuda.is_available():
         raise EpgenError("kernel backend 'native' needs a GPU; use kernel_backend='torch' on CPU")
     if not dist.is_initialized():
-        raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL)")
+        raise EpgenError("kernel backend 'native' needs torch.distributed initialised (NCCL/RCCL; gloo where "
+                         "several ranks share a GPU)")
     group = group or dist.group.WORLD
     if dist.get_world_size(group) != cfg.world_size or dist.get_rank(group) != cfg.rank:
         raise EpgenError(f"config says rank {cfg.rank} of {cfg.world_size}, the process group says rank "

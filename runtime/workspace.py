@@ -13,15 +13,26 @@ ranks all-gather the number they would take and reuse only when all of them hold
 Otherwise every rank allocates afresh.
 
 ``release_workspaces()`` frees the pooled buffers (torch keeps its ~1 KiB per rendezvous).
+
+Two allocators (environment ``EPGEN_WORKSPACE``): ``ipc`` (the default: the runtime's own vendor-IPC
+workspace, runtime/ipc.py; works when ranks share a GPU) and ``symmetric`` (torch's private
+``_symmetric_memory``; refuses ranks that share a device, leaks per rendezvous).
+
+Host collectives: on a group whose backend has no device collectives (gloo, as when several ranks
+share a GPU and NCCL cannot run), ``all_gather_single`` stages device tensors through host memory;
+that needs a host synchronisation, so it cannot run inside graph capture (a clear error says so).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import attrs
 import torch
 import torch.distributed as dist
+
+from .errors import EpgenError
 
 _lock = threading.Lock()
 _pool: dict[tuple, list["Workspace"]] = {}
@@ -37,9 +48,39 @@ class Workspace:
     world: object = None  # the default process group it was made under (a re-initialised one never reuses it)
 
 
+ALLOCATOR_ENV = "EPGEN_WORKSPACE"
+
+
+def device_collectives(group) -> bool:
+    """Whether `group`'s backend runs collectives on device tensors (NCCL/RCCL; gloo does not)."""
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def _host_staged(collective, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """collective(out, inp) on `group`; device tensors on a host-only group (gloo) go through host memory
+    (which needs a host synchronisation: refused inside graph capture)."""
+    if not inp.is_cuda or device_collectives(group):
+        collective(out, inp)
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise EpgenError("a collective on a gloo process group (ranks sharing a GPU) cannot be captured in a "
+                         "CUDA graph: it synchronises with the host (receive-capped dispatch and internode "
+                         "routes exchange counts this way); run it eagerly, or give each rank its own GPU and NCCL")
+    host = torch.empty(out.shape, dtype=out.dtype)
+    collective(host, inp.cpu())
+    out.copy_(host)
+
+
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """dist.all_gather_single (torch >= 2.13), or all_gather_into_tensor, its older name."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _host_staged(lambda o, i: gather(o, i, group=group), out, inp, group)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                      group) -> None:
+    """dist.all_to_all_single, through host memory on a host-only group."""
+    _host_staged(lambda o, i: dist.all_to_all_single(o, i, out_splits, in_splits, group=group), out, inp, group)
 
 
 def current_world():
@@ -51,6 +92,27 @@ def _key(device: torch.device, group, nbytes: int) -> tuple:
     return (device.index, group.group_name, nbytes)
 
 
+def _ipc(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, object]:
+    from . import ipc
+
+    return ipc.allocate(nbytes, device, group)
+
+
+ALLOCATORS = {"ipc": _ipc}
+
+
+def allocator_name() -> str:
+    """The workspace allocator EPGEN_WORKSPACE names (unset: ipc), validated."""
+    name = os.environ.get(ALLOCATOR_ENV, "").strip().lower() or "ipc"
+    if name not in ("ipc", "symmetric"):
+        raise EpgenError(f"environment {ALLOCATOR_ENV}={name!r}: must be ipc or symmetric (unset: ipc)")
+    return name
+
+
+def default_allocator():
+    return ALLOCATORS[allocator_name()]
+
+
 def _symmetric(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, object]:
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -59,11 +121,16 @@ def _symmetric(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, 
     return buf, symm_mem.rendezvous(buf, group.group_name)
 
 
-def acquire(nbytes: int, device: torch.device, group, allocate=_symmetric) -> Workspace:
+ALLOCATORS["symmetric"] = _symmetric
+
+
+def acquire(nbytes: int, device: torch.device, group, allocate=None) -> Workspace:
     """A zeroed symmetric workspace of `nbytes` on `device`, rendezvoused over `group` (collective).
 
-    allocate(nbytes, device, group) -> (buffer, handle) makes a fresh one (tests pass their own)."""
-    key = _key(device, group, nbytes)
+    allocate(nbytes, device, group) -> (buffer, handle) makes a fresh one (None: EPGEN_WORKSPACE's;
+    tests pass their own)."""
+    allocate = allocate or default_allocator()
+    key = (*_key(device, group, nbytes), allocate)
     with _lock:
         free = _pool.get(key, [])
         free[:] = [ws for ws in free if ws.world is current_world()]  # made under an earlier init: dropped
@@ -97,6 +164,13 @@ def pooled_bytes() -> int:
 def release_workspaces() -> int:
     """Free every pooled workspace of this process; returns the bytes released."""
     with _lock:
-        freed = sum(ws.buf.numel() for free in _pool.values() for ws in free)
+        pooled = [ws for free in _pool.values() for ws in free]
         _pool.clear()
-    return freed
+    if pooled and any(ws.buf.is_cuda for ws in pooled):
+        torch.cuda.synchronize()
+    for ws in pooled:
+        close = getattr(ws.handle, "close", None)  # IPC workspaces unmap peers and free their memory
+        ws.buf = None
+        if close is not None:
+            close()
+    return sum(ws.key[2] for ws in pooled)

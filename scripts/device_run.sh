@@ -3,7 +3,9 @@
 #   (via the device tool)  bash scripts/device_run.sh
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
 # specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments),
-# NPROC (ranks, default: every GPU), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
+# NPROC (ranks, default: every GPU x RANKS_PER_GPU), RANKS_PER_GPU (default 1; above 1 the ranks share GPUs: gloo
+# group, IPC workspace, correctness only: every bench is skipped), ONE_GPU=1 (only GPU 0 visible), WS_AB=1 (bench
+# 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
 # the README table).
@@ -11,8 +13,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/epgen-out}; mkdir -p "$OUT"
+[ -n "${ONE_GPU:-}" ] && export CUDA_VISIBLE_DEVICES=0
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-NPROC=${NPROC:-$ngpu}  # ranks of the multi-GPU runs: every GPU of the machine (the peer-death script uses 2)
+RANKS_PER_GPU=${RANKS_PER_GPU:-1}
+NPROC=${NPROC:-$((ngpu * RANKS_PER_GPU))}  # ranks of the multi-rank runs (more than GPUs: ranks share GPUs)
+OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngpu GPU(s): oversubscribed, correctness only (no benches)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
@@ -20,11 +25,17 @@ tail -3 "$OUT/build.log"
 if [ -z "${NO_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
-if [ "$ngpu" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
-  timeout 400 torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
-  timeout 60 torchrun --nproc-per-node 2 tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
+if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
+  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
-if [ "$ngpu" -ge 2 ]; then
+if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
+  if [ -n "${WS_AB:-}" ]; then  # the two workspace allocators, same run, same points
+    for ws in symmetric ipc; do
+      EPGEN_WORKSPACE=$ws timeout 120 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 128 4096 --dtypes bfloat16 \
+        --out "$OUT/bench_ws.jsonl" 2>&1 | grep -vE "^(W|\*)" | tail -4 | sed "s/^/[$ws] /"; status[ws_$ws]=${PIPESTATUS[0]}
+    done
+  fi
   if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
     timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
@@ -50,4 +61,4 @@ if [ "$ngpu" -ge 2 ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death tune internode_bench host_async host_sync host_internode sweep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode sweep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -1,4 +1,8 @@
-"""Helpers of the multi-GPU tests (run under torchrun, one process per GPU)."""
+"""Helpers of the multi-GPU tests (run under torchrun: one process per GPU, or several per GPU).
+
+With more ranks than GPUs (``torchrun --nproc-per-node N`` with N > GPUs) rank r runs on GPU r mod GPUs
+and the group is gloo (NCCL refuses two ranks on one GPU); the runtime then maps its workspaces with
+CUDA IPC and stages its host collectives through gloo. The GPU time-slices such ranks: correctness only."""
 
 import os
 
@@ -6,11 +10,21 @@ import torch
 import torch.distributed as dist
 
 
+def oversubscribed() -> bool:
+    """Whether this node runs more ranks than it has GPUs (several ranks share a GPU)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+
+
 def init_dist() -> None:
-    """Bind this process to its GPU and join the NCCL group (once per process)."""
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    """Bind this process to its GPU and join the group (once per process): NCCL with a GPU per rank,
+    gloo when ranks share GPUs."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        if oversubscribed():
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("nccl", device_id=device)
 
 
 def collective_assert(err) -> None:
