@@ -143,6 +143,7 @@ def test_soak():
     # an op of the soak's shape built and closed first: its workspace (and torch's one-time rendezvous
     # bookkeeping) is pooled, so before/after compare the soak alone (build/close: test_ep_moe.py)
     EpDispatchCombineOp(_cfg(*SOAK_SHAPE)).close()
+    gc.collect()
     torch.cuda.synchronize()
     mem0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     rows, nbad = _soak(iters)
@@ -151,4 +152,5 @@ def test_soak():
     mem1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     print(f"rank {dist.get_rank()}: soak {iters} iterations, {rows} rows checked, {nbad} rows wrong, "
           f"GPU memory allocated before {mem0} after {mem1}, device free before {free0} after {free1}")
-    collective_assert(None if nbad == 0 and mem1 == mem0 else f"{nbad} rows wrong, memory {mem0} -> {mem1}")
+    # no growth (it may shrink: tensors of earlier tests collected meanwhile)
+    collective_assert(None if nbad == 0 and mem1 <= mem0 else f"{nbad} rows wrong, memory {mem0} -> {mem1}")

@@ -113,7 +113,8 @@ def test_parity_with_torch_backend():
     with EpDispatchCombineOp(cfg) as op, EpDispatchCombineOp(ref_cfg) as ref:
         x, w, idx = _inputs(11, 1000, cfg)
         o1 = op.dispatch(x, w, None, idx, return_routing=True)
-        o2 = ref.dispatch(x, w, None, idx, return_routing=True)
+        dev = ref._backend.device  # the torch backend runs where its group does (CPU on gloo: ranks sharing GPUs)
+        o2 = ref.dispatch(x.to(dev), w.to(dev), None, idx.to(dev), return_routing=True)
         n1, n2 = int(o1[4].item()), int(o2[4].item())
         assert n1 == n2
         # same received set: sort the native rows by source id
