@@ -240,6 +240,8 @@ class NativeInternodeBackend:
     # --- dispatch / combine --------------------------------------------------------------------
     def dispatch(self, x, weights, scales, indices, routing):
         cfg = self.config
+        if self._capturing() and not workspace.device_collectives(self.group):
+            raise workspace.capture_unsupported()
         W, G, k, rank = cfg.world_size, self.gpn, cfg.num_experts_per_token, cfg.rank
         T = x.shape[0]
         counts = self._counts(T, indices if self.check_ids and routing is None else None)

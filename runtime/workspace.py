@@ -56,6 +56,13 @@ def device_collectives(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
+def capture_unsupported() -> EpgenError:
+    """The error of a host-staged collective inside graph capture."""
+    return EpgenError("a collective on a gloo process group (ranks sharing a GPU) cannot be captured in a CUDA "
+                      "graph: it synchronises with the host (receive-capped dispatch and the internode transport "
+                      "exchange data this way); run it eagerly, or give each rank its own GPU and NCCL")
+
+
 def _host_staged(collective, out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """collective(out, inp) on `group`; device tensors on a host-only group (gloo) go through host memory
     (which needs a host synchronisation: refused inside graph capture)."""
@@ -63,9 +70,7 @@ def _host_staged(collective, out: torch.Tensor, inp: torch.Tensor, group) -> Non
         collective(out, inp)
         return
     if torch.cuda.is_current_stream_capturing():
-        raise EpgenError("a collective on a gloo process group (ranks sharing a GPU) cannot be captured in a "
-                         "CUDA graph: it synchronises with the host (receive-capped dispatch and internode "
-                         "routes exchange counts this way); run it eagerly, or give each rank its own GPU and NCCL")
+        raise capture_unsupported()
     host = torch.empty(out.shape, dtype=out.dtype)
     collective(host, inp.cpu())
     out.copy_(host)
