@@ -106,3 +106,40 @@ def test_pool_never_reuses_across_inits(monkeypatch):
     b = workspace.acquire(32, torch.device("cpu"), FakeGroup(), fake)
     assert b is not a and len(made) == 2 and b.world is new
     workspace.release_workspaces()
+
+
+def test_workspace_allocator_from_environment(monkeypatch):
+    monkeypatch.delenv(workspace.ALLOCATOR_ENV, raising=False)
+    assert workspace.allocator_name() == "ipc"
+    monkeypatch.setenv(workspace.ALLOCATOR_ENV, " Symmetric ")
+    assert workspace.allocator_name() == "symmetric"
+    for bad in ("nvshmem", "ipc;x", "../x"):
+        monkeypatch.setenv(workspace.ALLOCATOR_ENV, bad)
+        with pytest.raises(workspace.EpgenError, match="must be ipc or symmetric"):
+            workspace.default_allocator()
+
+
+def test_shared_devices_names_ranks_on_one_gpu():
+    from runtime.ipc import shared_devices
+
+    assert shared_devices(["a", "b"]) == {}
+    assert shared_devices(["a", "b", "a", "c", "b", "a"]) == {"a": [0, 2, 5], "b": [1, 4]}
+
+
+def scn_host_collectives(rank, world):
+    """On a gloo group: all_gather_single and all_to_all_single give every rank the right pieces."""
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    assert not workspace.device_collectives(g)
+    every = torch.empty(2 * world, dtype=torch.int64)
+    workspace.all_gather_single(every, torch.tensor([rank, 10 * rank]), g)
+    assert every.tolist() == [v for r in range(world) for v in (r, 10 * r)]
+    send = torch.tensor([100 * rank + d for d in range(world) for _ in range(d + 1)])  # d + 1 values to rank d
+    out = torch.empty(world * (rank + 1), dtype=torch.int64)
+    workspace.all_to_all_single(out, send, [rank + 1] * world, [d + 1 for d in range(world)], g)
+    assert out.tolist() == [100 * s + rank for s in range(world) for _ in range(rank + 1)]
+
+
+def test_host_collectives_on_gloo():
+    get_world(2).run(scn_host_collectives)
