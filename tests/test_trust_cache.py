@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -397,6 +398,27 @@ def test_interrupt_kills_the_compilers_whole_process_group(tmp_path, monkeypatch
         toolchain.run([tools.compiler, "-o", str(tmp_path / "out")], tools)
     monkeypatch.setattr(subprocess.Popen, "communicate", real)
     assert _all_die(_started(tmp_path)), "a compiler or its helper outlived KeyboardInterrupt"
+
+
+def test_interrupted_build_kills_every_running_compiler(specs, tmp_path, monkeypatch):
+    """Ctrl-C during a parallel build (compilers in process groups of their own do not see the terminal's
+    SIGINT): the build kills every running compiler and raises at once, leaving no temporary file."""
+    tools = _fake_tools(tmp_path, 30)
+    monkeypatch.setattr(toolchain, "find", lambda tc: tools)
+    # raising KeyboardInterrupt in the main thread (the build waits there) once both compilers run
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=lambda: (_started(tmp_path, 2), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            B.build(specs, ["gfx950"], "all", only="quantize_fp8.bf16.*", jobs=2, cache_dir=tmp_path / "cache",
+                    out_root=tmp_path / "gen")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert time.monotonic() - t0 < 20, "the build waited for its compilers"
+    assert _all_die(_started(tmp_path, 2)), "a compiler outlived the interrupted build"
+    assert not [p.name for p in (tmp_path / "cache" / "gfx950").iterdir() if p.name.startswith(".")]
 
 
 # ---------------------------------------------------------------------------------------------
