@@ -184,7 +184,7 @@ def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: st
     cache_root = usable_dir(cache_dir)
     started = time.time()
     for arch in archs:  # a killed build's temporary files (their entries' locks are free)
-        sweep_stale(cache_root / arch, started)
+        sweep_stale(cache_root, arch, started)
 
     def work(res: Result) -> Result:
         v = res.variant

@@ -53,7 +53,10 @@ def private_dir(path: Path) -> str | None:
         pass
     except OSError as e:
         return e.strerror or str(e)
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return e.strerror or str(e)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return "not a real directory (a symlink or a file)"
     if st.st_uid != os.getuid():
@@ -134,13 +137,22 @@ def _lock_fd(path: Path) -> int:
 _TEMP = re.compile(r"\.(.+-[0-9a-f]{20})\..+")  # .<stem>.<anything>: a writer's temporary file
 
 
-def sweep_stale(d: Path, before: float) -> int:
-    """Remove the temporary files in cache dir `d` (a target's) last written before `before` whose entry's
-    lock no live process holds (a killed build's leftovers). Returns how many were removed."""
+def _outside(root: Path, d: Path) -> Path | None:
+    """Where `d` resolves to if that is not strictly inside the resolved `root`, else None."""
+    real = d.resolve()
+    return real if real == root.resolve() or not real.is_relative_to(root.resolve()) else None
+
+
+def sweep_stale(root: Path, target: str, before: float) -> int:
+    """Remove the temporary files in `root/target` last written before `before` whose entry's lock no
+    live process holds (a killed build's leftovers). Returns how many were removed."""
+    d = root / target
+    if not d.is_dir() or _outside(root, d):
+        return 0
     stale: dict[str, list[Path]] = {}
-    with contextlib.suppress(OSError):
-        for p in d.iterdir():
-            m = _TEMP.fullmatch(p.name)
+    for p in d.iterdir():
+        m = _TEMP.fullmatch(p.name)
+        with contextlib.suppress(FileNotFoundError):
             if m and p.lstat().st_mtime < before:
                 stale.setdefault(m.group(1), []).append(p)
     removed = 0
@@ -210,9 +222,10 @@ class Entry:
         """The entry's directory, created; UnsafePath if it resolves outside the cache root."""
         d = self.artifact.parent
         d.mkdir(parents=True, exist_ok=True)
-        real, root = d.resolve(), self.root.resolve()
-        if real == root or not real.is_relative_to(root):
-            raise UnsafePath(f"cache: refusing to write in {d}: it resolves to {real}, outside the cache root {root}")
+        real = _outside(self.root, d)
+        if real is not None:
+            raise UnsafePath(f"cache: refusing to write in {d}: it resolves to {real}, outside the cache root "
+                             f"{self.root.resolve()}")
         return d
 
     @contextlib.contextmanager

@@ -371,8 +371,13 @@ def test_sweep_stale_spares_live_and_new_files(tmp_path):
         import fcntl
 
         fcntl.flock(held, fcntl.LOCK_EX)  # a live writer of that entry
-        assert C.sweep_stale(d, before) == 2
+        assert C.sweep_stale(tmp_path, "gfx950", before) == 2
     assert not any(p.exists() for p in files[stale])
+    assert all(p.exists() for p in files[live] + files[new] + keep)
+    other = tmp_path / "other-root"
+    other.mkdir()
+    (other / "gfx950").symlink_to(d)  # never through a symlink out of the cache root
+    assert C.sweep_stale(other, "gfx950", before + 100) == 0
     assert all(p.exists() for p in files[live] + files[new] + keep)
 
 
