@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Callable, Iterable
 import attrs
 
 from . import __version__, render, toolchain
-from .cache import Entry, cache_key, usable_dir
+from .cache import Entry, UnsafePath, cache_key, sweep_stale, usable_dir
 from .model import Variant, enumerate_variants
 from .specs import Specs
 
@@ -95,6 +94,7 @@ class Result:
     message: str = ""
     seconds: float = 0.0
     artifact: Path | None = None
+    image: bytes | None = attrs.field(default=None, repr=False)  # compile_variant(image=True): the code object
 
     @property
     def ok(self) -> bool:
@@ -121,32 +121,36 @@ def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool, st
     return True, f"{len(v.expected_isa)} expected instruction(s) found" if v.expected_isa else "no ISA expectation"
 
 
-def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain.Tools) -> Result:
-    """Compile (or reuse) one variant's code object and verify it. Never raises for compile errors."""
+def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain.Tools, image: bool = False) -> Result:
+    """Compile (or reuse) one variant's code object and verify it. Never raises for compile errors.
+    image=True: also return the code object's bytes (Result.image), the very bytes whose hash matched
+    the entry's record under its lock (never read again from the file)."""
     t0 = time.perf_counter()
     res = Result(v)
     src_sha = render.sha256(source.read_bytes())
-    entry = Entry.of(cache_root, v, cache_key(v, tools, src_sha))
     isa_key = render.sha256(json.dumps([v.expected_isa, v.forbidden_isa]))
     try:
+        entry = Entry.of(cache_root, v, cache_key(v, tools, src_sha))
         with entry.lock():
-            rec = entry.load()
-            if rec is None:
-                fd, tmp = tempfile.mkstemp(prefix=f".{v.name}.", suffix=f".{v.toolchain.artifact}", dir=entry.artifact.parent)
-                os.close(fd)
-                tmp_path = Path(tmp)
+            found = entry.read()
+            if found is None:
+                tmp_path = entry.temp_file(f".{v.toolchain.artifact}")
                 try:
                     r = toolchain.run(toolchain.compile_command(v.target, tools, source, tmp_path), tools)
                     if r.returncode != 0 or tmp_path.stat().st_size == 0:
                         res.status, res.message = "failed", (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
                         return res
-                    rec = entry.publish_artifact(tmp_path, {"variant": v.key, "source_sha256": src_sha, "verified": {}})
+                    data = tmp_path.read_bytes()
+                    rec = entry.publish_artifact(tmp_path, data, {"variant": v.key, "source_sha256": src_sha,
+                                                                  "verified": {}})
                 finally:
                     tmp_path.unlink(missing_ok=True)
                 res.status = "compiled"
             else:
+                rec, data = found
                 res.status = "cached"
             res.artifact = entry.artifact
+            res.image = data if image else None
             done = rec.get("verified", {}).get(isa_key)
             if done is None:
                 ok, msg = verify(v, tools, entry.artifact)
@@ -157,6 +161,8 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
             res.verified, res.message = ok, msg
     except toolchain.ToolchainMissing as e:
         res.status, res.message = "missing-toolchain", str(e)
+    except UnsafePath as e:
+        res.status, res.message = "failed", str(e)
     except OSError as e:
         res.status, res.message = "failed", f"{type(e).__name__}: {e}"
     finally:
@@ -176,6 +182,9 @@ def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: st
     if not compile:
         return results
     cache_root = usable_dir(cache_dir)
+    started = time.time()
+    for arch in archs:  # a killed build's temporary files (their entries' locks are free)
+        sweep_stale(cache_root, arch, started)
 
     def work(res: Result) -> Result:
         v = res.variant
@@ -189,9 +198,14 @@ def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: st
     done = 0
     out: list[Result] = []
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
-        for res in pool.map(work, results):
-            done += 1
-            out.append(res)
-            if progress:
-                progress(done, len(results), res)
+        try:
+            for res in pool.map(work, results):
+                done += 1
+                out.append(res)
+                if progress:
+                    progress(done, len(results), res)
+        except BaseException:  # KeyboardInterrupt, an error in progress(): stop every compiler now
+            pool.shutdown(wait=False, cancel_futures=True)
+            toolchain.kill_running()
+            raise
     return out

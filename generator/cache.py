@@ -3,16 +3,24 @@
 Key = sha256(toolkit version, target, compiler + version, flags, source sha256). Each entry is
 `<target>/<variant name>-<key[:20]>.<artifact>` beside a `.json` record holding the artifact's
 sha256 (a truncated or tampered entry is detected and rebuilt) and the verification results.
-Writers take a per-entry file lock and publish with an atomic rename.
+Writers take a per-entry file lock and publish with an atomic rename; temporary files of an entry
+(`.<stem>.*`) are swept under its lock, so a killed build leaves nothing behind for long.
+
+The cache root is trusted only when it is ours: the fallback under the shared temporary folder is used
+only if it is a real directory (not a symlink) owned by this user that no one else can write. Every
+path the writer makes is a plain component under the root, checked again after resolving.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,20 +40,78 @@ def default_dir() -> Path:
     return Path(base) / "epgen"
 
 
-def usable_dir(path: Path | None = None) -> Path:
-    """The cache dir, or a temporary one (with a warning) when it cannot be written."""
-    path = path or default_dir()
+class UnsafePath(ValueError):
+    """A cache path that is not a plain component, or resolves outside the cache root."""
+
+
+def private_dir(path: Path) -> str | None:
+    """Create `path` (mode 0700) or accept an existing one; None when it is safe to use, else why not:
+    it must be a real directory (never a symlink) owned by this user, without group/other write."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return e.strerror or str(e)
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return "not a real directory (a symlink or a file)"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _writable(path: Path) -> OSError | None:
+    try:
         probe = path / f".probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
-        return path
     except OSError as e:
-        tmp = Path(tempfile.gettempdir()) / f"epgen-cache-{os.getuid()}"
-        warnings.warn(f"cache dir {path} is not writable ({e.strerror}); using {tmp}", stacklevel=2)
-        tmp.mkdir(parents=True, exist_ok=True)
-        return tmp
+        return e
+    return None
+
+
+_fresh: dict[Path, Path] = {}  # an unusable cache dir -> the private temporary dir made instead of it
+_warned: set[Path] = set()  # unusable cache dirs warned about (once per process)
+
+
+def usable_dir(path: Path | None = None) -> Path:
+    """The cache dir; when it cannot be written, `$TMPDIR/epgen-cache-<uid>` if it is ours (private_dir),
+    else a fresh private temporary dir. Warns once per process and unusable dir."""
+    path = path or default_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        err = _writable(path)
+    except OSError as e:
+        err = e
+    if err is None:
+        return path
+    tmp = Path(tempfile.gettempdir()) / f"epgen-cache-{os.getuid()}"
+    why = private_dir(tmp) or ("not writable" if _writable(tmp) else None)
+    note = f"cache dir {path} is not writable ({err.strerror})"
+    if why is not None:
+        if path not in _fresh:
+            _fresh[path] = Path(tempfile.mkdtemp(prefix="epgen-cache-"))
+        note += f" and the fallback {tmp} is unsafe ({why})"
+        tmp = _fresh[path]
+    if path not in _warned:
+        _warned.add(path)
+        warnings.warn(f"{note}; using {tmp}", stacklevel=2)
+    return tmp
+
+
+def plain_component(value: str, what: str) -> str:
+    """`value` if it can be one path component: no separator, not `.`/`..`, no leading dot or dash,
+    nothing non-printable (NUL, line breaks); else UnsafePath."""
+    if (not isinstance(value, str) or not value or "/" in value or "\\" in value or value in (".", "..")
+            or value[0] in ".-" or not value.isprintable()):
+        raise UnsafePath(f"cache: {what} {value!r} is not a plain file name")
+    return value
 
 
 def cache_key(v: Variant, tools: Tools, source_sha256: str) -> str:
@@ -63,44 +129,124 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _lock_fd(path: Path) -> int:
+    """An open descriptor of the lock file `path` (created if missing; never through a symlink)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+_TEMP = re.compile(r"\.(.+-[0-9a-f]{20})\..+")  # .<stem>.<anything>: a writer's temporary file
+
+
+def _outside(root: Path, d: Path) -> Path | None:
+    """Where `d` resolves to if that is not strictly inside the resolved `root`, else None."""
+    real = d.resolve()
+    return real if real == root.resolve() or not real.is_relative_to(root.resolve()) else None
+
+
+def sweep_stale(root: Path, target: str, before: float) -> int:
+    """Remove the temporary files in `root/target` last written before `before` whose entry's lock no
+    live process holds (a killed build's leftovers). Returns how many were removed."""
+    d = root / target
+    if not d.is_dir() or _outside(root, d):
+        return 0
+    stale: dict[str, list[Path]] = {}
+    for p in d.iterdir():
+        m = _TEMP.fullmatch(p.name)
+        with contextlib.suppress(FileNotFoundError):
+            if m and p.lstat().st_mtime < before:
+                stale.setdefault(m.group(1), []).append(p)
+    removed = 0
+    for stem, files in stale.items():
+        try:
+            fd = _lock_fd(d / f"{stem}.lock")
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a live writer of this entry
+            removed += _unlink(files)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)  # releases the lock
+    return removed
+
+
+def _unlink(paths) -> int:
+    n = 0
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            n += 1
+    return n
+
+
 @attrs.frozen
 class Entry:
+    """One cache entry: `<root>/<target>/<stem>.<artifact>` and `<stem>.json`, locked by `<stem>.lock`;
+    its writers' temporary files are `.<stem>.*` beside them."""
+
+    root: Path
     artifact: Path
     record: Path
 
     @classmethod
     def of(cls, root: Path, v: Variant, key: str) -> "Entry":
-        d = root / v.target.name
-        stem = f"{v.name}-{key[:20]}"
-        return cls(d / f"{stem}.{v.toolchain.artifact}", d / f"{stem}.json")
+        d = root / plain_component(v.target.name, "target name")
+        stem = plain_component(f"{v.name}-{key[:20]}", "variant name")
+        ext = plain_component(v.toolchain.artifact, "artifact extension")
+        return cls(root, d / f"{stem}.{ext}", d / f"{stem}.json")
 
-    def load(self) -> dict | None:
-        """The record if the entry is complete and its artifact matches its recorded hash."""
+    @property
+    def stem(self) -> str:
+        return self.record.stem
+
+    def temp_file(self, suffix: str) -> Path:
+        """A new empty temporary file of this entry (created exclusively: never an existing path)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.stem}.", suffix=suffix, dir=self.artifact.parent)
+        os.close(fd)
+        return Path(tmp)
+
+    def read(self) -> tuple[dict, bytes] | None:
+        """(record, artifact bytes) if the entry is complete and those bytes match the recorded hash. The
+        artifact is read once: the bytes hashed are the bytes returned."""
         try:
             rec = json.loads(self.record.read_text())
-            if rec.get("sha256") == file_sha256(self.artifact):
-                return rec
+            data = self.artifact.read_bytes()
         except (OSError, ValueError):
-            pass
+            return None
+        if isinstance(rec, dict) and rec.get("sha256") == hashlib.sha256(data).hexdigest():
+            return rec, data
         return None
+
+    def _checked_dir(self) -> Path:
+        """The entry's directory, created; UnsafePath if it resolves outside the cache root."""
+        d = self.artifact.parent
+        d.mkdir(parents=True, exist_ok=True)
+        real = _outside(self.root, d)
+        if real is not None:
+            raise UnsafePath(f"cache: refusing to write in {d}: it resolves to {real}, outside the cache root "
+                             f"{self.root.resolve()}")
+        return d
 
     @contextlib.contextmanager
     def lock(self):
-        self.artifact.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.artifact.with_suffix(".lock"), "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        """Hold the entry's lock; its stale temporary files are removed first (no live writer has any)."""
+        fd = _lock_fd(self._checked_dir() / f"{self.stem}.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _unlink(self.artifact.parent.glob(f".{glob.escape(self.stem)}.*"))
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
-    def publish_artifact(self, tmp_artifact: Path, record: dict) -> dict:
-        record = dict(record, sha256=file_sha256(tmp_artifact))
+    def publish_artifact(self, tmp_artifact: Path, data: bytes, record: dict) -> dict:
+        """Publish the temporary artifact holding `data` (already read) with a record of its hash."""
+        record = dict(record, sha256=hashlib.sha256(data).hexdigest())
         os.replace(tmp_artifact, self.artifact)
         self.write_record(record)
         return record
 
     def write_record(self, record: dict) -> None:
-        tmp = self.record.with_name(f".{self.record.name}.{os.getpid()}.tmp")
+        tmp = self.temp_file(".tmp")
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         os.replace(tmp, self.record)

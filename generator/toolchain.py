@@ -6,13 +6,17 @@ provides it (toolchain.install_hint in specs/targets.toml).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import attrs
@@ -111,9 +115,76 @@ def disassemble_command(target: Target, tools: Tools, artifact: Path) -> list[st
     return [tools.disassembler, "--dump-sass", str(artifact)]
 
 
+_running: set[subprocess.Popen] = set()  # the tools running now, each the leader of its own process group
+_running_lock = threading.Lock()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL p's process group, unless p was reaped already (its group id may then be reused)."""
+    if p.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def kill_running() -> None:
+    """Kill every tool this process runs now, with whatever they started (their process groups)."""
+    with _running_lock:
+        running = list(_running)
+    for p in running:
+        _kill_group(p)
+
+
+@functools.cache
+def _prctl():
+    """libc's prctl on Linux (resolved once, before any fork), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int] + [ctypes.c_ulong] * 4
+    return fn
+
+
+def _die_with_parent():
+    """A preexec_fn giving the tool SIGKILL when the thread that started it dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG); None elsewhere."""
+    prctl, parent = _prctl(), os.getpid()
+    if prctl is None:
+        return None
+
+    def preexec():
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 def run(cmd: list[str], tools: Tools, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a tool from an argument list in a process group of its own: on a timeout, an exception or
+    KeyboardInterrupt here (and on kill_running) the whole group is killed, and on Linux the tool dies
+    with this process. A timeout is a failed result (returncode -9), not an exception."""
     env = dict(os.environ, **dict(tools.env))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True, preexec_fn=_die_with_parent())
+    with _running_lock:
+        _running.add(p)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        out, err = p.communicate()
+        return subprocess.CompletedProcess(cmd, -signal.SIGKILL, out, f"{Path(cmd[0]).name} timed out after {timeout:g} s")
+    except BaseException:
+        _kill_group(p)
+        p.wait()
+        raise
+    finally:
+        with _running_lock:
+            _running.discard(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 _AMD_LINE = re.compile(r"^\s+([a-z][a-z0-9_]*)\b([^/]*)")

@@ -62,6 +62,20 @@ COMBINE_MODES = ("gather", "scatter")
 DISPATCH_QUANT_TYPES = ("none", "fp8_blockwise", "fp4_blockwise")
 SCALE_TYPE_SIZES = (1, 4)  # 1: e8m0 bytes (torch.uint8), 4: torch.float32
 
+# Declared ranges of the int fields, [least, most], checked first: counts of ranks, tokens, rows and
+# experts are int32 in routing handles and kernel indices (their products are checked too, and the
+# bytes of the largest row buffer); a grid has at most 2^31 - 1 blocks, a block at most 1024 threads.
+INT32_MAX = 2 ** 31 - 1
+_I32 = "int32: ranks, tokens, rows, experts and blocks are numbered in int32"
+INT_RANGES = {  # field: (least, most, why the most)
+    **{f: (1, INT32_MAX, _I32) for f in ("world_size", "max_num_inp_token_per_rank", "num_experts_per_rank",
+                                         "num_experts_per_token", "internode_auto_ll_max_tokens")},
+    "hidden_dim": (1, INT32_MAX, "elements per token row: the declared limit"),
+    **{f: (0, INT32_MAX, _I32) for f in ("scale_dim", "max_total_recv_tokens", "gpu_per_node", "expert_capacity",
+                                         "launch_blocks", "scale_type_size")},  # scale_type_size: 0, 1 or 4 (below)
+    "launch_threads": (0, 1024, "threads per block"),
+}
+
 # What this release builds (spec dtype names / modes).
 BUILT_DTYPES = ("bf16", "fp32")  # data_type (the model dtype) and combine dtypes
 PAYLOAD_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fnuz", "fp4_e2m1")  # pre-quantized dispatch payloads
@@ -271,14 +285,12 @@ class EpDispatchCombineConfig:
                 raise self._fail(f, "must be a torch.dtype or None")
 
     def _check_ranges(self) -> None:
-        for f in ("world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
-                  "num_experts_per_token", "internode_auto_ll_max_tokens"):
-            if getattr(self, f) <= 0:
-                raise self._fail(f, "must be positive")
-        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "gpu_per_node", "expert_capacity",
-                  "launch_blocks", "launch_threads"):
-            if getattr(self, f) < 0:
-                raise self._fail(f, "must be >= 0")
+        for f, (least, most, why) in INT_RANGES.items():
+            v = getattr(self, f)
+            if v < least:
+                raise self._fail(f, "must be positive" if least == 1 else f"must be >= {least}")
+            if v > most:
+                raise self._fail(f, f"must be at most {most} ({why})")
         if self.launch_rows not in ("", "wave", "block"):
             raise self._fail("launch_rows", f"must be 'wave', 'block' or '' (specs/tuning.toml), got {self.launch_rows!r}")
         if self.launch_threads % 32 or self.launch_threads > 1024:
@@ -301,6 +313,9 @@ class EpDispatchCombineConfig:
             raise self._fail("max_total_recv_tokens",
                              f"capacity smaller than one token per rank: must be >= world_size={self.world_size} "
                              f"(0 selects the worst case)")
+        if self.num_experts > INT32_MAX:
+            raise self._fail("num_experts_per_rank", f"num_experts = world_size x num_experts_per_rank = "
+                                                     f"{self.num_experts}: expert ids are int32 (must be < 2^31)")
         # routing handles number rows in int32: slot * world + rank, rank * T + token, (row, k) pairs
         for what, n in (("max_total_recv_tokens (resolved) x world_size", self.max_recv_tokens * self.world_size),
                         ("max_num_inp_token_per_rank x world_size", self.worst_case_recv_tokens),
@@ -310,6 +325,11 @@ class EpDispatchCombineConfig:
                          self.num_experts_per_rank * self.resolved_expert_capacity)):
             if n >= 2 ** 31:
                 raise self._fail("max_num_inp_token_per_rank", f"{what} = {n}: row numbers are int32 (must be < 2^31)")
+        rows = max(self.max_recv_tokens, self.max_num_inp_token_per_rank)
+        size = max(self.data_type.itemsize, self.combine_dtype.itemsize)
+        if rows * self.hidden_dim * size >= 2 ** 63:
+            raise self._fail("hidden_dim", f"a buffer of {rows} rows x hidden_dim x {size} bytes = "
+                                           f"{rows * self.hidden_dim * size} bytes: no tensor is that large (< 2^63)")
         if self.expert_capacity > self.max_recv_tokens:
             raise self._fail("expert_capacity", f"must be <= max_recv_tokens={self.max_recv_tokens} (rows per local "
                                                 f"expert in the standard-MoE layout; 0 selects max_recv_tokens)")

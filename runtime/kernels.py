@@ -69,10 +69,10 @@ def code_object(v) -> bytes:
                                f"toolchain exists: python -m generator build --arch {v.target.name} "
                                f"--only '{v.name}'") from None
     source = gbuild.generated_root(load_specs()) / v.target.name / v.file
-    res = gbuild.compile_variant(v, source, usable_dir(), tools)
+    res = gbuild.compile_variant(v, source, usable_dir(), tools, image=True)
     if not res.ok:
         raise EpgenError(f"{v.key}: {res.status}: {res.message}")
-    return res.artifact.read_bytes()
+    return res.image  # the bytes verified under the entry's lock (the file may change after it)
 
 
 def launch_args(kern, grid: int, block: int, *args) -> None:
@@ -153,17 +153,19 @@ class CudaKernel:
             raise EpgenError(f"{what} failed for {getattr(self, 'symbol', '?')}: {err}")
         return rest[0] if len(rest) == 1 else (rest or None)
 
-    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> None:
-        """Launch on torch's current stream; args are ctypes values (the driver copies them)."""
+    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
+        """Launch on torch's current stream; args are ctypes values (the driver copies them). Returns
+        the stream's handle."""
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         stream = current_raw_stream()
         if self._fast is not None:  # the driver's entry point through ctypes: a few us less per launch
             err = self._fast(grid, block, stream, params)
             if err:
                 raise EpgenError(f"cuLaunchKernel({self.symbol}) failed: CUresult {err}")
-            return
+            return stream
         self._check(self._cu.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
                                             ctypes.addressof(params), 0), f"cuLaunchKernel({self.symbol})")
+        return stream
 
     def close(self) -> None:
         if self.module is not None:
@@ -202,11 +204,12 @@ class HipKernel:
             raise EpgenError(f"{what} failed for {self.symbol}: {err}")
         return rest[0] if len(rest) == 1 else (rest or None)
 
-    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> None:
+    def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         stream = current_raw_stream()
         self._check(self._hip.hipModuleLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
                                                     ctypes.addressof(params), None), f"hipModuleLaunchKernel({self.symbol})")
+        return stream
 
     def close(self) -> None:
         if self.module is not None:

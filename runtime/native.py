@@ -280,6 +280,7 @@ class NativeBackend:
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
+        self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -349,6 +350,14 @@ class NativeBackend:
         rows = cfg.launch_rows or gspecs.geometry(load_specs(), self.arch, "dispatch", tokens, cfg.world_size).rows
         return rows == "block"
 
+    def wait(self) -> None:
+        """Wait for this op's queued kernels: the stream of its last dispatch/combine and torch's current
+        stream (graph replays run there), so that check() sees what they wrote. Nothing inside capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        for stream in {kernels.current_raw_stream(), self._stream} - {None}:
+            torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+
     def check(self, ids: str = "raise") -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting; report an expert id >= num_experts
         a dispatch kernel noted since the last report: ids="raise" (op.check()) raises InputError, "warn"
@@ -400,7 +409,7 @@ class NativeBackend:
         a.num_tokens = T
         blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
         a.block_rows = int(block_rows)
-        self._dispatch.launch(blocks, threads, a)
+        self._stream = self._dispatch.launch(blocks, threads, a)
         self._last = "dispatch"
         self.check(ids="skip")
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
@@ -514,7 +523,7 @@ class NativeBackend:
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
-        self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
+        self._stream = self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
         self._last = "combine"
         self.check(ids="skip")
         return out, out_w

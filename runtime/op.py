@@ -16,6 +16,7 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
   combine_in_view() -> tensor [max_recv_tokens, hidden_dim]
   reset() -> None;  close() -> None
   check() -> None (optional): raise runtime.errors.EpTimeoutError if a kernel gave up waiting
+  wait() -> None (optional): wait for the op's queued kernels (op.check(sync=True) calls it first)
   MoE integration (each optional; without one the op uses the plain-torch reference in runtime/moe.py
   on the last dispatch's outputs, except dropped_count, which the backend must provide):
   dropped_count() -> int32 scalar tensor; local_expert_count() -> int32 [num_experts_per_rank];
@@ -467,18 +468,25 @@ class EpDispatchCombineOp:
         report.setdefault("formula", NATIVE_WORKSPACE_FORMULA)
         return report
 
-    def check(self) -> None:
+    def check(self, sync: bool = True) -> None:
         """Raise EpTimeoutError if a device-side wait of this op expired, or InputError if a dispatch
         kernel saw an expert id >= num_experts since the last report (eager calls only warn
         InputWarning for it; see docs/GUARANTEES.md).
 
-        Eager calls check on their own; after CUDA graph replays call this. Reads host memory only
-        (no device sync). A backend without device-side waits (torch) has nothing to report.
+        sync=True (default): first wait for this op's queued work (the stream of its last call and the
+        current stream, where graph replays run), so every call issued before check() is reported;
+        sync=False reads the host-mapped error words as they are now (no wait: kernels still queued
+        are reported by a later check). Inside graph capture it never waits. A backend without
+        device-side waits (torch) has nothing to report.
         """
         self._check_open("check")
         check = getattr(self._backend, "check", None)
-        if check is not None:
-            check()
+        if check is None:
+            return
+        wait = getattr(self._backend, "wait", None)
+        if sync and wait is not None:
+            wait()
+        check()
 
     def reset(self) -> None:
         """Collective: clear the backend's signals, counters and error state (after a timeout, on every rank)."""

@@ -253,7 +253,7 @@ def test_names_must_be_c_identifiers(spec_copy, file, section, old, bad):
 # Tools run from argument lists
 # ---------------------------------------------------------------------------------------------
 class _SubprocessSpy(types.ModuleType):
-    """Stands in for the subprocess module inside generator.toolchain: records run() calls."""
+    """Stands in for the subprocess module inside generator.toolchain: records run() and Popen() calls."""
 
     def __init__(self):
         super().__init__("subprocess")
@@ -265,6 +265,10 @@ class _SubprocessSpy(types.ModuleType):
     def run(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         return subprocess.run(*args, **kwargs)
+
+    def Popen(self, *args, **kwargs):  # noqa: N802 - the subprocess name
+        self.calls.append((args, kwargs))
+        return subprocess.Popen(*args, **kwargs)
 
 
 def test_tools_run_from_argument_lists(specs, tmp_path, monkeypatch):
