@@ -12,12 +12,23 @@ from typing import Callable, Iterable
 import attrs
 
 from . import __version__, render, toolchain
-from .cache import Entry, UnsafePath, cache_key, sweep_stale, usable_dir
+from .cache import Entry, UnsafePath, cache_key, default_dir, sweep_stale, usable_dir
 from .model import Variant, enumerate_variants
-from .specs import Specs
+from .specs import Specs, is_packaged, templates_root
+
+GENERATED_ENV = "EPGEN_GENERATED_DIR"
+
 
 def generated_root(specs: Specs) -> Path:
-    """generated/ beside the specs/ folder in use (the project's own, or a copy's)."""
+    """Where rendered sources go (and where the runtime reads them): $EPGEN_GENERATED_DIR when set;
+    generated/ beside the specs/ folder in use (the project's own, or a copy's); for the specs
+    shipped inside an installed package (never written into site-packages): the cache directory,
+    ``$EPGEN_CACHE_DIR`` or ``~/.cache/epgen``, under ``generated/<version>-<specs digest>``."""
+    env = os.environ.get(GENERATED_ENV)
+    if env:
+        return Path(env)
+    if is_packaged(specs.root):
+        return default_dir() / "generated" / f"{__version__}-{specs.digest[:12]}"
     return specs.root.resolve().parent / "generated"
 
 
@@ -35,7 +46,7 @@ def manifest_entry(v: Variant, source_sha256: str) -> dict:
 
 def render_target(specs: Specs, arch: str) -> tuple[dict[str, str], dict]:
     """Render every variant of `arch` in memory: {file name: text} and the manifest dict."""
-    env = render.environment()
+    env = render.environment(templates_root(specs.root))
     variants, _ = enumerate_variants(specs, [arch], "all")
     files: dict[str, str] = {}
     entries = {}

@@ -43,8 +43,9 @@ def cmd_build(specs: S.Specs, args) -> int:
         state = STATUS[r.status] + ("" if r.verified is None else (", verified" if r.verified else ", VERIFY FAILED"))
         print(f"[{i:>{len(str(n))}}/{n}] {r.variant.key:<60} {state} ({r.seconds:.2f}s)", file=sys.stderr, flush=True)
 
+    out_root = Path(args.out) if args.out else B.generated_root(specs)
     results = B.build(specs, archs, args.profile, args.only, args.jobs, not args.no_compile,
-                      Path(args.cache_dir) if args.cache_dir else None, progress=progress)
+                      Path(args.cache_dir) if args.cache_dir else None, progress=progress, out_root=out_root)
     if not results:
         print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
         return 1
@@ -54,7 +55,7 @@ def cmd_build(specs: S.Specs, args) -> int:
     failed = [r for r in results if r.status != "rendered" and not r.ok]
     n_ok = len(results) - len(failed)
     print(f"\n{len(results)} variant(s) for {', '.join(archs)} (profile {args.profile}): {n_ok} ok, "
-          f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s")
+          f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s; sources in {out_root}")
     missing = sorted({r.message for r in failed if r.status == "missing-toolchain"})
     for m in missing:
         print(f"  toolchain: {m}")
@@ -132,7 +133,8 @@ def _explain_variant(v) -> int:
 
 
 def cmd_check(specs: S.Specs, args) -> int:
-    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch)]
+    out_root = Path(args.out) if args.out else None
+    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch, out_root)]
     n = sum(len(enumerate_variants(specs, [a], "all")[0]) for a in _archs(specs, args.arch))
     if problems:
         print("\n".join(problems[:50]))
@@ -144,7 +146,8 @@ def cmd_check(specs: S.Specs, args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m generator", description=__doc__)
-    p.add_argument("--specs", help="specs folder (default: the project's specs/)")
+    p.add_argument("--specs", help="specs folder (default: $EPGEN_SPECS_DIR, else the checkout's specs/, else the "
+                                   "copy installed with the package)")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="render, compile and ISA-verify variants")
     b.add_argument("--arch", required=True, help="target name or 'all'")
@@ -153,6 +156,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, default=None)
     b.add_argument("--no-compile", action="store_true", help="render and write the manifest only")
     b.add_argument("--cache-dir", help="code-object cache (default $EPGEN_CACHE_DIR or ~/.cache/epgen)")
+    b.add_argument("--out", help="where rendered sources go (default $EPGEN_GENERATED_DIR, else generated/ beside "
+                                 "the specs folder; installed package: <cache dir>/generated/<version>-<digest>)")
     ls = sub.add_parser("list", help="list the variants of a target / profile")
     ls.add_argument("--arch", default="all")
     ls.add_argument("--profile", default="all")
@@ -163,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
         e.add_argument(f"--{opt}")
     c = sub.add_parser("check", help="specs valid and generated/ fresh")
     c.add_argument("--arch", default="all")
+    c.add_argument("--out", help="the generated folder to check (default: as build)")
     return p
 
 

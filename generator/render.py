@@ -10,8 +10,10 @@ import jinja2
 
 from . import abi
 from .model import Variant
+from .specs import checkout_root, packaged_root
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+# the checkout's templates/, else the copy shipped in the installed package (generator/data/templates)
+TEMPLATES = (checkout_root() or packaged_root()) / "templates"
 
 
 class _Loader(jinja2.FileSystemLoader):

@@ -341,8 +341,46 @@ def _named_tables(src: _Source, data: dict, section: str, cls: type) -> dict[str
 # ---------------------------------------------------------------------------------------------
 # Loading all specs
 # ---------------------------------------------------------------------------------------------
+SPECS_ENV = "EPGEN_SPECS_DIR"
+
+
+def checkout_root() -> Path | None:
+    """The project checkout this package runs from (specs/ and templates/ beside generator/), or None
+    when it runs from an installed distribution."""
+    top = Path(__file__).resolve().parent.parent
+    if (top / "specs" / "targets.toml").is_file() and (top / "templates" / "variant.j2").is_file():
+        return top
+    return None
+
+
+def packaged_root() -> Path:
+    """generator/data/: the specs/ and templates/ shipped inside the distribution (pyproject.toml)."""
+    import importlib.resources
+
+    return Path(str(importlib.resources.files("generator"))) / "data"
+
+
 def default_root() -> Path:
-    return Path(__file__).resolve().parent.parent / "specs"
+    """The specs folder: $EPGEN_SPECS_DIR when set (as --specs), else the checkout's specs/ (a clone
+    or an editable install), else the copy shipped in the installed package."""
+    env = os.environ.get(SPECS_ENV)
+    if env:
+        return Path(env)
+    return (checkout_root() or packaged_root()) / "specs"
+
+
+def is_packaged(root: Path) -> bool:
+    """Are these the specs shipped inside the installed package (not a checkout's or a copy's)?"""
+    return root.resolve() == (packaged_root() / "specs").resolve()
+
+
+def templates_root(root: Path) -> Path:
+    """The templates of a specs folder: templates/ beside it when there is one, else the default
+    (the checkout's, else the packaged copy)."""
+    beside = root.resolve().parent / "templates"
+    if beside.is_dir():
+        return beside
+    return (checkout_root() or packaged_root()) / "templates"
 
 
 def load(root: Path | str | None = None) -> Specs:
@@ -399,7 +437,8 @@ def load(root: Path | str | None = None) -> Specs:
                 if c not in known_conv:
                     raise _fail(ksrc, ksrc.key_line(hdr, key),
                                 f"[{hdr}] {key}: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
-        if not (root.parent / "templates" / fam.template).resolve().is_relative_to((root.parent / "templates").resolve()):
+        troot = templates_root(root).resolve()
+        if not (troot / fam.template).resolve().is_relative_to(troot):
             raise _fail(ksrc, ksrc.key_line(hdr, "template"), f"[{hdr}] template {fam.template!r} leaves templates/")
 
     # Hardware FP4 conversions must name the instructions that prove them.

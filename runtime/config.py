@@ -52,6 +52,7 @@ import os
 import attrs
 import torch
 
+from . import seed_compat
 from .errors import ConfigError
 
 BACKEND_ENV = "EPGEN_KERNEL_BACKEND"
@@ -116,8 +117,11 @@ def _dtype_list(names) -> str:
 
 
 @attrs.frozen(kw_only=True)
-class EpDispatchCombineConfig:
-    """Static shape and mode of an EP dispatch/combine op (see the module docstring)."""
+class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
+    """Static shape and mode of an EP dispatch/combine op (see the module docstring).
+
+    The seed library's fields and properties are accepted too (runtime/seed_compat.py,
+    docs/SEED_COMPAT.md)."""
 
     rank: int
     world_size: int
@@ -135,16 +139,26 @@ class EpDispatchCombineConfig:
     dispatch_quant_type: str = "none"
     enable_std_moe: bool = False
     max_total_recv_tokens: int = 0  # 0: worst case, world_size * max_num_inp_token_per_rank
-    gpu_per_node: int = 0  # 0: world_size (one node)
+    gpu_per_node: int = attrs.field(default=0, converter=seed_compat.gpu_per_node)  # 0 (or None): world_size (one node)
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
-    kernel_backend: str | None = None  # None: see the module docstring
+    kernel_backend: str | None = attrs.field(default=None, converter=seed_compat.kernel_backend)  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
     strict_capacity: bool = False  # dispatch raises CapacityError when it dropped received rows
     launch_blocks: int = 0  # EP kernel grid override; 0: specs/tuning.toml
     launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
     launch_rows: str = ""  # dispatch row copy override: "wave" | "block"; "": specs/tuning.toml
+    # the seed library's fields (seed_compat.SEED_FIELDS): launch geometry aliases, or accepted and ignored
+    dispatch_block_num: int | None = None
+    combine_block_num: int | None = None
+    warp_num_per_block: int | None = None
+    combine_warp_num_per_block: int | None = None
+    schedule: tuple | None = attrs.field(default=None, converter=seed_compat.schedule)
+    num_qp_per_pe: int | None = None
+    dispatch_rdma_block_num: int | None = None
+    combine_rdma_block_num: int | None = None
+    max_token_type_size: int | None = None
     _resolved_backend: str = attrs.field(init=False, default="", eq=False, repr=False)
     _key: tuple = attrs.field(init=False, default=(), eq=False, repr=False)
 
@@ -157,6 +171,7 @@ class EpDispatchCombineConfig:
         self._check_quants()
         self._check_rules()
         self._check_built()
+        seed_compat.check_seed_fields(self)
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         object.__setattr__(self, "_resolved_backend", self._resolve_backend())
         object.__setattr__(self, "_key", tuple(getattr(self, name) for name in FIELDS) + (self._resolved_backend,))
@@ -246,6 +261,14 @@ class EpDispatchCombineConfig:
             return ("intranode",)
         return {"v2": ("internode_v2",), "v2_ll": ("internode_v2_ll",)}.get(
             self.internode_kernel, ("internode_v2", "internode_v2_ll"))
+
+    def launch_override(self, role: str, tokens: int, wave: int) -> tuple[int, int]:
+        """(blocks, threads) overrides of a call (0: specs/tuning.toml); see seed_compat.launch_override."""
+        return seed_compat.launch_override(self, role, tokens, wave)
+
+    def launch_thread_overrides(self, role: str, wave: int) -> set[int]:
+        """Every thread count the overrides can launch ``role`` with (empty: specs/tuning.toml decides)."""
+        return seed_compat.launch_thread_overrides(self, role, wave)
 
     @property
     def key(self) -> tuple:

@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from generator import build as gbuild
+from generator import specs as gspecs
 from generator import toolchain as gtoolchain
 from generator.abi import EP_ARGS
 from generator.cache import usable_dir
@@ -48,6 +49,8 @@ def select(arch: str, name: str):
     for v in variants:
         if v.name == name:
             manifest = gbuild.generated_root(specs) / arch / "manifest.json"
+            if not manifest.exists() and gspecs.is_packaged(specs.root):
+                gbuild.write_target(specs, arch)  # installed package: render into the cache dir on first use
             entries = json.loads(manifest.read_text())["variants"] if manifest.exists() else {}
             if name not in entries:
                 raise VariantMissError(f"no variant {key} in {manifest}: run python -m generator build --arch {arch}")

@@ -306,11 +306,11 @@ class NativeBackend:
             raise EpgenError(f"launch_threads: {cfg.launch_threads} threads per block is not a whole number of "
                              f"{self.wave}-lane waves on {self.arch}")
         for role, kern in (("dispatch", self._dispatch), ("combine", self._combine)):
-            counts = {cfg.launch_threads} if cfg.launch_threads else \
-                {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
+            pinned = cfg.launch_thread_overrides(role, self.wave)
+            counts = pinned or {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
             too_many = sorted(t for t in counts if t > kern.max_threads)
             if too_many:
-                where = "launch_threads" if cfg.launch_threads else f"specs/tuning.toml [tuning.{self.arch}.{role}]"
+                where = "the config's launch geometry" if pinned else f"specs/tuning.toml [tuning.{self.arch}.{role}]"
                 raise EpgenError(f"{where}: {too_many[-1]} threads per block, but {kern.symbol} launches with at "
                                  f"most {kern.max_threads} on this device (its registers per thread decide)")
 
@@ -323,8 +323,9 @@ class NativeBackend:
         """
         cfg = self.config
         b = gspecs.geometry(load_specs(), self.arch, role, tokens, cfg.world_size)
-        threads = cfg.launch_threads or b.threads
-        blocks = cfg.launch_blocks or b.blocks or self.num_sms
+        blocks, threads = cfg.launch_override(role, tokens, self.wave)
+        threads = threads or b.threads
+        blocks = blocks or b.blocks or self.num_sms
         kern = self._dispatch if role == "dispatch" else self._combine
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role == "combine":

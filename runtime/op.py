@@ -56,7 +56,7 @@ import torch
 
 from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import moe
+from . import moe, seed_compat
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
@@ -205,9 +205,15 @@ def _make_backend(config: EpDispatchCombineConfig, group):
 class EpDispatchCombineOp:
     """Expert-parallel dispatch/combine over one process group (see the module docstring)."""
 
-    def __init__(self, config: EpDispatchCombineConfig, group=None):
+    def __init__(self, config: EpDispatchCombineConfig, group=None, *, combine_weights: str = "values"):
+        """combine_weights: what combine's ``weights`` means. "values" (epgen): the rows passed are summed per
+        token like the expert output. "fold" (the seed library's; runtime.seed_compat's op): any non-None
+        ``weights`` asks for the sum of the last dispatch's forwarded weights; the values passed, and
+        ``indices``, are unused."""
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
+        seed_compat.check_op_args(group, combine_weights)
+        self._combine_weights = combine_weights
         check_config_agreement(config, group)  # collective; before anything is allocated
         check_host_layout(config, group)  # collective
         self.config = config
@@ -219,6 +225,32 @@ class EpDispatchCombineOp:
         self._backend = _make_backend(config, group)
 
     # --- properties ----------------------------------------------------------------------------
+    @property
+    def cfg(self) -> EpDispatchCombineConfig:
+        """The config (the seed library's name for it)."""
+        return self.config
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    @property
+    def combine_weights(self) -> str:
+        """"values" or "fold": what combine's weights argument means (see __init__)."""
+        return self._combine_weights
+
+    @classmethod
+    def available_backends(cls) -> list[str]:
+        """Kernel backends that can run on this machine ("native" needs a GPU and its vendor bindings)."""
+        return seed_compat.available_backends()
+
+    def scale_stride_bytes(self) -> int:
+        """Bytes between consecutive rows of dispatch's out_scales, 0 when dispatch returns no scales
+        (epgen's out_scales rows are contiguous: columns x bytes per scale)."""
+        self._check_open("scale_stride_bytes")
+        dtype = self.dispatch_out_scales_dtype
+        return 0 if dtype is None else self.dispatch_out_scale_cols * dtype.itemsize
+
     @property
     def device(self) -> torch.device:
         return self._backend.device
@@ -292,9 +324,12 @@ class EpDispatchCombineOp:
         return cfg.scale_dim
 
     # --- public API ----------------------------------------------------------------------------
-    def dispatch(self, x, weights, scales, indices, return_routing: bool = False, routing=None):
-        """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle])."""
+    def dispatch(self, x=None, weights=None, scales=None, indices=None, return_routing: bool = False, routing=None, *,
+                 input=None):
+        """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle]). ``input``: the seed's
+        name for x."""
         self._check_open("dispatch")
+        x = seed_compat.renamed("dispatch", "x", x, "input", input)
         cfg = self.config
         k, cols = cfg.num_experts_per_token, cfg.dispatch_payload_cols
         self._check_tensor("dispatch", "x", x, cfg.dispatch_dtype, ndim=2)
@@ -340,9 +375,15 @@ class EpDispatchCombineOp:
         handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, seq=self._seq, **fields)
         return (*outs, handle)
 
-    def combine(self, expert_out, weights=None, indices=None, routing=None):
-        """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None)."""
+    def combine(self, expert_out=None, weights=None, indices=None, routing=None, *, input=None):
+        """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None). ``input``: the seed's
+        name for expert_out; ``weights``: see combine_weights in __init__."""
         self._check_open("combine")
+        expert_out = seed_compat.renamed("combine", "expert_out", expert_out, "input", input)
+        if self._combine_weights == "fold":  # the seed's combine: indices taken for parity only, unused
+            indices = None
+            if weights is not None:
+                weights = seed_compat.forwarded_weights(self._need_dispatch("combine (weight fold)"))
         cfg = self.config
         if routing is None:
             raise InputError("combine: routing is required: pass the RoutingHandle from "

@@ -5,8 +5,15 @@ import types
 import pytest
 
 from generator import specs as S
-from runtime import tune
+from runtime import seed_compat, tune
 from runtime.native import NativeBackend
+
+
+def _config(**kw):
+    """A stand-in for the op's config: the launch fields given, no seed geometry."""
+    ns = types.SimpleNamespace(**{name: None for name in seed_compat.SEED_FIELDS}, **kw)
+    ns.launch_override = lambda role, tokens, wave: seed_compat.launch_override(ns, role, tokens, wave)
+    return ns
 
 
 def _write(spec_copy, text):
@@ -97,7 +104,7 @@ def test_tuner_rewrite_round_trip(spec_copy):
 def test_native_geometry_takes_table_and_override():
     occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
-                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="wave", world_size=2),
+                                 config=_config(launch_blocks=0, launch_threads=0, launch_rows="wave", world_size=2),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
                                  _combine=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"]))
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
@@ -115,7 +122,7 @@ def test_native_geometry_takes_table_and_override():
     assert geo(fake, "dispatch", 1, 8)[0] < 132
     blocks, threads = table("dispatch", 4096)
     assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
-    fake.config = types.SimpleNamespace(launch_blocks=500, launch_threads=256, launch_rows="wave", world_size=2)
+    fake.config = _config(launch_blocks=500, launch_threads=256, launch_rows="wave", world_size=2)
     assert geo(fake, "combine", 1, 1) == (132, 256)  # capped at what stays resident: one block per SM here
     assert geo(fake, "dispatch", 4096, 32768) == (132, 256)
     occupancy.update(dispatch=3, combine=2)  # smaller blocks: more of them resident
@@ -126,7 +133,7 @@ def test_native_geometry_takes_table_and_override():
 
 def test_native_block_rows_take_one_block_per_row():
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
-                                 config=types.SimpleNamespace(launch_blocks=264, launch_threads=256, launch_rows="block", world_size=2),
+                                 config=_config(launch_blocks=264, launch_threads=256, launch_rows="block", world_size=2),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 8))
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
@@ -179,7 +186,7 @@ def test_native_geometry_uses_the_ops_world_size(spec_copy, monkeypatch):
 
     monkeypatch.setattr(native, "load_specs", lambda: specs)
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
-                                 config=types.SimpleNamespace(launch_blocks=0, launch_threads=0, launch_rows="",
+                                 config=_config(launch_blocks=0, launch_threads=0, launch_rows="",
                                                               world_size=8),
                                  _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 4))
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)

@@ -1,0 +1,69 @@
+"""The installable distribution: where specs, templates and generated sources are found (checkout,
+override, installed package), and the dependencies the runtime declares. scripts/wheel_check.sh
+(CI) builds and installs the real wheel in a fresh venv."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from generator import build as gbuild
+from generator import specs as gspecs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_checkout_specs_are_the_default(monkeypatch):
+    monkeypatch.delenv(gspecs.SPECS_ENV, raising=False)
+    assert gspecs.checkout_root() == ROOT
+    assert gspecs.default_root() == ROOT / "specs"
+    assert gbuild.generated_root(gspecs.load()) == ROOT / "generated"
+
+
+def test_env_overrides_the_specs_folder(monkeypatch, spec_copy):
+    monkeypatch.setenv(gspecs.SPECS_ENV, str(spec_copy))
+    assert gspecs.default_root() == spec_copy
+    assert gbuild.generated_root(gspecs.load()) == spec_copy.parent / "generated"
+    assert gspecs.templates_root(spec_copy).resolve() == (ROOT / "templates").resolve()
+
+
+def test_installed_layout_finds_packaged_data_and_writes_to_the_cache(monkeypatch, tmp_path):
+    """Without a checkout beside the package, specs and templates come from generator/data/ and rendered
+    sources go under the cache dir (never into site-packages)."""
+    data = tmp_path / "site" / "generator" / "data"
+    data.mkdir(parents=True)
+    (data / "specs").symlink_to(ROOT / "specs")
+    (data / "templates").symlink_to(ROOT / "templates")
+    monkeypatch.delenv(gspecs.SPECS_ENV, raising=False)
+    monkeypatch.delenv(gbuild.GENERATED_ENV, raising=False)
+    monkeypatch.setenv("EPGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gspecs, "checkout_root", lambda: None)
+    monkeypatch.setattr(gspecs, "packaged_root", lambda: data)
+    assert gspecs.default_root() == data / "specs"
+    specs = gspecs.load()
+    assert gspecs.is_packaged(specs.root)
+    out = gbuild.generated_root(specs)
+    assert out.parent == tmp_path / "cache" / "generated" and out.name.endswith(specs.digest[:12])
+    written, _ = gbuild.write_target(specs, "gfx950")
+    assert written and (out / "gfx950" / "manifest.json").is_file()
+    monkeypatch.setenv(gbuild.GENERATED_ENV, str(tmp_path / "mine"))
+    assert gbuild.generated_root(specs) == tmp_path / "mine"
+
+
+def test_runtime_extras_declare_every_import():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names = {extra: {req.split(">")[0].split("=")[0].split("[")[0] for req in reqs} for extra, reqs in extras.items()}
+    for extra in ("runtime", "nvidia", "amd"):
+        assert {"torch", "numpy"} <= names[extra], extra  # numpy: torch's object collectives (config agreement)
+    assert "cuda-bindings" in names["nvidia"] and "hip-python" in names["amd"]
+    assert {"jinja2", "attrs"} <= {req.split(">")[0] for req in project["dependencies"]}
+
+
+def test_wheel_ships_specs_and_templates():
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"] == {"generator.data.specs": "specs", "generator.data.templates": "templates"}
+    subdirs = {p.name for p in (ROOT / "templates").iterdir() if p.is_dir()}
+    assert {f"generator.data.templates.{d}" for d in subdirs} <= set(tool["packages"])  # every template folder
+    assert all(p.suffix == ".j2" for p in (ROOT / "templates").rglob("*") if p.is_file())
+    assert all(p.suffix == ".toml" for p in (ROOT / "specs").iterdir())
