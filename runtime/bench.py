@@ -955,12 +955,14 @@ def layer_main(args) -> int:
             symm_mem.set_backend("NVSHMEM")
         except Exception as e:  # noqa: BLE001 - the vdev2d records say why
             print(f"NVSHMEM backend not set: {type(e).__name__}: {e}", file=sys.stderr)
-    records = bench_layer.run(args)
-    if dist.get_rank() == 0:
-        if args.out:
+    def emit(recs):
+        if dist.get_rank() == 0 and args.out:
             with open(args.out, "a") as f:
-                for r in records:
+                for r in recs:
                     f.write(json.dumps(r, sort_keys=True) + "\n")
+
+    records = bench_layer.run(args, emit)
+    if dist.get_rank() == 0:
         for table in (bench_layer.loop_table, bench_layer.layer_table, bench_layer.ceiling_table):
             lines = table(records)
             if len(lines) > 2:

@@ -393,9 +393,11 @@ class Vdev2dPath:
         self.splits.copy_(counts)
         torch.ops.symm_mem.all_to_all_vdev_2d(self.inp, self.out, self.splits, self.out_so, self.group,
                                              major_align=GROUP_ALIGN)
-        # expert-major segments (expert e from source r at out_so[1][e * W + r]); group e ends where e + 1 starts
+        # expert-major segments (expert e from source r at out_so[1][e * W + r]); group e ends where e + 1
+        # starts; the last one padded as the op pads (a multiple of GROUP_ALIGN, at least one: never empty)
         starts = self.out_so[1].view(p.epr, p.world)[:, 0]
         last = self.out_so[0].view(p.epr, p.world)[-1].sum()
+        last = ((last + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
         ends = torch.cat([starts[1:], (starts[-1] + last).view(1)]).to(torch.int32)
         self.comb.copy_(experts_ffn(unpack_rows(self.out, p.mode, p.H), ends, p.w13, p.w2))
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(self.comb, self.back, self.out_so, self.back_so, self.group)
@@ -449,6 +451,8 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
             if reason:
                 records.append(_failed(rec, reason))
                 continue
+        if name == "epgen":
+            rec["backend"] = path.op.config.resolved_backend  # EPGEN_KERNEL_BACKEND may override
         got, reason = collective_try(path)
         if reason:
             path.close()
@@ -682,21 +686,26 @@ def ceiling_table(records: list[dict]) -> list[str]:
 
 
 # --- entry (runtime.bench's --layer-loop / --layer / --ceiling) ----------------------------------
-def run(args) -> list[dict]:
-    """The layer modes selected in runtime.bench's parsed arguments; collective; returns the records."""
+def run(args, emit=lambda recs: None) -> list[dict]:
+    """The layer modes selected in runtime.bench's parsed arguments; collective; returns the records and
+    hands each point's records to emit() as soon as they exist (a run cut short keeps what it measured)."""
     records: list[dict] = []
+
+    def add(recs):
+        records.extend(recs)
+        emit(recs)
+
     if args.layer_loop:
         for T in args.tokens or LOOP_TOKENS:
-            records.append(run_layer_loop(T, args.hidden[0], args.topk, args.experts, args.layers, args.reps))
+            add([run_layer_loop(T, args.hidden[0], args.topk, args.experts, args.layers, args.reps)])
     if args.ceiling:
-        records += run_ceiling(args.ceiling_sms, args.ceiling_mib)
+        add(run_ceiling(args.ceiling_sms, args.ceiling_mib))
     if args.layer:
         dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
         inter, hidden = args.intermediate, args.hidden[0]
         weights = make_weights(args.experts // dist.get_world_size(), hidden, inter, dev)  # once: every point's experts
         for mode in args.layer_dtypes:
             for T in args.tokens or LAYER_TOKENS:
-                records += run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
-                                           graph_layers=args.graph_layers, eager_iters=args.layer_iters,
-                                           weights=weights)
+                add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
+                                    graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights))
     return records

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from ep_dist import get_world
 from runtime import bench
 from runtime import bench_layer as L
 
-ROOT = bench_layer_root = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_place_groups_pairs_per_expert_padded():
@@ -153,3 +154,38 @@ def test_layer_table_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 8 | 21.9 µs | 21.7 µs | 20.5 µs | 0.94× |" in out and "| bf16 | 8 | 100.0 | 120.0 (20.0)" in out
     assert mod.main([str(tmp_path / "missing.jsonl")]) == 1
+
+
+def scn_run(rank, world, argv):
+    emitted = []
+    recs = L.run(bench.build_parser().parse_args(argv), emitted.append)
+    return recs, emitted
+
+
+def test_run_emits_each_point_as_it_goes():
+    argv = ["--layer", "--layer-loop", "--tokens", "4", "--hidden", "256", "--topk", "4", "--experts", "8",
+            "--intermediate", "64", "--layer-dtypes", "bf16", "--layer-iters", "2", "--graph-layers", "2", "--reps", "2",
+            "--layers", "2"]
+    (recs, emitted), _ = get_world(2).run(scn_run, argv, timeout=180)
+    assert [r["kind"] for r in recs] == ["layer_loop", "layer", "layer"]
+    assert [[r["kind"] for r in batch] for batch in emitted] == [["layer_loop"], ["layer", "layer"]]
+    assert [r["path"] for r in recs[1:]] == ["epgen", "a2a"] and recs[1]["backend"] == "torch"
+
+
+def test_plot_of_layer_records(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = [_loop(1, 9.0, 8.5, 19.5), _loop(128, 34.8, 34.1, 43.7),
+            _layer("epgen", 8, 120.0, 100.0), _layer("a2a", 8, 300.0, 100.0), _layer("epgen", 128, 220.0, 150.0),
+            _layer("vdev2d", 8, None, 100.0, error="no NVSHMEM"),
+            dict(kind="ceiling", method="sm_push", sms_used=32, GBps=280.0, us=240.0),
+            dict(kind="ceiling", method="sm_push", sms_used=64, GBps=330.0, us=200.0),
+            dict(kind="ceiling", method="nccl", sms_used=None, GBps=300.0, us=220.0)]
+    src = tmp_path / "layer.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    assert plot.main_layer(str(src), str(tmp_path / "layer.png")) == 0
+    assert (tmp_path / "layer.png").stat().st_size > 0
+    (tmp_path / "empty.jsonl").write_text("")
+    assert plot.main_layer(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png")) == 1
