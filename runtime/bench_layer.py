@@ -368,9 +368,6 @@ class Vdev2dPath:
 
         if not symm_mem.is_nvshmem_available():
             raise RuntimeError("NVSHMEM is not available to this torch (libnvshmem_host.so.3 not found)")
-        if symm_mem.get_backend(p.x.device) != "NVSHMEM":
-            raise RuntimeError(f"the symmetric-memory backend is {symm_mem.get_backend(p.x.device)!r}, not NVSHMEM "
-                               f"(set before any symmetric allocation: run vdev2d in a process without epgen)")
         self.p, dev = p, p.x.device
         self.group = dist.group.WORLD.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
@@ -385,6 +382,10 @@ class Vdev2dPath:
         self.splits = _symm_buffer("splits", (nsplit,), torch.int64, dev, self.group)
         self.out_so = _symm_buffer("out_so", (2, nsplit), torch.int64, dev, self.group)
         self.back_so = _symm_buffer("back_so", (2, nsplit), torch.int64, dev, self.group)
+        backend = symm_mem.get_backend(dev)
+        if backend not in (None, "NVSHMEM"):
+            raise RuntimeError(f"the symmetric-memory backend is {backend!r}, not NVSHMEM (chosen before any symmetric "
+                               f"allocation: run vdev2d in a process without epgen)")
 
     def __call__(self) -> torch.Tensor:
         p = self.p
