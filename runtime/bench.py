@@ -355,22 +355,23 @@ def _on_gpu() -> bool:
     return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
 
 
+def warm_on_side_stream(fn) -> None:
+    """Run fn once on a side stream and wait for it (before a graph capture: lazy setup stays out of the graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
 def _graph_time(legs, inner: int, reps: int) -> list[list[float]]:
     """Per-leg milliseconds of `legs` (callables run in order), captured `inner` times in one graph.
 
     Each leg is bracketed by timing events recorded inside the graph (external events), so every leg
     is timed on its own, without launch gaps. Returns one list of samples per leg.
     """
-    def body():
-        for leg in legs:
-            leg()
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    warm_on_side_stream(lambda: [leg() for leg in legs])
     marks = [[torch.cuda.Event(enable_timing=True, external=True) for _ in range(len(legs) + 1)] for _ in range(inner)]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -896,7 +897,8 @@ def format_table(rows: list[dict]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per rank (default: 128 4096; --layer / --layer-loop: their own lists)")
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
@@ -922,8 +924,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform",
                    help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
+    layer = p.add_argument_group("layer modes (runtime/bench_layer.py, docs/LAYER.md); any of them replaces the sweep")
+    layer.add_argument("--layer-loop", action="store_true",
+                       help="L layers of dispatch -> identity copy -> combine in one graph, vs NCCL (bf16)")
+    layer.add_argument("--layers", type=int, default=16, help="--layer-loop: layers per graph")
+    layer.add_argument("--layer", action="store_true", help="the MoE layer on each of --layer-paths")
+    layer.add_argument("--layer-paths", nargs="+", default=["epgen", "a2a"], choices=["epgen", "a2a", "vdev2d"],
+                       help="vdev2d needs the NVSHMEM backend: a process without epgen (and without --ceiling/--layer-loop)")
+    layer.add_argument("--layer-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    layer.add_argument("--intermediate", type=int, default=2048, help="--layer: expert intermediate size")
+    layer.add_argument("--graph-layers", type=int, default=4, help="--layer: layers per captured graph")
+    layer.add_argument("--layer-iters", type=int, default=20, help="--layer: eager iterations (a quarter at >= 2048 tokens)")
+    layer.add_argument("--ceiling", action="store_true", help="copy-kernel push / pull, copy engine and NCCL GB/s")
+    layer.add_argument("--ceiling-sms", type=int, nargs="+", default=[8, 16, 32, 64, 132])
+    layer.add_argument("--ceiling-mib", type=int, default=64, help="--ceiling: MiB moved per copy")
     p.add_argument("--out")
     return p
+
+
+def layer_main(args) -> int:
+    """--layer-loop / --layer / --ceiling: records to --out, tables printed by rank 0."""
+    from . import bench_layer
+
+    if "vdev2d" in args.layer_paths and args.layer:
+        if "epgen" in args.layer_paths or args.layer_loop or args.ceiling:
+            raise SystemExit("--layer-paths vdev2d runs in a process of its own: without epgen, --layer-loop, --ceiling "
+                             "(the NVSHMEM backend must be chosen before any symmetric allocation)")
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "12G")
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            symm_mem.set_backend("NVSHMEM")
+        except Exception as e:  # noqa: BLE001 - the vdev2d records say why
+            print(f"NVSHMEM backend not set: {type(e).__name__}: {e}", file=sys.stderr)
+    def emit(recs):
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "a") as f:
+                for r in recs:
+                    f.write(json.dumps(r, sort_keys=True) + "\n")
+
+    records = bench_layer.run(args, emit)
+    if dist.get_rank() == 0:
+        for table in (bench_layer.loop_table, bench_layer.layer_table, bench_layer.ceiling_table):
+            lines = table(records)
+            if len(lines) > 2:
+                print("\n".join(lines) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -932,6 +977,13 @@ def main(argv=None) -> int:
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if args.layer or args.layer_loop or args.ceiling:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        try:
+            return layer_main(args)
+        finally:
+            dist.destroy_process_group()
+    args.tokens = args.tokens or [128, 4096]
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     gpn = args.gpu_per_node or max(1, dist.get_world_size() // 2)
     topologies = [None] + [{"gpu_per_node": gpn, "internode_kernel": kind} for kind in args.internode]

@@ -8,7 +8,9 @@
 # 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
-# the README table).
+# the README table), LAYER=1 (docs/LAYER.md: the layer loop, the link's ceiling and the MoE layer on epgen and the
+# all_to_all_single shuffle, then all_to_all_vdev_2d in a process of its own (NVSHMEM), $OUT/layer.jsonl, the tables
+# (scripts/layer_table.py) and the example's GPU test).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,7 +60,18 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
       --hidden 7168 4096 --dtypes bfloat16 float8_e4m3fn --torch-baseline --out "$OUT/sweep.jsonl" 2>&1 \
       | tee "$OUT/sweep.log" | grep -vE "^(W|\*)" | tail -34; status[sweep]=${PIPESTATUS[0]}
   fi
+  if [ -n "${LAYER:-}" ]; then
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer-loop --ceiling --layer --out "$OUT/layer.jsonl" \
+      2>&1 | tee "$OUT/layer.log" | grep -vE "^(W|\*)" | tail -50; status[layer]=${PIPESTATUS[0]}
+    TORCH_SYMMMEM=NVSHMEM NVSHMEM_SYMMETRIC_SIZE=12G timeout 150 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer \
+      --layer-paths a2a vdev2d --out "$OUT/layer.jsonl" 2>&1 | tee "$OUT/layer_vdev2d.log" | grep -vE "^(W|\*)" | tail -25
+    status[layer_vdev2d]=${PIPESTATUS[0]}
+    python3 scripts/layer_table.py "$OUT/layer.jsonl" > "$OUT/layer_table.md"; cat "$OUT/layer_table.md"
+    python3 scripts/plot_bench.py --layer "$OUT/layer.jsonl" "$OUT/layer.png" || echo "plot skipped (matplotlib?)"
+    timeout 120 torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_moe_layer_example.py \
+      2>&1 | tee "$OUT/layer_example.log" | grep -vE "^\s*$" | tail -6; status[layer_example]=${PIPESTATUS[0]}
+  fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode sweep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -1,6 +1,7 @@
 """Render results/bench.jsonl into results/bench.png: latency and link bandwidth vs tokens per rank.
 
 python scripts/plot_bench.py [results/bench.jsonl] [results/bench.png]   (needs matplotlib)
+python scripts/plot_bench.py --layer [results/layer.jsonl] [results/layer.png]   (layer records: main_layer)
 Plots the sweep's points (runtime.bench.sweep_points: intranode, default routing and geometry, no
 experiment note, of the commit with the most distinct points): one row of panels per hidden size,
 one colour per dtype, and the performance issue's targets on the hidden-7168 panels.
@@ -16,6 +17,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
 from runtime.bench import read_records, sweep_points  # noqa: E402
+from runtime.bench_layer import LAYER_PATHS, _latest  # noqa: E402
+
+COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green"}
+
+
+def _finish(fig, title: str, dst: str) -> int:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    print(f"wrote {dst}")
+    return 0
 
 
 def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
@@ -54,13 +66,59 @@ def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
         ax1.set_ylabel("µs (graph replay, slowest-rank median)")
         ax2.set_ylabel("link GB/s (bytes over NVLink / time)")
     r0 = rows[0]
-    fig.suptitle(f"epgen intranode EP, {r0['world_size']}x{r0['gpu']}, top-{r0['topk']} of {r0['experts']} experts, "
-                 f"commit {newest}")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
-    print(f"wrote {dst}")
-    return 0
+    return _finish(fig, f"epgen intranode EP, {r0['world_size']}x{r0['gpu']}, top-{r0['topk']} of {r0['experts']} "
+                        f"experts, commit {newest}", dst)
+
+
+def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
+    """The layer loop, the MoE layer per EP path and the link's ceiling (runtime.bench_layer records), one panel each."""
+    records = read_records(src)
+    loop = _latest(records, "layer_loop", lambda r: r["tokens_per_rank"])
+    layer = [r for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], r["path"]))
+             if r.get("layer_us") is not None]
+    ceil = [r for r in _latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)) if r.get("GBps")]
+    if not (loop or layer or ceil):
+        print(f"no layer records in {src}")
+        return 1
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.6))
+    t = [r["tokens_per_rank"] for r in loop]
+    for key, label, style in (("epgen_own_us", "epgen, expert → own tensor", "o-"),
+                              ("epgen_view_us", "epgen, expert → combine_in_view", "s-"), ("nccl_us", "NCCL", "x:")):
+        a1.plot(t, [r[key] for r in loop], style, label=label)
+    a1.set_title("layer loop (bf16; per layer, graph)", fontsize=9)
+    for path in LAYER_PATHS:
+        for dtype, style in (("bf16", "-"), ("fp8", "--")):
+            pts = [r for r in layer if (r["path"], r["dtype"]) == (path, dtype)]
+            if pts:
+                tt = [r["tokens_per_rank"] for r in pts]
+                a2.plot(tt, [r["layer_us"] for r in pts], "o" + style, color=COLORS[path], label=f"{path} {dtype} layer")
+                a2.plot(tt, [r["comm_us"] for r in pts], "x" + style, color=COLORS[path], alpha=0.5,
+                        label=f"{path} {dtype} comm")
+    a2.set_title("MoE layer (layer, and communication only)", fontsize=9)
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("tokens per rank")
+        a.set_ylabel("µs (slowest-rank median)")
+    for method, style in (("sm_push", "o-"), ("sm_pull", "s-")):
+        pts = sorted((r for r in ceil if r["method"] == method), key=lambda r: r["sms_used"])
+        a3.plot([r["sms_used"] for r in pts], [r["GBps"] for r in pts], style, label=f"copy kernel, {method[3:]}")
+    for r in ceil:
+        if r["method"] in ("copy_engine_push", "copy_engine_pull", "nccl"):
+            a3.axhline(r["GBps"], linestyle=":", linewidth=1, label=r["method"].replace("_", " "),
+                       color={"nccl": "k", "copy_engine_push": "tab:red"}.get(r["method"], "tab:purple"))
+    a3.set_xlabel("SMs")
+    a3.set_ylabel("GB/s per direction")
+    a3.set_title("link ceiling", fontsize=9)
+    for a in (a1, a2, a3):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=6)
+    r0 = (loop or layer or ceil)[0]
+    return _finish(fig, f"epgen layer benchmarks, {r0.get('world_size')}x{r0.get('gpu')}, commit {r0.get('commit')}", dst)
+
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--layer"]:
+        sys.exit(main_layer(*sys.argv[2:]))
     sys.exit(main(*sys.argv[1:]))

@@ -145,7 +145,7 @@ def test_fp8_block_quantization_round_trip():
 def test_cli_defaults_and_table():
     args = bench.build_parser().parse_args([])
     assert args.dtypes == ["bfloat16", "float8_e4m3fn"]
-    assert (args.tokens, args.hidden, args.inner, args.reps, args.input_sets) == ([128, 4096], [7168], 20, 30, 0)
+    assert (args.tokens, args.hidden, args.inner, args.reps, args.input_sets) == (None, [7168], 20, 30, 0)  # None: 128 4096
     args = bench.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--dtypes", "bfloat16",
                                             "--torch-baseline", "--lowprec", "--lowprec-tokens", "8",
                                             "--inner", "3", "--reps", "4", "--out", "x.jsonl"])

@@ -1,0 +1,142 @@
+"""A DeepSeek-V3-shaped MoE block with expert parallelism through epgen.
+
+    torchrun --nproc-per-node 2 examples/moe_layer.py                      # GPUs: NCCL + the generated kernels
+    torchrun --nproc-per-node 2 examples/moe_layer.py --hidden 512 --experts 16 --intermediate 128   # CPU: gloo
+
+Router (softmax over the experts, top-k, weights renormalised to sum 1) -> epgen dispatch -> the
+standard-MoE layout (each local expert's rows packed in [experts, capacity, hidden]) -> the experts
+(two GEMMs and a SiLU-gated activation each; one grouped GEMM per projection on sm_90 / bf16, else a
+loop over the experts) -> weighted back into rows -> epgen combine. Experts are sharded over ranks:
+rank r holds experts [r * E / W, (r + 1) * E / W). DeepSeek-V3's sizes are the defaults (hidden 7168,
+256 routed experts, top-8, expert intermediate 2048); its shared expert and group-limited sigmoid
+routing are left out. docs/LAYER.md has more; tests/test_moe_layer.py checks this block against a
+dense single-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
+
+
+def expert_weights(e: int, hidden: int, inter: int, seed: int = 0, device="cpu", dtype=torch.bfloat16):
+    """Expert e's (w13 [2I, H]: gate and up projections, w2 [H, I]), drawn from a generator seeded by
+    (seed, e): every rank, and a dense reference, builds the same expert."""
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + e)
+    w13 = torch.randn(2 * inter, hidden, generator=g, device=device) / hidden ** 0.5
+    w2 = torch.randn(hidden, inter, generator=g, device=device) / inter ** 0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def router_weight(num_experts: int, hidden: int, seed: int = 0, device="cpu", dtype=torch.bfloat16):
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 - 1)
+    return (torch.randn(num_experts, hidden, generator=g, device=device) / hidden ** 0.5).to(dtype)
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, k: int):
+    """Softmax router: (weights float32 [T, k] summing to 1, expert ids int32 [T, k])."""
+    scores = torch.softmax((x @ gate.t()).float(), dim=-1)
+    w, idx = scores.topk(k, dim=-1)
+    return w / w.sum(-1, keepdim=True), idx.to(torch.int32)
+
+
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert: silu(x W_gate^T) * (x W_up^T), then W2."""
+    gate, up = (x @ w13.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.t()
+
+
+def grouped_gemm_ok(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on sm_90 with bf16 operands."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def experts_packed(packed_x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    """Every local expert on its packed rows: [E, C, H] -> [E, C, H]; rows past counts[e] are unspecified
+    (combine never reads them)."""
+    if grouped_gemm_ok(packed_x):  # one grouped GEMM per projection, no host sync (graph-capturable)
+        gate, up = torch._grouped_mm(packed_x, w13.transpose(-2, -1)).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1))
+    out = torch.zeros_like(packed_x)
+    for e, n in enumerate(counts.tolist()):  # a loop over the experts that received rows (one host sync)
+        if n:
+            out[e, :n] = expert_ffn(packed_x[e, :n], w13[e], w2[e])
+    return out
+
+
+class MoEBlock(torch.nn.Module):
+    """Router + this rank's experts; dispatch / combine through one EpDispatchCombineOp."""
+
+    def __init__(self, op: EpDispatchCombineOp, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.op, self.gate, self.w13, self.w2 = op, gate, w13, w2  # w13 [E_local, 2I, H], w2 [E_local, H, I]
+        self.k = op.config.num_experts_per_token
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.gate, self.k)
+        # each token goes once to every rank holding one of its experts, with all k ids and weights
+        *_, handle = self.op.dispatch(x, weights, None, ids, return_routing=True)
+        packed_x, counts, _, _ = self.op.convert_dispatch_output()  # [E_local, C, H] per local expert
+        y = experts_packed(packed_x, counts, self.w13, self.w2)
+        rows = self.op.convert_combine_input(y, handle)  # weighted sum of each received row's local experts
+        out, _ = self.op.combine(rows, routing=handle)  # sum over ranks: sum_k w_k * expert_k(x)
+        return out  # the op's buffer: valid until its next combine (clone to keep it)
+
+
+def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, seed=0, device=None):
+    """The rank's MoEBlock (torch.distributed initialised; world size divides `experts`). capacity: rows
+    per local expert in the packed layout (0: tokens x world, which never drops a row)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    per_rank = experts // world
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
+                                  num_experts_per_rank=per_rank, num_experts_per_token=topk, data_type=torch.bfloat16,
+                                  enable_std_moe=True, expert_capacity=capacity)
+    mine = [expert_weights(e, hidden, inter, seed, device) for e in range(rank * per_rank, (rank + 1) * per_rank)]
+    w13, w2 = (torch.stack(ws) for ws in zip(*mine))
+    return MoEBlock(EpDispatchCombineOp(cfg), router_weight(experts, hidden, seed, device), w13, w2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="A DeepSeek-V3-shaped MoE block with epgen expert parallelism")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    p.add_argument("--capacity", type=int, default=0, help="packed rows per local expert (0: tokens x world)")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")  # the torch backend of epgen runs on gloo
+    block = build(args.hidden, args.experts, args.topk, args.intermediate, args.tokens, args.capacity)
+    g = torch.Generator(device=block.gate.device).manual_seed(dist.get_rank())
+    x = torch.randn(args.tokens, args.hidden, generator=g, device=block.gate.device).to(torch.bfloat16)
+    with block.op:
+        y = block(x)  # warm-up
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            y = block(x)
+        sync()
+        ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        print(f"rank {dist.get_rank()}: {args.tokens} tokens x hidden {args.hidden}, {args.experts} experts top-"
+              f"{args.topk}: {ms:.2f} ms per layer (eager), output rms {y.float().pow(2).mean().sqrt():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
