@@ -18,8 +18,8 @@ BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, 
 FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                "num_experts_per_token", "data_type", "dispatch_data_type", "combine_data_type", "scale_dim",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
-               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "kernel_backend", "timeout_s",
-               "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows")
+               "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "intranode_protocol", "kernel_backend",
+               "timeout_s", "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows")
 
 
 @pytest.fixture(autouse=True)
