@@ -502,11 +502,12 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> tuple[
                                                       f"world size)")
             out[(tname, role)] = tuple(recs)
     for tname in targets:
-        for role in TUNING_ROLES:
+        for role in TUNING_ROLES[:2]:
             if (tname, role) not in out:
                 raise _fail(src, 1, f"no [[tuning.{tname}.{role}]] buckets")
-        if tname not in ll_max:
-            raise _fail(src, 1, f"no [tuning.{tname}] {LL_THRESHOLD_KEY} (0: intranode_protocol \"auto\" never takes \"ll\")")
+        for role in TUNING_ROLES[2:]:  # the low-latency kernels take the bandwidth ones' geometry unless given
+            out.setdefault((tname, role), out[(tname, role.removesuffix("_ll"))])
+        ll_max.setdefault(tname, 0)  # absent: intranode_protocol "auto" never takes "ll"
     return out, ll_max
 
 

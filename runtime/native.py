@@ -228,6 +228,12 @@ def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
                              f"(hidden_dim={cfg.hidden_dim})")
 
 
+def ep_kernels(backend) -> tuple:
+    """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded)."""
+    return (("dispatch", backend._dispatch), ("combine", backend._combine),
+            *zip(("dispatch_ll", "combine_ll"), getattr(backend, "_ll", ())))
+
+
 class NativeBackend:
     name = "native"
 
@@ -332,7 +338,7 @@ class NativeBackend:
         if cfg.launch_threads % self.wave:
             raise EpgenError(f"launch_threads: {cfg.launch_threads} threads per block is not a whole number of "
                              f"{self.wave}-lane waves on {self.arch}")
-        for role, kern in self._kernels_by_role():
+        for role, kern in ep_kernels(self):
             counts = {cfg.launch_threads} if cfg.launch_threads else \
                 {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
             too_many = sorted(t for t in counts if t > kern.max_threads)
@@ -340,11 +346,6 @@ class NativeBackend:
                 where = "launch_threads" if cfg.launch_threads else f"specs/tuning.toml [tuning.{self.arch}.{role}]"
                 raise EpgenError(f"{where}: {too_many[-1]} threads per block, but {kern.symbol} launches with at "
                                  f"most {kern.max_threads} on this device (its registers per thread decide)")
-
-    def _kernels_by_role(self) -> tuple:
-        """(tuning role, kernel) of every EP kernel this op launches."""
-        return (("dispatch", self._dispatch), ("combine", self._combine),
-                *zip(("dispatch_ll", "combine_ll"), self._ll))
 
     def _geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int]:
         """(blocks, threads) from specs/tuning.toml for this call's token count, or the config's override.
@@ -357,7 +358,7 @@ class NativeBackend:
         b = gspecs.geometry(load_specs(), self.arch, role, tokens, cfg.world_size)
         threads = cfg.launch_threads or b.threads
         blocks = cfg.launch_blocks or b.blocks or self.num_sms
-        kern = dict(self._kernels_by_role())[role]
+        kern = getattr(self, f"_{role}") if role in ("dispatch", "combine") else self._ll[role == "combine_ll"]
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role != "dispatch":
             return blocks, threads
