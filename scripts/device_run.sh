@@ -6,7 +6,9 @@
 # NPROC (ranks, default: every GPU), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
-# the README table).
+# the README table), LL=1 (the low-latency protocol: tests/gpu/test_ep_ll.py and, for the bandwidth protocol's kernels it
+# touched, tests/gpu/test_ep_native.py; then bench of --protocol ll bw at tokens 1 8 32 128, bf16,
+# $OUT/bench_ll.jsonl; alone: LL=1 NO_TESTS=1 NO_BENCH=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -42,6 +44,14 @@ if [ "$ngpu" -ge 2 ]; then
     timeout 90 torchrun --nproc-per-node "$NPROC" scripts/host_profile.py --iters 100 --internode v2_ll 2>&1 \
       | grep -vE "^(W|\*)" > "$OUT/host_internode.log"; status[host_internode]=${PIPESTATUS[0]}; head -1 "$OUT/host_internode.log"
   fi
+  if [ -n "${LL:-}" ]; then  # the low-latency intranode protocol: its GPU tests, then both protocols side by side
+    timeout 270 torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_ep_ll.py \
+      tests/gpu/test_ep_native.py 2>&1 \
+      | tee "$OUT/ll_tests.log" | grep -vE "^\s*$" | tail -15; status[ll_tests]=${PIPESTATUS[0]}
+    timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 --dtypes bfloat16 \
+      --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
+    status[ll_bench]=${PIPESTATUS[0]}
+  fi
   if [ -n "${SWEEP:-}" ]; then
     timeout 540 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 512 2048 4096 8192 \
       --hidden 7168 4096 --dtypes bfloat16 float8_e4m3fn --torch-baseline --out "$OUT/sweep.jsonl" 2>&1 \
@@ -50,4 +60,4 @@ if [ "$ngpu" -ge 2 ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death tune internode_bench host_async host_sync host_internode sweep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death tune internode_bench host_async host_sync host_internode ll_tests ll_bench sweep bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
