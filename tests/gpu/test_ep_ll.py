@@ -5,31 +5,23 @@ cap, routing replay, std-MoE, fp8 payloads, and calls of both protocols mixed on
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_ll.py
 """
 
-import os
-
 import attrs
 import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
+from runtime import EpDispatchCombineOp, numerics
 from runtime.config import load_specs
 from tests.ep_oracle import multiplicity
-from tests.gpu.dist_util import init_dist, run_collective
+from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
 
-if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
-    pytest.skip("needs torchrun and GPUs", allow_module_level=True)
-
-from tests.gpu import test_ep_moe as moe_t  # noqa: E402 - helpers only (their tests are not collected here)
+# helpers of the bandwidth protocol's tests (their test functions are not collected here); importing them
+# skips this module where they skip (no torchrun or no GPU), and dist_env is their process-group fixture
+from tests.gpu import test_ep_moe as moe_t  # noqa: E402
 from tests.gpu import test_ep_native as nat  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
+from tests.gpu.test_ep_native import dist_env  # noqa: E402,F401
 
 
 def _cfg(T_max, hidden, k, epr, protocol="ll", **kw):
@@ -125,21 +117,7 @@ def test_graph_capture_replays_and_eager_calls_between():
     assert _threshold() < 200
     with EpDispatchCombineOp(cfg) as op:
         sx, sw, sidx = (t.clone() for t in nat._inputs(100, T, cfg))
-        view = op.combine_in_view()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-                view.copy_(out)
-                op.combine(view, weights=ow, routing=h)
-        torch.cuda.current_stream().wait_stream(s)
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-            view.copy_(out)
-            comb, comb_w = op.combine(view, weights=ow, routing=h)
+        g, comb, comb_w, h = nat._capture_round(op, sx, sw, sidx)
         assert h.extra["protocol"] == "ll"
         for rep in range(8):
             x, w, idx = nat._inputs(200 + rep, T, cfg)
@@ -149,11 +127,7 @@ def test_graph_capture_replays_and_eager_calls_between():
                 assert op.last_intranode_protocol == "bw"
                 op.dispatch(x, w, None, idx)
             sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-            g.replay()
-            torch.cuda.synchronize()
-            U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
-            assert torch.equal(comb, (x.float() * U[:, None]).to(cfg.data_type)), f"replay {rep}"
-            assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
+            nat._replay_and_check(g, comb, comb_w, cfg, x, w, idx, rep)
         op.check()
 
 
