@@ -83,6 +83,20 @@ def test_tuning_threshold_checked(tmp_path, value):
         S.load(root)
 
 
+def test_tuner_rewrite_keeps_the_thresholds(tmp_path):
+    import shutil
+
+    from runtime import tune
+
+    root = tmp_path / "specs"
+    shutil.copytree(S.default_root(), root)
+    new = {"dispatch_ll": [S.Bucket(max_tokens=0, blocks=0, threads=128)]}
+    (root / "tuning.toml").write_text(tune.rewrite(root / "tuning.toml", "sm_90", new))
+    specs = S.load(root)
+    assert specs.ll_max_tokens == load_specs().ll_max_tokens
+    assert S.geometry(specs, "sm_90", "dispatch_ll", 1).threads == 128
+
+
 def test_config_protocol_field():
     c = EpDispatchCombineConfig(**BASE)
     assert c.intranode_protocol == "auto" and c.intranode_protocols == ("ll", "bw")
