@@ -12,8 +12,8 @@ With --internode every point also runs internode (gpu_per_node G, default half t
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
 internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can stand for the nodes.
 --protocol runs every intranode point with each intranode wire protocol named (config intranode_protocol:
-"auto" picks by the token count, "ll" low latency, "bw" bandwidth; "ll" points above its token limit are
-skipped); the records say which one ran (field protocol) and what was asked (intranode_protocol).
+"bw" bandwidth, the default; "ll" low latency; "auto" picks by the token count; "ll" points above its token
+limit are skipped); the records say which one ran (field protocol) and what was asked (intranode_protocol).
 
 --launch-blocks / --launch-threads override the tuning table for every point (config launch_blocks /
 launch_threads; the records' dispatch_blocks ... combine_threads show what ran). --profile adds, per
@@ -629,7 +629,7 @@ def _device_info(device) -> dict:
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
               input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
-              profile: bool = False, routing: str = "uniform", protocol: str = "auto") -> dict:
+              profile: bool = False, routing: str = "uniform", protocol: str = "bw") -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view).
     protocol: the intranode wire protocol ("auto", "ll", "bw"; config intranode_protocol)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -933,7 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform",
                    help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
-    p.add_argument("--protocol", nargs="+", default=["auto"], choices=["auto", "ll", "bw"],
+    p.add_argument("--protocol", nargs="+", default=["bw"], choices=["auto", "ll", "bw"],
                    help="intranode wire protocols to run every intranode point with (config intranode_protocol; "
                         "records say which one ran: field protocol)")
     p.add_argument("--out")
@@ -955,7 +955,7 @@ def main(argv=None) -> int:
         for T in args.tokens:
             for dt in dtypes:
                 for topo in topologies:
-                    for protocol in (args.protocol if topo is None else ["auto"]):
+                    for protocol in (args.protocol if topo is None else ["bw"]):
                         if protocol == "ll" and T > LL_MAX_TOKENS:
                             if dist.get_rank() == 0:
                                 print(f"skipped: T={T} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)")

@@ -39,8 +39,9 @@ completion barrier per leg), "ll" (low latency: rows carry per-16-byte epoch fla
 fence or barrier on the critical path; verbatim payloads, gather arithmetic, at most ``LL_MAX_TOKENS``
 tokens per rank; docs/GUARANTEES.md) or "auto" (per call: "ll" for calls of at most the target's
 ``intranode_ll_max_tokens`` tokens per rank in specs/tuning.toml when the config can run it, else "bw";
-every rank of a call must fall on the same side of the threshold). Both give the same results; the torch
-backend has one protocol and ignores the field.
+every rank of a call must fall on the same side of the threshold: nothing exchanges the counts, so ranks
+whose counts straddle it run different protocols and time out; hence "bw" is the default). Both give the
+same results; the torch backend has one protocol and ignores the field.
 
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
@@ -133,7 +134,7 @@ class EpDispatchCombineConfig:
     gpu_per_node: int = 0  # 0: world_size (one node)
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
-    intranode_protocol: str = "auto"  # "auto" | "ll" (low latency) | "bw" (bandwidth); see the module docstring
+    intranode_protocol: str = "bw"  # "bw" (bandwidth) | "ll" (low latency) | "auto"; see the module docstring
     kernel_backend: str | None = None  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens

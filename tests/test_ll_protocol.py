@@ -99,13 +99,13 @@ def test_tuner_rewrite_keeps_the_thresholds(tmp_path):
 
 def test_config_protocol_field():
     c = EpDispatchCombineConfig(**BASE)
-    assert c.intranode_protocol == "auto" and c.intranode_protocols == ("ll", "bw")
-    assert EpDispatchCombineConfig(**BASE, intranode_protocol="bw").intranode_protocols == ("bw",)
+    assert c.intranode_protocol == "bw" and c.intranode_protocols == ("bw",)  # the default: ranks may differ in T
+    assert EpDispatchCombineConfig(**BASE, intranode_protocol="auto").intranode_protocols == ("ll", "bw")
     assert EpDispatchCombineConfig(**BASE, intranode_protocol="ll").intranode_protocols == ("ll",)
     with pytest.raises(ConfigError, match=r"^intranode_protocol='fast': must be one of 'auto', 'll', 'bw'$"):
         EpDispatchCombineConfig(**BASE, intranode_protocol="fast")
     # auto falls back to bw where ll cannot run; "ll" says why
-    q = EpDispatchCombineConfig(**BASE, quant_type="fp8_blockwise")
+    q = EpDispatchCombineConfig(**BASE, quant_type="fp8_blockwise", intranode_protocol="auto")
     assert q.intranode_protocols == ("bw",)
     with pytest.raises(ConfigError, match=r"^ll_verbatim: the low-latency intranode protocol"):
         EpDispatchCombineConfig(**BASE, quant_type="fp8_blockwise", combine_mode="scatter", intranode_protocol="ll")
@@ -117,7 +117,8 @@ def test_config_protocol_field():
         EpDispatchCombineConfig(**dict(BASE, max_num_inp_token_per_rank=LL_MAX_TOKENS + 1), intranode_protocol="ll")
     with pytest.raises(ConfigError, match=r"^intranode_protocol='ll': .*intranode only"):
         EpDispatchCombineConfig(**dict(BASE, world_size=4), gpu_per_node=2, intranode_protocol="ll")
-    assert EpDispatchCombineConfig(**dict(BASE, world_size=4), gpu_per_node=2).intranode_protocols == ()
+    assert EpDispatchCombineConfig(**dict(BASE, world_size=4), gpu_per_node=2,
+                                   intranode_protocol="auto").intranode_protocols == ()
     # pre-quantized payloads move verbatim: fine
     fp8 = EpDispatchCombineConfig(**BASE, dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,
                                   scale_dim=2, scale_type_size=4, intranode_protocol="ll")
