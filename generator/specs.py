@@ -18,8 +18,11 @@ from typing import Any
 
 import attrs
 
+from .abi import LL_MAX_TOKENS
+
 SPEC_FILES = ("targets", "dtypes", "quant", "topologies", "kernels", "rules", "profiles", "tuning")
-TUNING_ROLES = ("dispatch", "combine")
+TUNING_ROLES = ("dispatch", "combine", "dispatch_ll", "combine_ll")
+LL_THRESHOLD_KEY = "intranode_ll_max_tokens"  # [tuning.TARGET]: intranode_protocol "auto" picks "ll" up to it
 
 
 class SpecError(Exception):
@@ -107,6 +110,7 @@ class Family:
     isa: tuple[str, ...]
     wire_isa: tuple[str, ...] = ()  # "encode"/"decode": add <wire kind>_<x> groups when the variant converts
     copy_isa: tuple[str, ...] = ()  # groups added when the variant moves its payload unconverted
+    protocol: str = "bw"  # intranode wire protocol: "bw" (bandwidth) or "ll" (low latency)
 
 
 @_frozen
@@ -151,6 +155,7 @@ class Specs:
     rules: tuple[Rule, ...]
     profiles: dict[str, Profile]
     tuning: dict[tuple[str, str], tuple[Bucket, ...]]  # (target, role) -> ascending buckets
+    ll_max_tokens: dict[str, int]  # target -> intranode_ll_max_tokens (0: auto never takes "ll")
     digest: str  # sha256 of the spec texts that shape generated sources (all but tuning.toml)
 
 
@@ -166,6 +171,7 @@ _CHOICES = {
     (Quant, "scale"): ("none", "fp32", "e8m0"),
     (Topology, "kind"): ("intranode", "internode"),
     (Family, "role"): ("convert", "dispatch", "combine"),
+    (Family, "protocol"): ("bw", "ll"),
 }
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -455,10 +461,10 @@ def load(root: Path | str | None = None) -> Specs:
         if p not in profiles:
             raise _fail(srcs["profiles"], 1, f"profile {p!r} must be declared")
 
-    tuning = _load_tuning(srcs["tuning"], data["tuning"], targets)
+    tuning, ll_max = _load_tuning(srcs["tuning"], data["tuning"], targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
                  topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
-                 tuning=tuning, digest=digest.hexdigest())
+                 tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest())
 
 
 def _load_rules(src: _Source, data: dict) -> list[Rule]:
@@ -488,15 +494,23 @@ def _load_rules(src: _Source, data: dict) -> list[Rule]:
     return rules
 
 
-def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[tuple[str, str], tuple[Bucket, ...]]:
+def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> tuple[dict, dict[str, int]]:
     unknown = [k for k in data if k != "tuning"]
     if unknown:
         raise _fail(src, src.table_line(unknown[0]), f"unknown top-level table '{unknown[0]}' (expected [[tuning.TARGET.ROLE]])")
     out = {}
+    ll_max: dict[str, int] = {}
     for tname, roles in data.get("tuning", {}).items():
         if tname not in targets:
             raise _fail(src, src.table_line(f"tuning.{tname}"), f"tuning for unknown target {tname!r} (known: {', '.join(targets)})")
         wave = targets[tname].wave_size
+        roles = dict(roles)
+        if LL_THRESHOLD_KEY in roles:
+            n = roles.pop(LL_THRESHOLD_KEY)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= LL_MAX_TOKENS:
+                raise _fail(src, src.key_line(f"tuning.{tname}", LL_THRESHOLD_KEY),
+                            f"[tuning.{tname}] {LL_THRESHOLD_KEY} = {n!r}: an integer in [0, {LL_MAX_TOKENS}]")
+            ll_max[tname] = n
         for role, buckets in roles.items():
             hdr = f"tuning.{tname}.{role}"
             if role not in TUNING_ROLES:
@@ -527,10 +541,13 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[t
                                                       f"world size)")
             out[(tname, role)] = tuple(recs)
     for tname in targets:
-        for role in TUNING_ROLES:
+        for role in TUNING_ROLES[:2]:
             if (tname, role) not in out:
                 raise _fail(src, 1, f"no [[tuning.{tname}.{role}]] buckets")
-    return out
+        for role in TUNING_ROLES[2:]:  # the low-latency kernels take the bandwidth ones' geometry unless given
+            out.setdefault((tname, role), out[(tname, role.removesuffix("_ll"))])
+        ll_max.setdefault(tname, 0)  # absent: intranode_protocol "auto" never takes "ll"
+    return out, ll_max
 
 
 def buckets_for(specs: Specs, target: str, role: str, world: int = 0) -> tuple[Bucket, ...]:

@@ -207,7 +207,12 @@ def opcodes(disassembly: str, vendor: str) -> set[str]:
 
 def has_mnemonic(ops: set[str], mnemonic: str) -> bool:
     """AMD: exact, or with an encoding suffix (_e32/_e64/_sdwa/_dpp); a mnemonic with operands ("buffer_inv
-    sc0 sc1") matches an instruction whose operands start with them. NVIDIA: exact or with more modifiers."""
+    sc0 sc1") matches an instruction whose operands start with them, and "mnemonic ... operands" one whose
+    operands end with them ("flat_store_dwordx4 ... sc0 sc1": the scope bits after the registers).
+    NVIDIA: exact or with more modifiers."""
+    if " ... " in mnemonic:
+        head, tail = mnemonic.split(" ... ", 1)
+        return any(op.startswith(head + " ") and op.endswith(" " + tail) for op in ops)
     if " " in mnemonic:
         return any(op == mnemonic or op.startswith(mnemonic + " ") or op.startswith(mnemonic + ",") for op in ops)
     for op in ops:

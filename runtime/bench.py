@@ -6,11 +6,14 @@ torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168]
                                              [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
                                              [--launch-blocks B] [--launch-threads N] [--profile]
                                              [--topk 8] [--experts 256] [--lowprec-tokens 128 4096]
-                                             [--routing uniform|remote]
+                                             [--routing uniform|remote] [--protocol auto ll bw]
 
 With --internode every point also runs internode (gpu_per_node G, default half the world) with each
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
 internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can stand for the nodes.
+--protocol runs every intranode point with each intranode wire protocol named (config intranode_protocol:
+"bw" bandwidth, the default; "ll" low latency; "auto" picks by the token count; "ll" points above its token
+limit are skipped); the records say which one ran (field protocol) and what was asked (intranode_protocol).
 
 --launch-blocks / --launch-threads override the tuning table for every point (config launch_blocks /
 launch_threads; the records' dispatch_blocks ... combine_threads show what ran). --profile adds, per
@@ -102,6 +105,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from generator.abi import LL_MAX_TOKENS
 
 from . import EpDispatchCombineConfig, EpDispatchCombineOp, workspace
 from .config import EMULATE_NODES_ENV
@@ -625,10 +630,13 @@ def _device_info(device) -> dict:
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
               input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
-              profile: bool = False, routing: str = "uniform") -> dict:
-    """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view)."""
+              profile: bool = False, routing: str = "uniform", protocol: str = "bw") -> dict:
+    """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view).
+    protocol: the intranode wire protocol ("auto", "ll", "bw"; config intranode_protocol)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
+    if topology is None:
+        cfg_kw["intranode_protocol"] = protocol
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
     d_row, c_row = row_bytes(cfg)
@@ -699,8 +707,10 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
                      "nc": _stats(_graph_time([a2a_c], g_inner, reps)[0])}
         prof = _profile([disp, expert, comb]) if profile and _on_gpu() else None
         route = op.last_internode_kernel
+        ran = op.last_intranode_protocol  # the protocol of the timed calls (auto: by the token count)
         geo = getattr(op._backend, "_geometry", None)
-        launched = {role: geo(role, T, T * world if role == "dispatch" else T) if geo else (None, None)
+        suffix = "_ll" if ran == "ll" else ""
+        launched = {role: geo(role + suffix, T, T * world if role == "dispatch" else T) if geo else (None, None)
                     for role in ("dispatch", "combine")}
     tb = "not run"
     if torch_baseline and backend != "torch":
@@ -719,6 +729,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "dtype": name, "combine_dtype": dtype_name(cfg.combine_dtype),
         "topology": "internode" if cfg.is_internode else "intranode", "gpu_per_node": cfg.resolved_gpu_per_node,
         "internode_kernel": cfg.internode_kernel if cfg.is_internode else None, "internode_route": route,
+        "intranode_protocol": None if cfg.is_internode else cfg.intranode_protocol, "protocol": ran,
         "quant": "payload_block128_fp32_scales" if cfg.prequantized else "none", "scale_dim": cfg.scale_dim,
         "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": num_experts, "routing": routing,
         "graph": graph_ok, "graph_modes": ["graph", "eager"] if graph_ok else ["eager"],
@@ -880,7 +891,8 @@ def format_table(rows: list[dict]) -> list[str]:
     """The printed summary: a header and one line per point (graph times and bandwidths; eager times)."""
     lines = [" ".join(f"{name:>{w}}" for name, w in TABLE_COLUMNS)]
     for r in rows:
-        tag = r["dtype"] if r.get("topology", "intranode") == "intranode" else \
+        tag = (f"{r['dtype']}/{r['protocol']}" if r.get("protocol") else r["dtype"]) \
+            if r.get("topology", "intranode") == "intranode" else \
             f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
         cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
                  _pair(r, "dispatch_us", "combine_us", ".1f"), cell(r.get("round_us"), ".1f"),
@@ -924,6 +936,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform",
                    help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
+    p.add_argument("--protocol", nargs="+", default=["bw"], choices=["auto", "ll", "bw"],
+                   help="intranode wire protocols to run every intranode point with (config intranode_protocol; "
+                        "records say which one ran: field protocol)")
     layer = p.add_argument_group("layer modes (runtime/bench_layer.py, docs/LAYER.md); any of them replaces the sweep")
     layer.add_argument("--layer-loop", action="store_true",
                        help="L layers of dispatch -> identity copy -> combine in one graph, vs NCCL (bf16)")
@@ -993,10 +1008,15 @@ def main(argv=None) -> int:
         for T in args.tokens:
             for dt in dtypes:
                 for topo in topologies:
-                    rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
-                                          args.torch_baseline and topo is None, eager_iters=args.eager_iters,
-                                          input_sets=args.input_sets, topology=topo, geometry=geometry,
-                                          profile=args.profile, routing=args.routing))
+                    for protocol in (args.protocol if topo is None else ["bw"]):
+                        if protocol == "ll" and T > LL_MAX_TOKENS:
+                            if dist.get_rank() == 0:
+                                print(f"skipped: T={T} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)")
+                            continue
+                        rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
+                                              args.torch_baseline and topo is None, eager_iters=args.eager_iters,
+                                              input_sets=args.input_sets, topology=topo, geometry=geometry,
+                                              profile=args.profile, routing=args.routing, protocol=protocol))
     low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
            for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:

@@ -34,6 +34,15 @@ pre-quantized fp8/fp4 payloads are allowed), no std-MoE. The op checks the real 
 construction (``EPGEN_EMULATE_NODES=1`` skips it). The native backend runs it on generated record kernels
 around NCCL/RCCL all_to_all_single (runtime/internode.py).
 
+Intranode wire protocol (``intranode_protocol``, native backend): "bw" (bandwidth: claimed slots, one
+completion barrier per leg), "ll" (low latency: rows carry per-16-byte epoch flags the receiver polls, no
+fence or barrier on the critical path; verbatim payloads, gather arithmetic, at most ``LL_MAX_TOKENS``
+tokens per rank; docs/GUARANTEES.md) or "auto" (per call: "ll" for calls of at most the target's
+``intranode_ll_max_tokens`` tokens per rank in specs/tuning.toml when the config can run it, else "bw";
+every rank of a call must fall on the same side of the threshold: nothing exchanges the counts, so ranks
+whose counts straddle it run different protocols and time out; hence "bw" is the default). Both give the
+same results; the torch backend has one protocol and ignores the field.
+
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
 
@@ -59,6 +68,7 @@ BACKEND_ENV = "EPGEN_KERNEL_BACKEND"
 EMULATE_NODES_ENV = "EPGEN_EMULATE_NODES"  # "1": treat the gpu_per_node grouping as given (one-host tests)
 KERNEL_BACKENDS = ("native", "torch")
 INTERNODE_KERNELS = ("v2", "v2_ll", "auto")
+INTRANODE_PROTOCOLS = ("auto", "ll", "bw")
 COMBINE_MODES = ("gather", "scatter")
 DISPATCH_QUANT_TYPES = ("none", "fp8_blockwise", "fp4_blockwise")
 SCALE_TYPE_SIZES = (1, 4)  # 1: e8m0 bytes (torch.uint8), 4: torch.float32
@@ -142,6 +152,7 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
     gpu_per_node: int = attrs.field(default=0, converter=seed_compat.gpu_per_node)  # 0 (or None): world_size (one node)
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
+    intranode_protocol: str = "bw"  # "bw" (bandwidth) | "ll" (low latency) | "auto"; see the module docstring
     kernel_backend: str | None = attrs.field(default=None, converter=seed_compat.kernel_backend)  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
@@ -288,7 +299,7 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise self._fail(f, "must be an int")
-        for f in ("quant_type", "dispatch_quant_type", "internode_kernel", "launch_rows"):
+        for f in ("quant_type", "dispatch_quant_type", "internode_kernel", "intranode_protocol", "launch_rows"):
             if not isinstance(getattr(self, f), str):
                 raise self._fail(f, "must be a str")
         for f in ("combine_mode", "kernel_backend"):
@@ -368,6 +379,8 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
             raise self._fail("dispatch_quant_type", f"must be one of {', '.join(map(repr, dq_names))}")
         if self.internode_kernel not in INTERNODE_KERNELS:
             raise self._fail("internode_kernel", f"must be one of {', '.join(map(repr, INTERNODE_KERNELS))}")
+        if self.intranode_protocol not in INTRANODE_PROTOCOLS:
+            raise self._fail("intranode_protocol", f"must be one of {', '.join(map(repr, INTRANODE_PROTOCOLS))}")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise self._fail("kernel_backend", f"must be one of {', '.join(map(repr, KERNEL_BACKENDS))} or None")
         env = os.environ.get(BACKEND_ENV)
@@ -445,7 +458,7 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
                                              f"None resolves it)")
         self._check_block("quant_type")
 
-    def rule_fact_groups(self) -> list[list[dict[str, str]]]:
+    def rule_fact_groups(self, ll: bool | None = None) -> list[list[dict[str, str]]]:
         """Facts for the spec rule engine: one group per (role, topology) this config may use.
 
         A group holds the alternatives of a wire that depends on the target (an fp8 quant's wire is
@@ -457,11 +470,14 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
         data_type, wire = the dispatch_quant_type's wire dtype (data_type for "none"), quant =
         dispatch_quant_type. combine: family combine_<resolved mode>, dtype = the combine dtype,
         wire = the quant_type's wire dtype, quant = quant_type. A family the specs do not declare
-        contributes only ``family.role``.
+        contributes only ``family.role``. ll (None: intranode_protocol == "ll"): the low-latency families
+        (dispatch_ll, combine_ll) instead.
         """
         from generator import model as gmodel
 
         specs = load_specs()
+        if ll is None:
+            ll = self.intranode_protocol == "ll" and not self.is_internode
 
         def quant_wires(quant, dtype):
             if quant.wire_kind == "none":
@@ -476,10 +492,13 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
         else:
             ddtype = spec_dtype(self.data_type)
             dwires = quant_wires(dquant, ddtype)
-        roles = (
+        roles = [
             ("dispatch", "dispatch", ddtype, dwires, dquant),
             ("combine", f"combine_{self.resolved_combine_mode}", cdtype, quant_wires(cquant, cdtype), cquant),
-        )
+        ]
+        if ll:
+            roles = [("dispatch", "dispatch_ll", ddtype, dwires, dquant),
+                     ("combine", "combine_ll", cdtype, quant_wires(cquant, cdtype), cquant)]
         groups = []
         for role, family, dtype, wires, quant in roles:
             fam = specs.families.get(family)
@@ -497,17 +516,51 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
         """Every alternative of every group of ``rule_fact_groups``, flattened."""
         return [facts for group in self.rule_fact_groups() for facts in group]
 
-    def _check_rules(self) -> None:
+    def _rejecting_rule(self, ll: bool | None = None):
+        """The first spec rule that rejects this config's kernels (the low-latency ones with ll), or None."""
         from generator import model as gmodel
 
         rules = load_specs().rules
-        for group in self.rule_fact_groups():
+        for group in self.rule_fact_groups(ll):
             rejected = [gmodel.rejecting_rule(rules, facts) for facts in group]
             if all(r is not None for r in rejected):
-                rule = rejected[0]
-                raise ConfigError(f"{rule.name}: {rule.message}")
+                return rejected[0]
+        return None
+
+    def _check_rules(self) -> None:
+        rule = self._rejecting_rule()
+        if rule is not None:
+            raise ConfigError(f"{rule.name}: {rule.message}")
+
+    def ll_unavailable(self) -> str | None:
+        """Why the low-latency intranode protocol cannot run this config (None: it can)."""
+        from generator.abi import LL_MAX_TOKENS
+
+        if self.is_internode:
+            return (f"it is intranode only (world_size={self.world_size} > gpu_per_node={self.gpu_per_node} "
+                    f"is internode)")
+        if self.resolved_combine_mode != "gather":
+            return f"{self._combine_mode_words()}: it combines with the gather combine's arithmetic only"
+        if self.max_num_inp_token_per_rank > LL_MAX_TOKENS:
+            return (f"max_num_inp_token_per_rank={self.max_num_inp_token_per_rank}: it takes at most "
+                    f"{LL_MAX_TOKENS} tokens per rank")
+        rule = self._rejecting_rule(ll=True)
+        return None if rule is None else f"{rule.name}: {rule.message}"
+
+    @property
+    def intranode_protocols(self) -> tuple[str, ...]:
+        """The intranode wire protocols this config's calls may take ("ll", "bw"; none internode)."""
+        if self.is_internode:
+            return ()
+        if self.intranode_protocol == "auto":
+            return ("ll", "bw") if self.ll_unavailable() is None else ("bw",)
+        return (self.intranode_protocol,)
 
     def _check_built(self) -> None:
+        if self.intranode_protocol == "ll":
+            why = self.ll_unavailable()
+            if why is not None:
+                raise ConfigError(f"intranode_protocol='ll': the low-latency protocol cannot run this config: {why}")
         if self.enable_std_moe and self.is_internode:
             raise ConfigError(f"enable_std_moe=True: the standard-MoE layout conversion is intranode only; "
                               f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")

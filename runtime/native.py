@@ -6,8 +6,13 @@ construction; dispatch/combine only pack arguments and launch on torch's current
 sync, no allocation beyond the outputs; under a receive cap dispatch first numbers the slots: route_count,
 one all-gather of the counts on the op's group, route_slots), so they can be graph-captured.
 
+The intranode wire protocol of a call is "bw" (bandwidth: dispatch / combine_gather / combine_scatter) or
+"ll" (low latency: dispatch_ll / combine_ll, runtime/ll.py), chosen per call (config intranode_protocol);
+a combine takes its routing handle's protocol.
+
 Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
-  signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
+  signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | low latency (when the op may take it):
+  ll_cnt, ll_x, ll_c, ll_map (runtime/ll.py) | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
   recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
   scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k]
 """
@@ -26,7 +31,7 @@ import torch.distributed as dist
 from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
-from . import kernels, workspace
+from . import kernels, ll, workspace
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 from . import errors
 from .errors import EpgenError, InputError
@@ -63,6 +68,8 @@ class Plan:
     scat_scale_row: int
     scatter: bool
     fp8_dtype: torch.dtype
+    ll_row: int            # bytes of one low-latency dispatch slot (runtime/ll.py)
+    ll_cell: int           # bytes of one low-latency combine cell
 
     @classmethod
     def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
@@ -109,13 +116,23 @@ class Plan:
             c_name = f"combine_scatter.{comb}.{wire.name}.{q.name}.intranode"
             scat_row = H * wire.bits // 8
             scat_scale_row = (H // q.block) * _SCALE_BYTES[q.scale] if q.block else 0
+        k = cfg.num_experts_per_token
         return cls(d_name, c_name, in_row, wire_row, scale_row, out_dtype, out_cols, scales_dtype, scale_cols,
-                   comb_row, scat_row, scat_scale_row, scatter, getattr(torch, specs.dtypes[fp8].torch))
+                   comb_row, scat_row, scat_scale_row, scatter, getattr(torch, specs.dtypes[fp8].torch),
+                   ll.row_bytes(in_row, scale_row, k), ll.cell_bytes(comb_row, k))
 
-    def layout(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
-        """Byte offsets of every region, and 'total' (the same on every rank)."""
+    @property
+    def ll_variants(self) -> tuple[str, str]:
+        """The low-latency kernels moving the same rows (a verbatim payload, the gather's arithmetic)."""
+        return ("dispatch_ll." + self.dispatch_variant.split(".", 1)[1],
+                "combine_ll." + self.combine_variant.split(".", 1)[1])
+
+    def layout(self, cfg: EpDispatchCombineConfig, ll_tokens: int = 0) -> dict[str, int]:
+        """Byte offsets of every region, and 'total' (the same on every rank). The low-latency regions (for
+        calls of at most ll_tokens tokens) lie before recv_x: reset() zeroes everything before recv_x."""
         R, k, cells = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.max_num_inp_token_per_rank * cfg.world_size
-        sizes = [("signal", 4 * cfg.world_size), ("counter", 8 + 8 * cfg.world_size), ("recv_x", R * self.wire_row),
+        sizes = [("signal", 4 * cfg.world_size), ("counter", 8 + 8 * cfg.world_size),
+                 *ll.regions(cfg.world_size, ll_tokens, self.ll_row, self.ll_cell), ("recv_x", R * self.wire_row),
                  ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4), ("recv_idx", R * k * 4),
                  ("recv_src", R * 4)]
         if self.scatter:
@@ -212,6 +229,12 @@ def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
                              f"(hidden_dim={cfg.hidden_dim})")
 
 
+def ep_kernels(backend) -> tuple:
+    """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded)."""
+    return (("dispatch", backend._dispatch), ("combine", backend._combine),
+            *zip(("dispatch_ll", "combine_ll"), getattr(backend, "_ll", ())))
+
+
 class NativeBackend:
     name = "native"
 
@@ -229,12 +252,20 @@ class NativeBackend:
         self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
         self._dispatch = kernels.load(dvariant)
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
+        # the low-latency protocol: its kernels and buffer size (calls of at most ll_tokens tokens take it)
+        self.protocols = cfg.intranode_protocols
+        self.ll_tokens = ll.buffer_tokens(self.protocols, cfg.intranode_protocol == "ll",
+                                          cfg.max_num_inp_token_per_rank, load_specs().ll_max_tokens[self.arch])
+        self._ll = tuple(kernels.load(kernels.select(self.arch, n)) for n in plan.ll_variants) if self.ll_tokens else ()
+        if not self._ll:
+            self.protocols = ("bw",)
+        self.last_protocol: str | None = None  # the protocol of the last dispatch or combine
         self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
         self._numbering = route_kernels(self.arch) if self.capped else ()  # the deterministic slot numbering
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
-        self.layout = lay = plan.layout(cfg)
+        self.layout = lay = plan.layout(cfg, self.ll_tokens)
         self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
         self.buf, self.handle = self._ws.buf, self._ws.handle
         ptrs = getattr(self.handle, "buffer_ptrs_dev", None)
@@ -270,7 +301,9 @@ class NativeBackend:
                       off_recv_scales=lay["recv_scales"], off_recv_w=lay["recv_w"], off_recv_idx=lay["recv_idx"],
                       off_recv_src=lay["recv_src"], hidden=H, k=k, experts_per_rank=cfg.num_experts_per_rank,
                       num_experts=cfg.num_experts, rank=cfg.rank, world=cfg.world_size, max_recv=R,
-                      max_tokens=cfg.max_num_inp_token_per_rank)
+                      max_tokens=cfg.max_num_inp_token_per_rank, ll_tokens=self.ll_tokens,
+                      ll_row_bytes=plan.ll_row, ll_cell_bytes=plan.ll_cell,
+                      **({f"off_{n}": lay[n] for n in ("ll_cnt", "ll_x", "ll_c", "ll_map")} if self.ll_tokens else {}))
         self.dargs = kernels.EpArgs(**common, row_bytes=plan.in_row, wire_row_bytes=plan.wire_row,
                                     scale_row_bytes=plan.scale_row)
         comb = dict(off_scat_x=lay["scat_x"], off_scat_s=lay["scat_s"], off_scat_w=lay["scat_w"],
@@ -296,7 +329,9 @@ class NativeBackend:
 
     @property
     def capabilities(self) -> dict:
-        return {"graph_capture": True, "arch": self.arch, "kernels": (self._dispatch.symbol, self._combine.symbol)}
+        return {"graph_capture": True, "arch": self.arch, "intranode_protocols": self.protocols,
+                "ll_max_tokens": self.ll_tokens,
+                "kernels": tuple(k.symbol for k in (self._dispatch, self._combine, *self._ll))}
 
     def _check_geometry(self) -> None:
         """Every thread count this op can launch with (tuning table or config) fits its kernels: raise now,
@@ -305,7 +340,7 @@ class NativeBackend:
         if cfg.launch_threads % self.wave:
             raise EpgenError(f"launch_threads: {cfg.launch_threads} threads per block is not a whole number of "
                              f"{self.wave}-lane waves on {self.arch}")
-        for role, kern in (("dispatch", self._dispatch), ("combine", self._combine)):
+        for role, kern in ep_kernels(self):
             pinned = cfg.launch_thread_overrides(role, self.wave)
             counts = pinned or {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
             too_many = sorted(t for t in counts if t > kern.max_threads)
@@ -326,9 +361,9 @@ class NativeBackend:
         blocks, threads = cfg.launch_override(role, tokens, self.wave)
         threads = threads or b.threads
         blocks = blocks or b.blocks or self.num_sms
-        kern = self._dispatch if role == "dispatch" else self._combine
+        kern = getattr(self, f"_{role}") if role in ("dispatch", "combine") else self._ll[role == "combine_ll"]
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
-        if role == "combine":
+        if role != "dispatch":
             return blocks, threads
         per_block = 1 if self._block_rows(tokens) else threads // self.wave
         return max(1, min(blocks, -(-work_items // per_block))), threads
@@ -394,30 +429,34 @@ class NativeBackend:
         T, k = x.shape[0], cfg.num_experts_per_token
         if self.id_check == "sync" and routing is None and not torch.cuda.is_current_stream_capturing():
             check_expert_ids(cfg, indices)
+        protocol = routing.extra["protocol"] if routing is not None else ll.choose(self.protocols, self.ll_tokens, T)
         if routing is not None:  # replay: the handle's slots and row count, no claims
             slots, total = routing.extra["slots"], routing.extra["total"]
-        elif self.capped:  # below the worst case: (source rank, token) order decides who is dropped
+        elif self.capped and protocol == "bw":  # below the worst case: (source rank, token) order decides who is dropped
             slots, total = self._ordered_slots(indices)
-        else:
+        else:  # the low-latency dispatch numbers its rows in (source rank, token) order itself
             slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
             total = torch.empty(1, dtype=torch.int32, device=self.device)
         a = self.dargs
         a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), total.data_ptr()
-        a.replay = int(routing is not None or self.capped)
+        a.replay = int(routing is not None or (self.capped and protocol == "bw"))
         a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
-        blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
-        a.block_rows = int(block_rows)
-        self._stream = self._dispatch.launch(blocks, threads, a)
-        self._last = "dispatch"
+        if protocol == "ll":
+            self._stream = self._ll[0].launch(*self._launch_geometry("dispatch_ll", T, T)[:2], a)
+        else:
+            blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
+            a.block_rows = int(block_rows)
+            self._stream = self._dispatch.launch(blocks, threads, a)
+        self._last, self.last_protocol = "dispatch", protocol
         self.check(ids="skip")
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
             raise_if_dropped(cfg, self.dropped_count())
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"slots": slots, "total": total}}
+            {"extra": {"slots": slots, "total": total, "protocol": protocol}}
 
     def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots under a receive cap: rows numbered in (source rank, token) order (routing.ordered_slots),
@@ -524,8 +563,12 @@ class NativeBackend:
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
-        self._stream = self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
-        self._last = "combine"
+        protocol = routing.extra.get("protocol", "bw")  # the dispatch's: its slots and buffers
+        if protocol == "ll":
+            self._stream = self._ll[1].launch(*self._launch_geometry("combine_ll", T, T)[:2], a)
+        else:
+            self._stream = self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
+        self._last, self.last_protocol = "combine", protocol
         self.check(ids="skip")
         return out, out_w
 
@@ -556,12 +599,12 @@ class NativeBackend:
     def close(self) -> None:
         """Unload the kernels, free the op's device buffers and give the workspace back to the pool."""
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
-        for kern in (self._dispatch, self._combine, *self._numbering,
+        for kern in (self._dispatch, self._combine, *self._ll, *self._numbering,
                      *((self._std["pack"], self._std["unpack"]) if self._std else ())):
             kern.close()
         workspace.release(self._ws)
         self._ws = self._std = self.dargs = self.cargs = None
-        self._numbering = ()
+        self._numbering = self._ll = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self._error_words = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

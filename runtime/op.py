@@ -262,6 +262,13 @@ class EpDispatchCombineOp:
         return getattr(self._backend, "last_internode_kernel", None)
 
     @property
+    def last_intranode_protocol(self) -> str | None:
+        """The intranode wire protocol ("ll" low latency or "bw" bandwidth) the last dispatch or combine of
+        the native intranode backend took (intranode_protocol="auto" picks by the call's token count); None
+        on other backends or before the first call."""
+        return getattr(self._backend, "last_protocol", None)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -606,16 +613,20 @@ NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
     "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d, every region rounded up to 256 bytes "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
-    "scat_s, scat_w; std_moe_x outside the symmetric workspace); counter = 2 claim + 2W arrival words; R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
+    "scat_s, scat_w; std_moe_x outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
+    "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
+    "(L = its low-latency token limit, ll_row / ll_cell: runtime/ll.py); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
     "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
     "E_local = num_experts_per_rank")
 _REGION_ALIGN = 256
 
 
 def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.dtype,
-                     wire_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+                     wire_dtype: torch.dtype = torch.float8_e4m3fn, ll_tokens: int = 0) -> dict:
     """The native workspace formula (README.md) for this config: {"regions": {name: bytes}, "total_bytes",
-    "formula"}; each region rounded up to 256 bytes."""
+    "formula"}; each region rounded up to 256 bytes. ll_tokens: the low-latency protocol's token limit
+    (0: the op never takes it)."""
+    from . import ll
     from .config import load_specs
 
     cfg = config
@@ -630,7 +641,9 @@ def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.
     else:
         scale_row = cfg.scale_dim * cfg.scale_type_size
     c = cfg.combine_dtype.itemsize
-    regions = [("signal", 4 * W), ("counter", 8 + 8 * W), ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
+    regions = [("signal", 4 * W), ("counter", 8 + 8 * W),
+               *ll.regions(W, ll_tokens, ll.row_bytes(wire_row, scale_row, k), ll.cell_bytes(H * cfg.combine_dtype.itemsize, k)),
+               ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
                ("recv_w", R * 4 * k), ("recv_idx", R * 4 * k), ("recv_src", R * 4)]
     if cfg.resolved_combine_mode == "scatter":
         q = specs.quants[cfg.quant_type]

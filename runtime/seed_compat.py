@@ -121,11 +121,12 @@ def _bucket_edges(cfg) -> list[int]:
 
 
 def _seed_geometry(cfg, role: str, tokens: int) -> tuple[int | None, int | None]:
-    blocks = cfg.dispatch_block_num if role == "dispatch" else cfg.combine_block_num
-    warps = cfg.warp_num_per_block if role == "dispatch" else cfg.combine_warp_num_per_block
+    dispatch = role.startswith("dispatch")  # dispatch, dispatch_ll; combine, combine_ll
+    blocks = cfg.dispatch_block_num if dispatch else cfg.combine_block_num
+    warps = cfg.warp_num_per_block if dispatch else cfg.combine_warp_num_per_block
     if cfg.schedule:
         bucket = next((b for b in cfg.schedule if b[0] is None or tokens <= b[0]), cfg.schedule[-1])
-        sb, sw = (bucket[1], bucket[2]) if role == "dispatch" else (bucket[3], bucket[4])
+        sb, sw = (bucket[1], bucket[2]) if dispatch else (bucket[3], bucket[4])
         blocks, warps = blocks or sb, warps or sw
     return blocks, warps
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,10 +34,15 @@ TUNING = gspecs.default_root() / "tuning.toml"
 HEADER_END = "# `python -m runtime.tune`"
 
 
-def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str) -> str:
-    """specs/tuning.toml text for these buckets (targets and roles in a stable order)."""
+def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str, ll_max: dict[str, int] | None = None) -> str:
+    """specs/tuning.toml text for these buckets (targets and roles in a stable order), each target's
+    low-latency threshold (ll_max) first."""
     out = [header.rstrip("\n"), ""]
+    done = set()
     for (target, role) in sorted(tuning, key=lambda tr: (tr[0], gspecs.TUNING_ROLES.index(tr[1]))):
+        if ll_max and target not in done:
+            done.add(target)
+            out += [f"[tuning.{target}]", f"{gspecs.LL_THRESHOLD_KEY} = {ll_max.get(target, 0)}", ""]
         for b in tuning[(target, role)]:
             out += ([f"[[tuning.{target}.{role}]]"] + ([f"world = {b.world}"] if b.world else []) +
                     [f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}", f"threads = {b.threads}"] +
@@ -49,12 +55,12 @@ def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str
     in the tuning file at `path`, keeping every other world's; returns the new text."""
     specs = gspecs.load(path.parent)
     text = path.read_text()
-    header = text[: text.index("[[tuning.")]
+    header = text[: re.search(r"^\[\[?tuning\.", text, re.M).start()]
     tuning = {key: list(b) for key, b in specs.tuning.items()}
     for role, buckets in new.items():
         worlds = {b.world for b in buckets}
         tuning[(target, role)] = [b for b in tuning[(target, role)] if b.world not in worlds] + list(buckets)
-    return render(tuning, header)
+    return render(tuning, header, specs.ll_max_tokens)
 
 
 def buckets_from(best: dict[int, tuple], world: int = 0) -> list[gspecs.Bucket]:

@@ -10,7 +10,9 @@
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
 # the README table), LAYER=1 (docs/LAYER.md: the layer loop, the link's ceiling and the MoE layer on epgen and the
 # all_to_all_single shuffle, then all_to_all_vdev_2d in a process of its own (NVSHMEM), $OUT/layer.jsonl, the tables
-# (scripts/layer_table.py) and the example's GPU test).
+# (scripts/layer_table.py) and the example's GPU test),
+# LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
+# $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,7 +30,7 @@ if [ -z "${NO_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
-  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
@@ -55,6 +57,11 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
     timeout 90 torchrun --nproc-per-node "$NPROC" scripts/host_profile.py --iters 100 --internode v2_ll 2>&1 \
       | grep -vE "^(W|\*)" > "$OUT/host_internode.log"; status[host_internode]=${PIPESTATUS[0]}; head -1 "$OUT/host_internode.log"
   fi
+  if [ -n "${LL:-}" ]; then  # the low-latency intranode protocol and the bandwidth one side by side
+    timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 --dtypes bfloat16 \
+      --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
+    status[ll_bench]=${PIPESTATUS[0]}
+  fi
   if [ -n "${SWEEP:-}" ]; then
     timeout 540 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 512 2048 4096 8192 \
       --hidden 7168 4096 --dtypes bfloat16 float8_e4m3fn --torch-baseline --out "$OUT/sweep.jsonl" 2>&1 \
@@ -74,4 +81,4 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode ll_bench sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

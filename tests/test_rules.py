@@ -15,6 +15,8 @@ CASES = {
     "quant_fp4_wire": dict(family="combine_scatter", dtype="bf16", wire="fp8_e4m3fn", quant="fp4_blockwise", target="sm_90"),
     "wire_needs_quant": dict(family="dispatch", dtype="bf16", wire="fp8_e4m3fn", quant="none", target="gfx950"),
     "combine_dtype": dict(family=None, role="combine", dtype="fp8_e4m3fn", wire="fp8_e4m3fn", quant="none", topology="intranode"),
+    "ll_verbatim": dict(family="dispatch_ll", dtype="bf16", wire="fp8_e4m3fn", quant="fp8_blockwise", target="sm_90",
+                        topology="intranode"),
 }
 # combinations no rule may reject (guards against over-broad rules)
 ADMITTED = [
@@ -27,6 +29,10 @@ ADMITTED = [
     dict(family="dispatch", dtype="bf16", wire="fp8_e4m3fnuz", quant="fp8_blockwise", target="gfx942", topology="intranode"),
     dict(family="combine_scatter", dtype="bf16", wire="fp4_e2m1", quant="fp4_blockwise", target="gfx1250", topology="intranode"),
     dict(family=None, role="combine", dtype="fp32", wire="fp32", quant="none", topology="intranode"),
+    # the low-latency protocol moves any payload verbatim
+    dict(family="dispatch_ll", dtype="fp8_e4m3fnuz", wire="fp8_e4m3fnuz", quant="none", target="gfx942", topology="intranode"),
+    dict(family="dispatch_ll", dtype="fp4_e2m1", wire="fp4_e2m1", quant="none", target="gfx942", topology="intranode"),
+    dict(family="combine_ll", dtype="bf16", wire="bf16", quant="none", target="sm_90", topology="intranode"),
 ]
 
 

@@ -51,6 +51,12 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
+// Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
+// b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
+EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) { *(volatile epg_vec16*)p = v; }
+EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) { return *(const volatile epg_vec16*)p; }
+EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w32(p);
 }

@@ -51,6 +51,12 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
+// Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
+// b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
+EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) { *(volatile epg_vec16*)p = v; }
+EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) { return *(const volatile epg_vec16*)p; }
+EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w64(p);
 }
@@ -254,6 +260,13 @@ struct EpArgs {
   epg_i64 timeout_ns;
   epg_i64 replay;
   epg_i64 block_rows;
+  epg_i64 off_ll_cnt;
+  epg_i64 off_ll_x;
+  epg_i64 off_ll_c;
+  epg_i64 off_ll_map;
+  epg_i64 ll_tokens;
+  epg_i64 ll_row_bytes;
+  epg_i64 ll_cell_bytes;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -262,11 +275,18 @@ constexpr int EPG_ST_BAD_IDS = 3;
 constexpr int EPG_ST_DROPPED = 4;
 constexpr int EPG_ST_DISPATCHES = 5;
 constexpr int EPG_ST_LAST = 6;
+constexpr int EPG_ST_LL_DISPATCHES = 7;
+constexpr int EPG_ST_LL_COMBINES = 8;
 
 // state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
 // an entry barrier (the peers are done with the buffers the previous one filled); read by every block at
-// start, written by the block that finishes last (every block has read it by then).
-constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2;
+// start, written by the block that finishes last (every block has read it by then). A low-latency combine
+// (EPG_LAST_COMBINE_LL) reads its expert rows (maybe the receive buffer itself) until it ends, with no
+// barrier: a bandwidth dispatch, which writes the peers' receive buffers, waits for the peers after it.
+// A low-latency dispatch needs no entry barrier: its per-peer count words are the handshake (dispatch_ll.j2).
+constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
+EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
+EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -300,14 +320,25 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // passing early: values that matter are never 2^31 apart.
 EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
 EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
-EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
-  const epg_u64 t0 = epg_clock_ns();
-  const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
-  for (int spin = 1; !epg_reached(epg_ld_acquire_sys(p), value); ++spin) {
+// One bounded wait: construct it before the first poll, call more() after each poll that did not find
+// what it waits for (false: give up; a timeout has been recorded, by this wait or another).
+struct EpgSpin {
+  epg_u64 t0, limit;
+  int spin;
+  EPG_DEVICE EpgSpin(const EpArgs& a, int peer)
+      : t0(epg_clock_ns()), limit(peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns), spin(0) {}
+  EPG_DEVICE bool more(const EpArgs& a, int phase, int peer) {
+    ++spin;
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
     epg_pause();
+    return true;
   }
+};
+EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
+  EpgSpin w(a, peer);
+  while (!epg_reached(epg_ld_acquire_sys(p), value))
+    if (!w.more(a, phase, peer)) return false;
   return true;
 }
 
@@ -367,6 +398,34 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
 }
 
+// The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
+// a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
+// that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and
+// noted for the host. Every wave of the row reads the same ids, so the answer is uniform over them.
+EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
+  const epg_i64 t = it / a.world;
+  const int r = (int)(it % a.world);
+  const int lane = epg_lane();
+  const bool first_wave = me == lane;
+  int jf = -1;
+  for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
+    const int jj = j0 + lane;
+    const bool in = jj < a.k;
+    const int ee = in ? ((const int*)a.indices)[t * a.k + jj] : 0;
+    const bool ok = ee >= 0 && ee < a.num_experts;
+    const bool mine = in && ok && ee / (int)a.experts_per_rank == r;
+    const epg_u64 m = epg_ballot(mine);
+    if (jf < 0 && m) jf = j0 + epg_popc((m & (~m + 1)) - 1);  // the lowest lane naming rank r
+    if (in && first_wave) {
+      if (!a.replay && ((mine && jj != jf) || (r == 0 && !ok))) ((int*)a.slots)[t * a.k + jj] = -1;
+      if (r == 0 && ee >= a.num_experts) {
+        if (!a.replay) epg_atomic_add_dev((int*)a.state + EPG_ST_BAD_IDS, 1);
+        epg_note_bad_id(a, ee);
+      }
+    }
+  }
+  return jf;
+}
 // ---- wire format: fp8_e4m3fn
 constexpr int EPG_WIRE_BITS = 8;
 constexpr int EPG_SCALE_BLOCK = 0;
@@ -397,7 +456,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 EPG_KERNEL void epg_combine_scatter__bf16__fp8_e4m3fn__fp8_direct_cast__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (state[EPG_ST_LAST] == EPG_LAST_COMBINE &&  // origins done reading the previous combine
+  if (epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine
       epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;
 
   char* mine = epg_peer(a, a.rank);

@@ -35,6 +35,18 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
+// Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
+// 16-byte access each, L1 bypassed), and 64-bit count words (release / acquire).
+EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) {
+  epg_vec16 v;
+  asm volatile("ld.volatile.global.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { epg_u64 v; asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
@@ -195,6 +207,13 @@ struct EpArgs {
   epg_i64 timeout_ns;
   epg_i64 replay;
   epg_i64 block_rows;
+  epg_i64 off_ll_cnt;
+  epg_i64 off_ll_x;
+  epg_i64 off_ll_c;
+  epg_i64 off_ll_map;
+  epg_i64 ll_tokens;
+  epg_i64 ll_row_bytes;
+  epg_i64 ll_cell_bytes;
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -203,11 +222,18 @@ constexpr int EPG_ST_BAD_IDS = 3;
 constexpr int EPG_ST_DROPPED = 4;
 constexpr int EPG_ST_DISPATCHES = 5;
 constexpr int EPG_ST_LAST = 6;
+constexpr int EPG_ST_LL_DISPATCHES = 7;
+constexpr int EPG_ST_LL_COMBINES = 8;
 
 // state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
 // an entry barrier (the peers are done with the buffers the previous one filled); read by every block at
-// start, written by the block that finishes last (every block has read it by then).
-constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2;
+// start, written by the block that finishes last (every block has read it by then). A low-latency combine
+// (EPG_LAST_COMBINE_LL) reads its expert rows (maybe the receive buffer itself) until it ends, with no
+// barrier: a bandwidth dispatch, which writes the peers' receive buffers, waits for the peers after it.
+// A low-latency dispatch needs no entry barrier: its per-peer count words are the handshake (dispatch_ll.j2).
+constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
+EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
+EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -241,14 +267,25 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // passing early: values that matter are never 2^31 apart.
 EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
 EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
-EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
-  const epg_u64 t0 = epg_clock_ns();
-  const epg_u64 limit = peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns;
-  for (int spin = 1; !epg_reached(epg_ld_acquire_sys(p), value); ++spin) {
+// One bounded wait: construct it before the first poll, call more() after each poll that did not find
+// what it waits for (false: give up; a timeout has been recorded, by this wait or another).
+struct EpgSpin {
+  epg_u64 t0, limit;
+  int spin;
+  EPG_DEVICE EpgSpin(const EpArgs& a, int peer)
+      : t0(epg_clock_ns()), limit(peer < 0 ? 2 * (epg_u64)a.timeout_ns : (epg_u64)a.timeout_ns), spin(0) {}
+  EPG_DEVICE bool more(const EpArgs& a, int phase, int peer) {
+    ++spin;
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
     epg_pause();
+    return true;
   }
+};
+EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase, int peer) {
+  EpgSpin w(a, peer);
+  while (!epg_reached(epg_ld_acquire_sys(p), value))
+    if (!w.more(a, phase, peer)) return false;
   return true;
 }
 
@@ -308,20 +345,6 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
 }
 
-// Dispatch (fp8_e4m3fn, intranode): one wave per (token, destination rank), so every
-// wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
-// idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
-// (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
-// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies
-// the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim,
-// 16 bytes at a time where aligned) and the token's weights and ids.
-// With a.block_rows a whole block works on one row instead (thread 0 claims, shared memory hands the
-// slot on): more loads in flight per row, for small batches whose rows are fewer than the grid's waves.
-// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
-// dropped and counted on receive. Each block then adds its share to every rank's arrival word for
-// this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
-// (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
-
 // The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
 // a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
 // that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and
@@ -351,13 +374,27 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
   return jf;
 }
 
+// Dispatch (fp8_e4m3fn, intranode): one wave per (token, destination rank), so every
+// wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
+// idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
+// (one row per (token, rank)); lane 0 claims a slot with a system-scope atomic on the destination's
+// counter, issued one row ahead so its round trip overlaps the previous row's copy; the wave copies
+// the row into the peer's receive buffer (16-byte stores; per-row scales, if any, copied verbatim,
+// 16 bytes at a time where aligned) and the token's weights and ids.
+// With a.block_rows a whole block works on one row instead (thread 0 claims, shared memory hands the
+// slot on): more loads in flight per row, for small batches whose rows are fewer than the grid's waves.
+// With a.replay the slots come from a routing handle instead (no claims). Rows past max_recv are
+// dropped and counted on receive. Each block then adds its share to every rank's arrival word for
+// this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
+// (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
+
 constexpr int EPG_ARRIVE = 1 << 16;  // one rank's arrival per dispatch (more than any grid has blocks)
 
 EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int parity = state[EPG_ST_DISPATCHES] & 1;
   // previous receive buffers consumed everywhere
-  const bool entry_barrier = state[EPG_ST_LAST] == EPG_LAST_DISPATCH;
+  const bool entry_barrier = epg_dispatch_entry(state[EPG_ST_LAST]);
   if (entry_barrier && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL) return;
 
   const int lane = epg_thread() % EPG_WAVE;

@@ -35,6 +35,18 @@ EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
+// Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
+// 16-byte access each, L1 bypassed), and 64-bit count words (release / acquire).
+EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) {
+  epg_vec16 v;
+  asm volatile("ld.volatile.global.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { epg_u64 v; asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it

@@ -128,35 +128,46 @@ def test_parity_with_torch_backend():
         assert torch.equal(c1, c2.to(c1.device))
 
 
+def _capture_round(op, sx, sw, sidx, warmups=2):
+    """Warm up eagerly on a side stream, then capture dispatch -> identity expert into combine_in_view ->
+    combine of the static inputs: -> (graph, combined, combined weights, routing handle)."""
+    view = op.combine_in_view()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
+            view.copy_(out)
+            op.combine(view, weights=ow, routing=h)
+    torch.cuda.current_stream().wait_stream(s)
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
+        view.copy_(out)
+        comb, comb_w = op.combine(view, weights=ow, routing=h)
+    return g, comb, comb_w, h
+
+
+def _replay_and_check(g, comb, comb_w, cfg, x, w, idx, rep):
+    """Replay a _capture_round graph (its static inputs hold x, w, idx) and check the identity result."""
+    g.replay()
+    torch.cuda.synchronize()
+    U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
+    assert torch.equal(comb, (x.float() * U[:, None]).to(cfg.data_type)), f"replay {rep}"
+    assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
+
+
 def test_graph_capture_replays():
     cfg = _cfg(128, 7168, 8, 128)
     with EpDispatchCombineOp(cfg) as op:
         T = 128
         sx, sw, sidx = (t.clone() for t in _inputs(100, T, cfg))
-        view = op.combine_in_view()
-        # warm up eagerly on the capture stream, then capture dispatch -> identity expert -> combine
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-                view.copy_(out)
-                op.combine(view, weights=ow, routing=h)
-        torch.cuda.current_stream().wait_stream(s)
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-            view.copy_(out)
-            comb, comb_w = op.combine(view, weights=ow, routing=h)
+        g, comb, comb_w, _ = _capture_round(op, sx, sw, sidx)
         for rep in range(6):
             x, w, idx = _inputs(200 + rep, T, cfg)
             sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-            g.replay()
-            torch.cuda.synchronize()
-            U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
-            assert torch.equal(comb, (x.float() * U[:, None]).to(cfg.data_type)), f"replay {rep}"
-            assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
+            _replay_and_check(g, comb, comb_w, cfg, x, w, idx, rep)
 
 
 def test_graph_replay_after_an_eager_dispatch():
@@ -167,31 +178,14 @@ def test_graph_replay_after_an_eager_dispatch():
     with EpDispatchCombineOp(cfg) as op:
         T = 96
         sx, sw, sidx = (t.clone() for t in _inputs(300, T, cfg))
-        view = op.combine_in_view()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-            view.copy_(out)
-            op.combine(view, weights=ow, routing=h)
-        torch.cuda.current_stream().wait_stream(s)
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, ow, _, _, tot, h = op.dispatch(sx, sw, None, sidx, return_routing=True)
-            view.copy_(out)
-            comb, comb_w = op.combine(view, weights=ow, routing=h)
+        g, comb, comb_w, _ = _capture_round(op, sx, sw, sidx, warmups=1)
         for rep in range(4):
             x, w, idx = _inputs(400 + rep, T, cfg)
             op.dispatch(x, w, None, idx)  # eager dispatch, no combine: the replay's dispatch comes next
             if rep % 2:
                 _check_identity(op, cfg, x, w, idx, 400 + rep, T)  # eager dispatch -> combine in between
             sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-            g.replay()
-            torch.cuda.synchronize()
-            U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
-            assert torch.equal(comb, (x.float() * U[:, None]).to(cfg.data_type)), f"replay {rep}"
-            assert torch.allclose(comb_w, w * U[:, None], rtol=1e-6, atol=0)
+            _replay_and_check(g, comb, comb_w, cfg, x, w, idx, rep)
 
 
 def test_bad_expert_id_raises_and_op_stays_usable(monkeypatch):
