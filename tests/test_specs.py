@@ -73,5 +73,5 @@ def test_cli_reports_one_line_not_a_traceback(spec_copy, capsys):
 
 def test_template_outside_templates_rejected(spec_copy):
     _mutate(spec_copy / "kernels.toml", 'template = "kernels/quantize.j2"', 'template = "../../etc/passwd"')
-    with pytest.raises(S.SpecError, match="leaves templates/"):
+    with pytest.raises(S.SpecError, match=r"must be kernels/<name>\.j2 under templates/"):
         S.load(spec_copy)
