@@ -15,7 +15,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -248,7 +248,10 @@ def program_problem(vendor: str | None, kind: str, name: str) -> str | None:
     return f"{name!r} is not a known {kind[:-1]}" + (f" of {vendor} targets" if vendor else "")
 
 
-def _check_text(src: "_Source", line: int, header: str, key: str, value: str) -> str:
+_Line = "int | Callable[[], int]"  # a line number, or a function that finds it (called on error only)
+
+
+def _check_text(src: "_Source", line: _Line, header: str, key: str, value: str) -> str:
     bad = next((c for c in value if not c.isprintable() or len(f"a{c}a".splitlines()) != 1), None)
     if bad is not None:
         raise _fail(src, line, f"[{header}] {key}: character U+{ord(bad):04X} is not allowed: spec strings are "
@@ -342,8 +345,9 @@ class _Source:
         return hits[0] if hits else start
 
 
-def _fail(src: _Source, line: int, msg: str) -> SpecError:
-    return SpecError(f"{src.where(line)}: {msg}")
+def _fail(src: _Source, line: _Line, msg: str) -> SpecError:
+    """The located error."""
+    return SpecError(f"{src.where(line() if callable(line) else line)}: {msg}")
 
 
 def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
@@ -371,7 +375,7 @@ def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
 # ---------------------------------------------------------------------------------------------
 # Typed conversion of one table into a record
 # ---------------------------------------------------------------------------------------------
-def _check_form(src: _Source, line: int, header: str, key: str, cls: type, name: str, value: Any) -> None:
+def _check_form(src: _Source, line: _Line, header: str, key: str, cls: type, name: str, value: Any) -> None:
     """The declared domain of a field: enumeration, range or form (one string of a list at a time)."""
     choices = _CHOICES.get((cls, name))
     if choices is not None and value not in choices:
@@ -386,7 +390,9 @@ def _check_form(src: _Source, line: int, header: str, key: str, cls: type, name:
 
 def _convert(src: _Source, path: tuple[str, ...], key: str, value: Any, tp: Any, occurrence: int,
              cls: type) -> Any:
-    line = src.key_line(path, key, occurrence)
+    def line() -> int:
+        return src.key_line(path, key, occurrence)
+
     header = show(path)
     base = getattr(tp, "__origin__", tp)
     if base is tuple:
@@ -405,9 +411,10 @@ def _convert(src: _Source, path: tuple[str, ...], key: str, value: Any, tp: Any,
             raise _fail(src, line, f"[{header}] {key}: expected a table, got {value!r}")
         out = []
         for k in sorted(value):
-            v = value[k]
-            at = src.key_line(path + (key,), k, start=line)
-            sub = f"{key}.{show((k,))}"
+            def at(k: str = k) -> int:
+                return src.key_line(path + (key,), k, start=line())
+
+            v, sub = value[k], f"{key}.{show((k,))}"
             _check_text(src, at, header, f"{key} key", k)
             _check_form(src, at, header, sub, cls, key, k)
             if isinstance(v, str):
@@ -606,10 +613,10 @@ def _check_dtype(src: _Source, d: DType) -> None:
         raise _fail(src, src.key_line(hdr, "bits"), f"[{show(hdr)}] bits = {d.bits}: a {d.kind!r} dtype has "
                                                     f"{' or '.join(map(str, _DTYPE_BITS[d.kind]))} bits")
     if (d.fp8_format != "") != (d.kind == "fp8"):
-        raise _fail(src, src.key_line(hdr, "fp8_format" if d.fp8_format else "kind"),
+        raise _fail(src, src.key_line(hdr, "fp8_format"),
                     f"[{show(hdr)}] fp8_format = {d.fp8_format!r}: an fp8 dtype names its format, no other does")
     if (d.scale_block != 0) != (d.kind == "fp4"):
-        raise _fail(src, src.key_line(hdr, "scale_block" if d.scale_block else "kind"),
+        raise _fail(src, src.key_line(hdr, "scale_block"),
                     f"[{show(hdr)}] scale_block = {d.scale_block}: an fp4 dtype has one (> 0), no other does")
 
 
