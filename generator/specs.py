@@ -10,6 +10,7 @@ line-continuation backslash would turn the rest of the value (or the next line) 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -252,8 +253,9 @@ _Line = "int | Callable[[], int]"  # a line number, or a function that finds it 
 
 
 def _check_text(src: "_Source", line: _Line, header: str, key: str, value: str) -> str:
-    bad = next((c for c in value if not c.isprintable() or len(f"a{c}a".splitlines()) != 1), None)
-    if bad is not None:
+    # every character str.splitlines() breaks at (U+2028, U+0085, ...) is also one that is not printable
+    if not value.isprintable() or len(f"a{value}a".splitlines()) != 1:
+        bad = next(c for c in value if not c.isprintable() or len(f"a{c}a".splitlines()) != 1)
         raise _fail(src, line, f"[{header}] {key}: character U+{ord(bad):04X} is not allowed: spec strings are "
                                f"printable text on one line, got {value!r}")
     if value.endswith(("\\", "??/")):
@@ -307,19 +309,24 @@ class _Source:
         self.path = path
         # TOML lines end at \n only (tomllib's line numbers count those), not at U+2028 & co
         self.lines = text.split("\n")
-        self.entries: list[tuple[int, tuple[str, ...], bool]] = []  # (line, full key path, is a header)
+
+    @functools.cached_property
+    def entries(self) -> list[tuple[int, tuple[str, ...], bool]]:
+        """(line, full key path, is a header) of every table header and key line; found when first asked."""
+        entries = []
         table: tuple[str, ...] = ()
         for i, line in enumerate(self.lines, 1):
             if line.lstrip().startswith("["):
                 path = _key_path(line)
                 if path:
                     table = path
-                    self.entries.append((i, path, True))
+                    entries.append((i, path, True))
                     continue
             m = _KEY_LINE.match(line)
             key = _key_path(m.group(1) + " = 0") if m else None
             if key:
-                self.entries.append((i, table + key, False))
+                entries.append((i, table + key, False))
+        return entries
 
     def where(self, line: int) -> str:
         rel = os.path.relpath(self.path)
@@ -441,7 +448,9 @@ def _convert(src: _Source, path: tuple[str, ...], key: str, value: Any, tp: Any,
 
 
 def _record(cls: type, src: _Source, path: tuple[str, ...], table: Any, occurrence: int = 0, **extra: Any) -> Any:
-    line = src.table_line(path, occurrence)
+    def line() -> int:
+        return src.table_line(path, occurrence)
+
     header = show(path)
     if not isinstance(table, dict):
         raise _fail(src, line, f"[{header}] must be a table")
@@ -689,7 +698,7 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> dict[t
             recs = [_record(Bucket, src, path, b, occurrence=i) for i, b in enumerate(buckets)]
             recs_of: dict[int, list[Bucket]] = {}  # by world size, in file order
             for i, rec in enumerate(recs):
-                line = src.table_line(path, i)
+                line = functools.partial(src.table_line, path, i)
                 if rec.threads % wave:
                     raise _fail(src, src.key_line(path, "threads", i),
                                 f"[[{hdr}]] threads = {rec.threads}: a multiple of the wave size {wave}, at most 1024")
