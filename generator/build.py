@@ -168,6 +168,8 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
 def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: str | None = None,
           jobs: int | None = None, compile: bool = True, cache_dir: Path | None = None,
           out_root: Path | None = None, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs = {jobs}: at least one compiler runs")
     archs = list(archs)
     out_root = out_root or generated_root(specs)
     for arch in archs:
