@@ -1,11 +1,13 @@
 """Spec loader: TOML files under specs/ -> frozen attrs records.
 
-Every problem is reported as one ``file:line: message`` (SpecError), never a traceback:
-TOML syntax errors and duplicate keys (from tomllib), unknown keys, missing keys, wrong types,
-unknown references between files. Spec text is data only; nothing in it is evaluated.
-Strings are single-line text (no control characters), and a description may not end in a
-backslash: descriptions land in a ``//`` comment of the generated source, where a newline or a
-line-continuation backslash would turn the rest of the value (or the next line) into code.
+Every problem is reported as one ``file:line: message`` (SpecError) at the line of the value, never a
+traceback: TOML syntax errors, duplicate keys and text that is not UTF-8, unknown keys, missing keys,
+wrong types, values outside their field's declared domain, unknown references between files. Spec
+text is data only; nothing in it is evaluated. Every field has a domain (below): strings are printable
+text on one line (no character str.splitlines() breaks at), names whole C identifiers, values that
+become path parts or template paths of a fixed form, compilers known toolchain programs, numbers in
+declared ranges. A description may not end in a backslash: descriptions land in a ``//`` comment of
+the generated source, where a line break or a line splice would turn the rest into code.
 """
 
 from __future__ import annotations
@@ -237,7 +239,6 @@ _PATTERNS = {
     (Family, "template"): (re.compile(r"kernels/[A-Za-z_][A-Za-z0-9_]*\.j2"), "kernels/<name>.j2 under templates/"),
     (Rule, "name"): (_IDENT, "a C identifier"),
 }
-_COMMENT_TEXT = {(Target, "description"), (Family, "description"), (Topology, "description")}
 
 
 def program_problem(vendor: str | None, kind: str, name: str) -> str | None:
