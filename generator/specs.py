@@ -202,6 +202,7 @@ _FP8_FORMAT_MAX = {"ocp": 448.0, "fnuz": 240.0}  # largest finite e4m3 value of 
 _DTYPE_BITS = {"float": (16, 32), "fp8": (8,), "fp4": (4,), "int": (32,)}  # storage bits each kind allows
 _SCALE_WIRES = {"none": ("none", "fp8"), "fp32": ("fp8",), "e8m0": ("fp4",)}  # wire kinds each scale serves
 _LANE_ELEMS = 8  # elements each lane converts: a scale block is whole lanes of one wave
+_LIBRARIES = {"amd": ("amd",), "nvidia": ("nvidia",)}  # macro libraries (templates/targets/) per vendor
 
 # Numbers: every int/float field of a record (tests/test_trust.py checks none is left out).
 _RANGES = {
@@ -258,7 +259,7 @@ def _check_text(src: "_Source", line: _Line, header: str, key: str, value: str) 
     if not value.isprintable() or len(f"a{value}a".splitlines()) != 1:
         bad = next(c for c in value if not c.isprintable() or len(f"a{c}a".splitlines()) != 1)
         raise _fail(src, line, f"[{header}] {key}: character U+{ord(bad):04X} is not allowed: spec strings are "
-                               f"printable text on one line, got {value!r}")
+                               f"printable text on one line (no control characters), got {value!r}")
     if value.endswith(("\\", "??/")):
         raise _fail(src, line, f"[{header}] {key}: must not end with a backslash (it would continue a generated "
                                f"source's comment line), got {value!r}")
@@ -478,7 +479,7 @@ def _check_name(src: _Source, path: tuple[str, ...]) -> str:
     """A table name that becomes a C symbol and a file-name part: a C identifier, whole."""
     name = path[-1]
     if not _IDENT.fullmatch(name):
-        raise _fail(src, src.table_line(path), f"[{show(path)}] name {name!r} is not a C identifier")
+        raise _fail(src, src.table_line(path), f"name {name!r} is not a C identifier")
     return name
 
 
@@ -602,6 +603,9 @@ def _check_target(src: _Source, t: Target, toolchains: dict[str, Toolchain]) -> 
             if why:
                 raise _fail(src, src.key_line(("toolchain", tc.name), kind),
                             f"[toolchain.{tc.name}] {kind}: {why} (toolchain of [{show(hdr)}])")
+    if t.library not in _LIBRARIES[t.vendor]:
+        raise _fail(src, src.key_line(hdr, "library"), f"[{show(hdr)}] library {t.library!r}: the macro library of "
+                                                      f"{t.vendor} targets is {' or '.join(_LIBRARIES[t.vendor])}")
     if not (TEMPLATES / "targets" / f"{t.library}.j2").is_file():
         raise _fail(src, src.key_line(hdr, "library"),
                     f"[{show(hdr)}] library {t.library!r}: no templates/targets/{t.library}.j2")

@@ -278,6 +278,7 @@ def test_fp8_max_is_rendered_exactly(spec_copy):
      '[[tuning."gfx942".dispatch]]\nmax_tokens = 0\nblocks = 0\nthreads = 500', "threads = 500"),
     ("kernels.toml", 'template = "kernels/route_count.j2"', 'template = "kernels/route_counts.j2"', "route_counts"),
     ("targets.toml", 'library = "nvidia"', 'library = "nvidai"', "nvidai"),
+    ("targets.toml", 'library = "amd"', 'library = "nvidia"  # on gfx942', "# on gfx942"),
     ("targets.toml", "wave_size = 32\nfp8_e4m3 = \"ocp\"\nfp8_max = 448.0\nfp4_conversion = \"software\"",
      "wave_size = 9223372036854775807\nfp8_e4m3 = \"ocp\"\nfp8_max = 448.0\nfp4_conversion = \"software\"",
      "wave_size = 9223372036854775807"),
