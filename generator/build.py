@@ -59,23 +59,24 @@ def render_target(specs: Specs, arch: str) -> tuple[dict[str, str], dict]:
     return files, manifest
 
 
-def _owned(path: Path) -> bool:
-    return path.suffix in (".hip", ".cu") or path.name == "manifest.json"
+def _owned(specs: Specs, path: Path) -> bool:
+    """Files of generated/<arch>/ the generator writes: sources (the toolchains' extensions) and the manifest."""
+    return path.suffix in {f".{tc.extension}" for tc in specs.toolchains.values()} or path.name == "manifest.json"
 
 
-def stale_files(arch: str, files: dict[str, str], out_root: Path) -> list[Path]:
+def stale_files(specs: Specs, arch: str, files: dict[str, str], out_root: Path) -> list[Path]:
     d = out_root / arch
-    return sorted(p for p in d.iterdir() if p.is_file() and _owned(p) and p.name not in files) if d.is_dir() else []
+    return sorted(p for p in d.iterdir() if p.is_file() and _owned(specs, p) and p.name not in files) if d.is_dir() else []
 
 
 def write_target(specs: Specs, arch: str, out_root: Path | None = None) -> tuple[int, int]:
     """Render into generated/<arch>/, writing only changed files. Returns (written, removed)."""
     out_root = out_root or generated_root(specs)
     files, _ = render_target(specs, arch)
-    written = sum(render.write_if_changed(out_root / arch / name, text) for name, text in sorted(files.items()))
-    stale = stale_files(arch, files, out_root)
+    written = sum(render.write_if_changed(out_root / arch / name, text, out_root) for name, text in sorted(files.items()))
+    stale = stale_files(specs, arch, files, out_root)
     for p in stale:
-        p.unlink()
+        render.inside(out_root, p).unlink()
     return written, len(stale)
 
 
@@ -90,7 +91,7 @@ def freshness(specs: Specs, arch: str, out_root: Path | None = None) -> list[str
             problems.append(f"missing {p}")
         elif p.read_text() != text:
             problems.append(f"out of date {p}")
-    problems += [f"stale {p}" for p in stale_files(arch, files, out_root)]
+    problems += [f"stale {p}" for p in stale_files(specs, arch, files, out_root)]
     return problems
 
 
@@ -184,6 +185,8 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
 def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: str | None = None,
           jobs: int | None = None, compile: bool = True, cache_dir: Path | None = None,
           out_root: Path | None = None, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs = {jobs}: at least one compiler runs")
     archs = list(archs)
     out_root = out_root or generated_root(specs)
     for arch in archs:

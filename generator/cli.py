@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 
 from . import build as B
+from . import render
 from . import specs as S
 from .model import combination_facts, enumerate_variants, rejecting_rule
 
@@ -25,6 +26,23 @@ def _archs(specs: S.Specs, arch: str) -> list[str]:
     return [arch]
 
 
+def _profile(specs: S.Specs, profile: str) -> str:
+    if profile not in specs.profiles:
+        raise SystemExit(f"error: unknown profile {profile!r} (known: {', '.join(specs.profiles)})")
+    return profile
+
+
+def _jobs(text: str) -> int:
+    """--jobs: a whole number of parallel compilers, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -34,8 +52,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_build(specs: S.Specs, args) -> int:
-    if args.profile not in specs.profiles:
-        raise SystemExit(f"error: unknown profile {args.profile!r} (known: {', '.join(specs.profiles)})")
+    _profile(specs, args.profile)
     archs = _archs(specs, args.arch)
     t0 = time.perf_counter()
 
@@ -68,7 +85,7 @@ def cmd_build(specs: S.Specs, args) -> int:
 
 
 def cmd_list(specs: S.Specs, args) -> int:
-    variants, _ = enumerate_variants(specs, _archs(specs, args.arch), args.profile, args.only)
+    variants, _ = enumerate_variants(specs, _archs(specs, args.arch), _profile(specs, args.profile), args.only)
     rows = [[v.key, v.family.name, v.dtype.name, v.wire.name, v.quant.name, v.topology.name if v.topology else "-",
              " ".join(v.expected_isa) or "-"] for v in variants]
     print(_table(rows, ["variant", "family", "dtype", "wire", "quant", "topology", "expected isa"]))
@@ -153,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", required=True, help="target name or 'all'")
     b.add_argument("--profile", default="default")
     b.add_argument("--only", help="glob over variant names / keys")
-    b.add_argument("--jobs", type=int, default=None)
+    b.add_argument("--jobs", type=_jobs, default=None, help="parallel compilers (default: the CPU count)")
     b.add_argument("--no-compile", action="store_true", help="render and write the manifest only")
     b.add_argument("--cache-dir", help="code-object cache (default $EPGEN_CACHE_DIR or ~/.cache/epgen)")
     b.add_argument("--out", help="where rendered sources go (default $EPGEN_GENERATED_DIR, else generated/ beside "
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = S.load(args.specs)
         return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
-    except S.SpecError as e:
+    except (S.SpecError, render.OutsideRoot) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jinja2.TemplateError as e:

@@ -10,10 +10,19 @@ import jinja2
 
 from . import abi
 from .model import Variant
-from .specs import checkout_root, packaged_root
+from .specs import TEMPLATES  # the checkout's templates/, else the copy shipped in the package
 
-# the checkout's templates/, else the copy shipped in the installed package (generator/data/templates)
-TEMPLATES = (checkout_root() or packaged_root()) / "templates"
+
+class OutsideRoot(ValueError):
+    """A path the generator was asked to write or remove resolves outside the folder it owns."""
+
+
+def inside(root: Path, path: Path) -> Path:
+    """`path`, after checking that it resolves (links followed) to a place under `root`: the writer's
+    second line of defence behind the loader's checks of every value that becomes a path part."""
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise OutsideRoot(f"refusing to write {str(path)!r}: it resolves outside {str(root)!r}")
+    return path
 
 
 class _Loader(jinja2.FileSystemLoader):
@@ -59,8 +68,10 @@ def sha256(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
-def write_if_changed(path: Path, text: str) -> bool:
-    """Atomically write text to path unless it already holds exactly that. Returns True if written."""
+def write_if_changed(path: Path, text: str, root: Path) -> bool:
+    """Atomically write text to path (which must stay under root) unless it already holds exactly that.
+    Returns True if written."""
+    inside(root, path)
     data = text.encode()
     try:
         if path.read_bytes() == data:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from .specs import Target, Toolchain
+from .specs import Target, Toolchain, program_problem
 
 
 @attrs.frozen
@@ -74,6 +74,11 @@ def _clang_major(version: str) -> int:
 
 @functools.cache
 def find(tc: Toolchain) -> Tools:
+    # the loader admits only known toolchain programs; a Toolchain built by hand gets the same check
+    unknown = [why for kind in ("compilers", "disassemblers") for n in getattr(tc, kind)
+               if (why := program_problem(None, kind, n))]
+    if unknown:
+        raise ToolchainMissing(f"toolchain {tc.name!r}: {'; '.join(unknown)}")
     extra = _pip_nvidia_bins()
     compiler = None
     for name in tc.compilers:

@@ -59,11 +59,11 @@ def test_loader_stays_inside_templates():
 
 def test_write_only_on_change(tmp_path):
     p = tmp_path / "a" / "x.hip"
-    assert render.write_if_changed(p, "one\n") is True
+    assert render.write_if_changed(p, "one\n", tmp_path) is True
     mtime = p.stat().st_mtime_ns
-    assert render.write_if_changed(p, "one\n") is False
+    assert render.write_if_changed(p, "one\n", tmp_path) is False
     assert p.stat().st_mtime_ns == mtime
-    assert render.write_if_changed(p, "two\n") is True and p.read_text() == "two\n"
+    assert render.write_if_changed(p, "two\n", tmp_path) is True and p.read_text() == "two\n"
 
 
 def test_build_rewrites_nothing_when_fresh(specs, tmp_path):

@@ -6,6 +6,8 @@ import pytest
 
 from generator import specs as S
 from generator.cli import main
+from spec_edit import line_of as _line_of
+from spec_edit import mutate as _mutate
 
 
 def test_specs_load(specs):
@@ -15,19 +17,6 @@ def test_specs_load(specs):
     assert specs.dtypes["fp4_e2m1"].scale_block == 32
     assert specs.quants["fp8_blockwise"].block == 128 and specs.quants["fp4_blockwise"].scale == "e8m0"
     assert {"default", "all"} <= set(specs.profiles)
-
-
-def _mutate(path, old, new):
-    text = path.read_text()
-    assert old in text, old
-    path.write_text(text.replace(old, new, 1))
-
-
-def _line_of(path, needle):
-    """Line of the last occurrence (a duplicate is reported where it repeats)."""
-    hits = [i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line]
-    assert hits, needle
-    return hits[-1]
 
 
 @pytest.mark.parametrize("file,old,new,needle,message", [
@@ -73,5 +62,5 @@ def test_cli_reports_one_line_not_a_traceback(spec_copy, capsys):
 
 def test_template_outside_templates_rejected(spec_copy):
     _mutate(spec_copy / "kernels.toml", 'template = "kernels/quantize.j2"', 'template = "../../etc/passwd"')
-    with pytest.raises(S.SpecError, match="leaves templates/"):
+    with pytest.raises(S.SpecError, match=r"must be kernels/<name>\.j2 under templates/"):
         S.load(spec_copy)

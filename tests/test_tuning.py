@@ -56,7 +56,7 @@ def test_buckets_select_by_tokens(spec_copy):
     (["max_tokens = 0\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 64\nblocks = 0\nthreads = 512",
       "world = 4\nmax_tokens = 32\nblocks = 0\nthreads = 512", "world = 4\nmax_tokens = 0\nblocks = 0\nthreads = 512"],
      r"buckets \(world = 4\) must ascend"),
-    (["world = -2\nmax_tokens = 0\nblocks = 0\nthreads = 512"], "world must be >= 0"),
+    (["world = -2\nmax_tokens = 0\nblocks = 0\nthreads = 512"], r"world = -2: must be >= 0"),
 ])
 def test_bad_tables_are_located(spec_copy, bodies, message):
     _write(spec_copy, _table({("sm_90", "dispatch"): bodies}))
