@@ -3,12 +3,19 @@
 torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--topk 8] [--experts 256]
                                             [--blocks B ...] [--threads 256 512] [--rows wave [block]]
                                             [--write [--fallback]]
+torchrun --nproc-per-node N -m runtime.tune --ll-threshold [--tokens 1 8 32 64 128 256 512] [--write]
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
 median, correctness-gated like the benchmark) for every candidate (blocks, threads, dispatch rows)
 and keeps the fastest; with --write, rank 0 rewrites this target's buckets for this run's world size
 (`world = N` in specs/tuning.toml; --fallback: the buckets any world size without its own falls back
 to). Other world sizes' and other targets' entries are kept as they are.
+
+--ll-threshold times one round (dispatch + combine, graph replay, slowest rank's median, identity-gated)
+with the low-latency and the bandwidth intranode protocols at each token count (each protocol with its
+tuning-table geometry) and sets this target's ``intranode_ll_max_tokens`` (what ``intranode_protocol =
+"auto"`` switches on) to the largest count up to which the low-latency protocol won at every count
+measured (0: it never did).
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str, ll_m
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str:
+def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]], ll_max: int | None = None) -> str:
     """Replace `target`'s buckets of the world size the new ones carry (their `world`; 0: the fallback)
-    in the tuning file at `path`, keeping every other world's; returns the new text."""
+    in the tuning file at `path`, keeping every other world's, and its low-latency threshold when
+    `ll_max` is given; returns the new text."""
     specs = gspecs.load(path.parent)
     text = path.read_text()
     header = text[: re.search(r"^\[\[?tuning\.", text, re.M).start()]
@@ -60,7 +68,22 @@ def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]]) -> str
     for role, buckets in new.items():
         worlds = {b.world for b in buckets}
         tuning[(target, role)] = [b for b in tuning[(target, role)] if b.world not in worlds] + list(buckets)
-    return render(tuning, header, specs.ll_max_tokens)
+    thresholds = dict(specs.ll_max_tokens)
+    if ll_max is not None:
+        thresholds[target] = ll_max
+    return render(tuning, header, thresholds)
+
+
+def ll_threshold(rounds: dict[int, tuple[float, float]]) -> int:
+    """{tokens: (low-latency us, bandwidth us)} -> the largest token count up to which the low-latency
+    protocol was faster at every measured count (0: not at the smallest)."""
+    best = 0
+    for t in sorted(rounds):
+        ll, bw = rounds[t]
+        if not ll < bw:
+            break
+        best = t
+    return best
 
 
 def buckets_from(best: dict[int, tuple], world: int = 0) -> list[gspecs.Bucket]:
@@ -72,12 +95,14 @@ def buckets_from(best: dict[int, tuple], world: int = 0) -> list[gspecs.Bucket]:
             for t in counts]
 
 
-def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int, rows: str = "wave") -> tuple[float, float]:
+def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int, rows: str = "wave",
+            protocol: str = "bw") -> tuple[float, float]:
+    """(dispatch us, combine us) of one geometry (0, 0: the tuning table's) and intranode protocol."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
                                   num_experts_per_rank=experts // world, num_experts_per_token=k,
                                   kernel_backend="native", launch_blocks=blocks, launch_threads=threads,
-                                  launch_rows=rows)
+                                  launch_rows=rows, intranode_protocol=protocol)
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(T, hidden, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.rand(T, experts, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32)
@@ -115,12 +140,17 @@ def main(argv=None) -> int:
                    help="dispatch row modes to try (add block for whole-block rows: slower at every point "
                         "measured on 2xH200, results/tune_rows_and_host_2xH200.log); combine takes its best "
                         "over all candidates")
+    p.add_argument("--ll-threshold", action="store_true",
+                   help="time the low-latency vs the bandwidth protocol per token count (tuning-table geometry) and "
+                        "set intranode_ll_max_tokens; --tokens default 1 8 32 64 128 256 512")
     p.add_argument("--write", action="store_true")
     p.add_argument("--fallback", action="store_true",
                    help="write the buckets every world size falls back to, not those of this run's world size")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.ll_threshold:
+        return tune_ll_threshold(args)
     if args.blocks is None:
         args.blocks = [16, 32, 64, 0, 2 * torch.cuda.get_device_properties(0).multi_processor_count]
     best = {"dispatch": {}, "combine": {}}
@@ -147,6 +177,25 @@ def main(argv=None) -> int:
                                                  f"{' (block rows)' if b.rows == 'block' else ''}" for b in bs))
         if args.write:
             TUNING.write_text(rewrite(TUNING, arch, new))
+            print(f"rewrote {TUNING}")
+    dist.destroy_process_group()
+    return 0
+
+
+def tune_ll_threshold(args) -> int:
+    tokens = args.tokens if args.tokens != [128, 4096] else [1, 8, 32, 64, 128, 256, 512]
+    rounds = {}
+    for T in tokens:
+        ll, bw = (sum(measure(T, args.hidden, args.topk, args.experts, 0, 0, "wave", protocol))
+                  for protocol in ("ll", "bw"))
+        rounds[T] = (ll, bw)
+        if dist.get_rank() == 0:
+            print(f"T={T:>5}: dispatch + combine: low-latency {ll:8.1f} us  bandwidth {bw:8.1f} us")
+    if dist.get_rank() == 0:
+        arch, n = device_arch(torch.device("cuda")), ll_threshold(rounds)
+        print(f"{arch} {gspecs.LL_THRESHOLD_KEY} = {n}")
+        if args.write:
+            TUNING.write_text(rewrite(TUNING, arch, {}, ll_max=n))
             print(f"rewrote {TUNING}")
     dist.destroy_process_group()
     return 0

@@ -12,7 +12,8 @@
 # all_to_all_single shuffle, then all_to_all_vdev_2d in a process of its own (NVSHMEM), $OUT/layer.jsonl, the tables
 # (scripts/layer_table.py) and the example's GPU test),
 # LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
-# $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite).
+# $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (runtime.tune
+# --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -42,6 +43,11 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   fi
   if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
     timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
+    cp specs/tuning.toml "$OUT/tuning.toml"
+  fi
+  if [ -n "${TUNE_LL:-}" ]; then  # the low-latency protocol's threshold (intranode_ll_max_tokens), rewritten in specs/tuning.toml
+    timeout 240 torchrun --nproc-per-node "$NPROC" -m runtime.tune --ll-threshold --write 2>&1 | tee "$OUT/tune_ll.log" \
+      | grep -vE "^(W|\*)" | tail -12; status[tune_ll]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi
   if [ -n "${BENCH_INTERNODE:-}" ]; then  # internode (2 emulated nodes) vs intranode on the same GPUs
@@ -81,4 +87,4 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune internode_bench host_async host_sync host_internode ll_bench sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

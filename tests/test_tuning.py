@@ -193,3 +193,21 @@ def test_native_geometry_uses_the_ops_world_size(spec_copy, monkeypatch):
     assert NativeBackend._geometry(fake, "dispatch", 4096, 8 * 4096)[1] == 128
     fake.config.world_size = 2
     assert NativeBackend._geometry(fake, "dispatch", 4096, 2 * 4096)[1] == 512
+
+
+def test_ll_threshold_is_the_last_count_of_an_unbroken_low_latency_win():
+    assert tune.ll_threshold({1: (9.0, 20.0), 8: (10.0, 21.0), 32: (14.0, 22.0), 128: (30.0, 29.0)}) == 32
+    assert tune.ll_threshold({1: (9.0, 20.0), 8: (25.0, 21.0), 32: (14.0, 22.0)}) == 1  # a loss ends the run
+    assert tune.ll_threshold({1: (21.0, 20.0), 8: (10.0, 21.0)}) == 0
+    assert tune.ll_threshold({64: (5.0, 6.0), 1: (1.0, 2.0)}) == 64  # in token order, not insertion order
+
+
+def test_tuner_writes_the_ll_threshold_of_one_target_only(spec_copy):
+    path = spec_copy / "tuning.toml"
+    before = S.load(spec_copy)
+    path.write_text(tune.rewrite(path, "sm_90", {}, ll_max=32))
+    after = S.load(spec_copy)
+    assert after.ll_max_tokens["sm_90"] == 32
+    assert {t: n for t, n in after.ll_max_tokens.items() if t != "sm_90"} == \
+        {t: n for t, n in before.ll_max_tokens.items() if t != "sm_90"}
+    assert after.tuning == before.tuning  # the buckets are kept as they were
