@@ -33,19 +33,24 @@ HANDLE_BYTES = 64  # cudaIpcMemHandle_t / hipIpcMemHandle_t: 64 opaque bytes
 
 
 class _Vendor:
-    """The five calls of one vendor's IPC API, returning plain ints and bytes."""
+    """The five calls of one vendor's IPC API, returning plain ints and bytes.
 
-    def __init__(self):
-        if torch.version.hip:
-            from hip import hip as api
-            self.api, self.prefix, self.ok = api, "hip", api.hipError_t.hipSuccess
-            self.handle_type = api.hipIpcMemHandle_t
-            self.lazy = api.hipIpcMemLazyEnablePeerAccess
-        else:
-            from cuda.bindings import runtime as api
-            self.api, self.prefix, self.ok = api, "cuda", api.cudaError_t.cudaSuccess
-            self.handle_type = api.cudaIpcMemHandle_t
-            self.lazy = api.cudaIpcMemLazyEnablePeerAccess
+    `api` is cuda-bindings' runtime module or hip-python's hip module (tests pass a stand-in): calls
+    return (error, value) tuples; a handle struct exposes its 64 bytes through ``getPtr()`` (cuda-bindings)
+    or a ``reserved`` field (hip-python's struct of char reserved[64])."""
+
+    def __init__(self, api=None, prefix: str | None = None):
+        if api is None:
+            if torch.version.hip:
+                from hip import hip as api
+                prefix = "hip"
+            else:
+                from cuda.bindings import runtime as api
+                prefix = "cuda"
+        self.api, self.prefix = api, prefix
+        self.ok = getattr(getattr(api, f"{prefix}Error_t"), f"{prefix}Success")
+        self.handle_type = getattr(api, f"{prefix}IpcMemHandle_t")
+        self.lazy = getattr(api, f"{prefix}IpcMemLazyEnablePeerAccess")
 
     def _call(self, name: str, *args):
         out = getattr(self.api, self.prefix + name)(*args)
@@ -62,13 +67,18 @@ class _Vendor:
 
     def export(self, ptr: int) -> bytes:
         handle = self._call("IpcGetMemHandle", ptr)
-        return ctypes.string_at(int(handle.getPtr()), HANDLE_BYTES)
+        if hasattr(handle, "getPtr"):
+            return ctypes.string_at(int(handle.getPtr()), HANDLE_BYTES)
+        return bytes(handle.reserved)[:HANDLE_BYTES]
 
     def open(self, raw: bytes) -> int:
         if len(raw) != HANDLE_BYTES:
             raise EpgenError(f"IPC workspace: a peer sent a handle of {len(raw)} bytes, expected {HANDLE_BYTES}")
         handle = self.handle_type()
-        ctypes.memmove(int(handle.getPtr()), raw, HANDLE_BYTES)
+        if hasattr(handle, "getPtr"):
+            ctypes.memmove(int(handle.getPtr()), raw, HANDLE_BYTES)
+        else:
+            handle.reserved = raw
         return int(self._call("IpcOpenMemHandle", handle, self.lazy))
 
     def close(self, ptr: int) -> None:

@@ -143,3 +143,80 @@ def scn_host_collectives(rank, world):
 
 def test_host_collectives_on_gloo():
     get_world(2).run(scn_host_collectives)
+
+
+class _FakeIpcApi:
+    """A stand-in for a vendor IPC module: handles as a struct with `reserved` bytes (hip-python's form)
+    or behind getPtr() (cuda-bindings' form); opened handles map to the exporter's pointer + 1."""
+
+    class fakeError_t:
+        fakeSuccess = 0
+        fakeErrorInvalid = 1
+
+    fakeIpcMemLazyEnablePeerAccess = 1
+
+    def __init__(self, pointer_style: bool):
+        import ctypes
+
+        class Handle:
+            def __init__(self):
+                self._buf = ctypes.create_string_buffer(64)
+
+            if pointer_style:
+                def getPtr(self):
+                    return ctypes.addressof(self._buf)
+            else:
+                @property
+                def reserved(self):
+                    return self._buf.raw
+
+                @reserved.setter
+                def reserved(self, raw):
+                    self._buf.raw = raw
+
+        self.fakeIpcMemHandle_t = Handle
+        self.live = {}
+        self.next = 0x1000
+
+    def fakeMalloc(self, n):
+        self.next += 0x1000
+        self.live[self.next] = n
+        return 0, self.next
+
+    def fakeFree(self, ptr):
+        return (0,) if self.live.pop(ptr, None) is not None else (self.fakeError_t.fakeErrorInvalid,)
+
+    def fakeIpcGetMemHandle(self, ptr):
+        h = self.fakeIpcMemHandle_t()
+        raw = ptr.to_bytes(8, "little") + bytes(56)
+        if hasattr(h, "getPtr"):
+            import ctypes
+            ctypes.memmove(h.getPtr(), raw, 64)
+        else:
+            h.reserved = raw
+        return 0, h
+
+    def fakeIpcOpenMemHandle(self, h, flags):
+        import ctypes
+        raw = ctypes.string_at(h.getPtr(), 64) if hasattr(h, "getPtr") else h.reserved
+        assert flags == 1
+        return 0, int.from_bytes(raw[:8], "little") + 1
+
+    def fakeIpcCloseMemHandle(self, ptr):
+        return (0,)
+
+
+@pytest.mark.parametrize("pointer_style", [True, False], ids=["getPtr", "reserved"])
+def test_ipc_handles_cross_as_bytes_and_errors_are_one_line(pointer_style):
+    from runtime.ipc import HANDLE_BYTES, _Vendor
+
+    v = _Vendor(_FakeIpcApi(pointer_style), "fake")
+    ptr = v.malloc(256)
+    raw = v.export(ptr)
+    assert isinstance(raw, bytes) and len(raw) == HANDLE_BYTES
+    assert v.open(raw) == ptr + 1  # the stand-in maps a handle to the exporter's pointer + 1
+    with pytest.raises(workspace.EpgenError, match="a handle of 3 bytes"):
+        v.open(b"abc")
+    v.free(ptr)
+    with pytest.raises(workspace.EpgenError, match=r"^IPC workspace: fakeFree failed: 1$"):
+        v.free(ptr)
