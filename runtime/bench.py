@@ -75,7 +75,7 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     hidden, topk, experts, routing, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
     sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
     launch_override ({"launch_blocks": B, "launch_threads": N} as given by --launch-blocks / --launch-threads,
-    null: the tuning table's geometry; the README sweep leaves such points out),
+    null: the tuning table's geometry; the sweep table (docs/BENCH.md) leaves such points out),
     expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
   graph times (us): dispatch_us, dispatch_p99_us, combine_us, combine_p99_us, dispatch_combine_us,

@@ -533,7 +533,7 @@ class NativeBackend:
         return local_expert_count(self.config, self.recv_idx, self.total_recv)
 
     def memory_report(self) -> dict:
-        """Bytes of every workspace region (see README: the formula) plus the op's other device buffers."""
+        """Bytes of every workspace region (see docs/RUNTIME.md, Memory: the formula) plus the op's other device buffers."""
         lay = self.layout
         names = [n for n in lay if n != "total"]
         ordered = sorted(names, key=lambda n: lay[n])

@@ -22,7 +22,7 @@ A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBacken
   dropped_count() -> int32 scalar tensor; local_expert_count() -> int32 [num_experts_per_rank];
   convert_dispatch_output() -> (packed_x, packed_count, packed_src, packed_weights);
   std_moe_dropped() -> int32 scalar tensor; convert_combine_input(expert_out, routing) -> [R, H];
-  memory_report() -> dict (else the op reports the native workspace formula of README.md)
+  memory_report() -> dict (else the op reports the native workspace formula of docs/RUNTIME.md)
 
 Before the backend is built, every rank's config is compared over the process group
 (``check_config_agreement``): a config differing between ranks, or one that does not match the
@@ -508,7 +508,7 @@ class EpDispatchCombineOp:
 
     def memory_report(self) -> dict:
         """Bytes per buffer of this op, and a "formula" string: the backend's own report when it has one,
-        else the native workspace formula (README.md, Runtime) evaluated for this config."""
+        else the native workspace formula (docs/RUNTIME.md, Memory) evaluated for this config."""
         self._check_open("memory_report")
         own = getattr(self._backend, "memory_report", None)
         report = dict(own()) if own is not None else native_workspace(self.config, self.dispatch_out_dtype,
@@ -623,7 +623,7 @@ _REGION_ALIGN = 256
 
 def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.dtype,
                      wire_dtype: torch.dtype = torch.float8_e4m3fn, ll_tokens: int = 0) -> dict:
-    """The native workspace formula (README.md) for this config: {"regions": {name: bytes}, "total_bytes",
+    """The native workspace formula (docs/RUNTIME.md, Memory) for this config: {"regions": {name: bytes}, "total_bytes",
     "formula"}; each region rounded up to 256 bytes. ll_tokens: the low-latency protocol's token limit
     (0: the op never takes it)."""
     from . import ll

@@ -8,7 +8,7 @@
 # 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
-# the README table), LAYER=1 (docs/LAYER.md: the layer loop, the link's ceiling and the MoE layer on epgen and the
+# the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the link's ceiling and the MoE layer on epgen and the
 # all_to_all_single shuffle, then all_to_all_vdev_2d in a process of its own (NVSHMEM), $OUT/layer.jsonl, the tables
 # (scripts/layer_table.py) and the example's GPU test),
 # LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,

@@ -1,4 +1,4 @@
-"""Print the README's sweep table (markdown) from benchmark records.
+"""Print the sweep table of docs/BENCH.md (markdown) from benchmark records.
 
 python scripts/sweep_table.py [results/bench.jsonl] [--commit C]
 

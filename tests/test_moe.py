@@ -352,7 +352,7 @@ def test_memory_report(no_env):
     op.combine_in_view()
     assert op.memory_report()["buffers"]["combine_in_view"] == T * H * 2
 
-    # the native formula (README), by hand: W=2, R=16, T=8, H=256, k=4, bf16, gather, std-MoE C=5, E=3
+    # the native formula (docs/RUNTIME.md, Memory), by hand: W=2, R=16, T=8, H=256, k=4, bf16, gather, std-MoE C=5, E=3
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=8,
                                   num_experts_per_rank=3, num_experts_per_token=4, enable_std_moe=True,
                                   expert_capacity=5, kernel_backend="torch")
