@@ -3,7 +3,7 @@
 torchrun --nproc-per-node 2 -m runtime.bench --layer-loop [--tokens ...] [--layers 16]
 torchrun --nproc-per-node 2 -m runtime.bench --layer [--layer-paths epgen a2a] [--layer-dtypes bf16 fp8]
                                               [--intermediate 2048] [--tokens ...]
-torchrun --nproc-per-node 2 -m runtime.bench --layer --layer-paths a2a vdev2d     # a process of its own (NVSHMEM)
+torchrun --nproc-per-node 2 -m runtime.bench --layer --layer-paths a2a vdev2d --experts 32   # own process (NVSHMEM)
 torchrun --nproc-per-node 2 -m runtime.bench --ceiling [--ceiling-sms 8 16 32 64 132] [--ceiling-mib 64]
 
 Every mode writes JSON-lines records ("kind": "layer_loop" | "layer" | "ceiling") with the usual metadata
@@ -27,26 +27,30 @@ MoE layer (kind "layer", one record per path): top-k of E experts routed by a so
           fp8: the rows quantized per 128 before the shuffle (fp8 bytes and fp32 scales in one row).
   vdev2d  torch.ops.symm_mem.all_to_all_vdev_2d (NVSHMEM, split sizes on the device) into expert-major
           segments, grouped GEMMs, all_to_all_vdev_2d_offset back. Needs the NVSHMEM symmetric-memory
-          backend, chosen before any symmetric allocation: run it in a process without epgen. Any
+          backend, chosen before any symmetric allocation: run it in a process without epgen. torch's
+          op takes at most 16 experts per rank (VDEV2D_MAX_LOCAL_EXPERTS; --experts 16 x world). Any
           failure is recorded with its reason ("error").
 Every path's local experts run the same grouped GEMMs (``experts_ffn``): pairs placed per expert, each
 expert's group padded to a multiple of GROUP_ALIGN rows (at least one multiple), torch._grouped_mm on
 sm_90 / bf16, else a loop. expert_us times exactly those GEMMs on tokens already in place (the a2a
 path's placed rows, which every path's counts equal); comm_us = layer_us - expert_us (same mode: graph
-minus graph, eager minus eager). Gate: each path's output against the a2a path's on the same inputs,
-per-token relative error <= LAYER_TOL[dtype] (the run stops if epgen fails; a failing vdev2d is recorded).
+minus graph, eager minus eager; a path is "graph" only when it and the expert GEMMs both captured).
+Gate: each path's output against the a2a path's on the same inputs, per-token relative error <=
+LAYER_TOL[dtype] (the run stops if epgen fails; a failing vdev2d is recorded).
 
 Ceiling (kind "ceiling"): moving one buffer to the peer rank ((rank + 1) % world), both directions at
 once: a copy kernel (16-byte loads and stores, 1024 threads per block, one block per SM asked for;
 the blocks' distinct SMs are read back, "distinct_sms") pushing (local loads, stores to the peer's
 memory) or pulling (loads from the peer, local stores) at each SM count; the copy engine
-(``Tensor.copy_`` through the peer mapping: cudaMemcpyAsync) both ways; NCCL all_to_all_single of the
-same bytes. GB/s = bytes one rank moves / time (slowest rank's median).
+(cuMemcpyAsync through the peer mapping, as Tensor.copy_ does) both ways; NCCL all_to_all_single of the
+same bytes. The buffers are the runtime's IPC workspace (runtime.ipc.allocate). GB/s = bytes one rank
+moves / time (slowest rank's median). Runs last in a process (after --layer-loop / --layer).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -360,12 +364,30 @@ def _symm_buffer(name: str, shape: tuple, dtype, device, group_name: str) -> tor
     return buf[:n].view(shape)
 
 
+VDEV2D_MAX_LOCAL_EXPERTS = 16  # torch's all_to_all_vdev_2d: experts per rank <= NUM_TILES (512 threads / 32)
+VDEV2D_MAX_WORLD = 16  # all_to_all_vdev_2d_offset: world size <= NUM_TILES
+
+
+def vdev2d_limits(epr: int, world: int) -> str | None:
+    """Why torch's all_to_all_vdev_2d / _offset cannot run this shape (their TORCH_CHECKs), or None."""
+    if epr > VDEV2D_MAX_LOCAL_EXPERTS:
+        return (f"all_to_all_vdev_2d takes at most {VDEV2D_MAX_LOCAL_EXPERTS} experts per rank (torch's NUM_TILES); "
+                f"this point has {epr}: run vdev2d with --experts {VDEV2D_MAX_LOCAL_EXPERTS * world} or fewer")
+    if world > VDEV2D_MAX_WORLD:
+        return (f"all_to_all_vdev_2d_offset takes at most {VDEV2D_MAX_WORLD} ranks (torch's NUM_TILES); "
+                f"world size {world}")
+    return None
+
+
 class Vdev2dPath:
     name, capturable = "vdev2d", True
 
     def __init__(self, p: Problem):
         import torch.distributed._symmetric_memory as symm_mem
 
+        limit = vdev2d_limits(p.epr, p.world)  # before any symmetric allocation: the op would refuse every call
+        if limit:
+            raise RuntimeError(limit)
         if not symm_mem.is_nvshmem_available():
             raise RuntimeError("NVSHMEM is not available to this torch (libnvshmem_host.so.3 not found)")
         self.p, dev = p, p.x.device
@@ -430,16 +452,19 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
     xs, ends = ref_path.placed
     iters = layer_iters(T, eager_iters)
     expert = {"graph": None, "eager": None}
-    ms, graph = loop_time(lambda: experts_ffn(xs, ends, p.w13, p.w2), graph_layers, reps)
-    if graph:
-        expert["graph"] = _median_us(ms)[0]
+    expert_graph_error = None
+    if B._on_gpu():  # a capture failure is recorded (and every path then reports eager times), never fatal
+        ms, expert_graph_error = collective_try(lambda: loop_time(lambda: experts_ffn(xs, ends, p.w13, p.w2),
+                                                                  graph_layers, reps)[0])
+        if ms:
+            expert["graph"] = _median_us(ms)[0]
     expert["eager"] = _median_us(B._eager_time([lambda: experts_ffn(xs, ends, p.w13, p.w2)], iters)[0])[0]
     pairs = int(ends[-1]) if ends.numel() else 0
     base = {**_meta(dev), "kind": "layer", "dtype": mode, "tokens_per_rank": T, "hidden": hidden, "topk": k,
             "experts": experts, "intermediate": inter, "graph_layers": graph_layers, "graph_reps": reps,
             "eager_iters": iters, "grouped_gemm": "torch._grouped_mm" if grouped_ok(xs) else "loop over experts",
             "placed_rows": pairs, "expert_us": None, "expert_graph_us": expert["graph"],
-            "expert_eager_us": expert["eager"],
+            "expert_eager_us": expert["eager"], "expert_graph_error": expert_graph_error,
             "dispatch_mode": {"bf16": "bf16 rows", "fp8": "fp8 e4m3 rows with per-128 fp32 scales (epgen: "
                               "dispatch_quant_type=fp8_blockwise, quantized in the kernel; a2a / vdev2d: quantized "
                               "before the shuffle); experts in bf16, combine in bf16"}[mode]}
@@ -460,7 +485,8 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
             records.append(_failed(rec, reason))
             continue
         err = B._stats([float(_rel_err(got, ref))])[0]  # the largest of every rank's worst token
-        rec.update(gate_max_rel_err=err, gate_tol=LAYER_TOL[mode], gate="output vs the a2a path's, per token")
+        rec.update(gate_max_rel_err=err if math.isfinite(err) else None,  # strict JSON: no Infinity / NaN
+                   gate_tol=LAYER_TOL[mode], gate="output vs the a2a path's, per token")
         if err > LAYER_TOL[mode]:
             path.close()
             if name == "epgen":
@@ -474,9 +500,10 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
             layer_graph, rec["graph_error"] = (_median_us(ms) if ms else None), reason
         eager = _median_us(B._eager_time([path], iters)[0])
         path.close()
-        graph = layer_graph is not None
+        graph = layer_graph is not None and expert["graph"] is not None  # comm_us: graph minus graph only
         rec.update(graph=graph, graph_modes=(["graph", "eager"] if graph else ["eager"]),
-                   layer_graph_us=layer_graph[0] if graph else None, layer_graph_p99_us=layer_graph[1] if graph else None,
+                   layer_graph_us=layer_graph[0] if layer_graph else None,
+                   layer_graph_p99_us=layer_graph[1] if layer_graph else None,
                    layer_eager_us=eager[0], layer_eager_p99_us=eager[1],
                    layer_us=layer_graph[0] if graph else eager[0],
                    expert_us=expert["graph"] if graph else expert["eager"])
@@ -532,6 +559,8 @@ def compile_copy_kernel(arch: str) -> bytes:
 
 def _time_launches(fn, iters: int, reps: int) -> tuple[float, float]:
     """Slowest rank's median (and p99) microseconds of one fn() among `iters` back-to-back calls."""
+    torch.cuda.synchronize()
+    dist.barrier()  # the peers' previous method has finished: its copies cannot overlap this warm-up call
     fn()
     torch.cuda.synchronize()
     align = torch.zeros(1, device="cuda")
@@ -550,29 +579,53 @@ def _time_launches(fn, iters: int, reps: int) -> tuple[float, float]:
     return _median_us(ms)
 
 
+def copy_engine(nbytes: int):
+    """A function (dst, src) -> None: cuMemcpyAsync of `nbytes` on torch's current stream. The addresses
+    are unified: with one of them a peer's IPC mapping the driver moves the bytes over the link with a
+    copy engine (what Tensor.copy_ does between device tensors, without a tensor on the peer's memory)."""
+    from cuda.bindings import driver as cu
+
+    from .kernels import current_raw_stream
+
+    def copy(dst: int, src: int) -> None:
+        res = cu.cuMemcpyAsync(dst, src, nbytes, current_raw_stream())
+        err = res[0] if isinstance(res, tuple) else res
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyAsync failed: {err}")
+    return copy
+
+
 def run_ceiling(sms_list=CEILING_SMS, mib: int = 64, iters: int = 10, reps: int = 10) -> list[dict]:
-    """The link's ceiling (see the module docstring); collective; one record per (method, SM count)."""
-    import torch.distributed._symmetric_memory as symm_mem
+    """The link's ceiling (see the module docstring); collective; one record per (method, SM count).
+
+    The buffers are the runtime's own IPC workspace (runtime.ipc.allocate: the default allocator of the
+    ops, no torch symmetric memory in this process); each method that fails is recorded with its reason."""
+    from . import ipc
     from .kernels import CudaKernel, device_arch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     nbytes = mib << 20
     peer, source = (rank + 1) % world, (rank - 1) % world
-    buf = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=dev)  # [A: this rank's data | B: what arrives]
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    torch.cuda.empty_cache()  # what earlier modes left cached goes back: the workspace is a cudaMalloc of its own
+    # [A: this rank's data | B: what arrives], zeroed; handle.buffer_ptrs[r]: rank r's buffer as mapped here
+    buf, handle = ipc.allocate(2 * nbytes, dev, dist.group.WORLD)
     buf[:nbytes].copy_((torch.arange(nbytes, device=dev) * 7 + rank).to(torch.uint8))
     want = ((torch.arange(nbytes, device=dev) * 7 + source).to(torch.uint8))  # what `source` pushes here
-    mine, theirs = buf.data_ptr(), int(handle.buffer_ptrs[peer])
-    peer_view = handle.get_buffer(peer, (2 * nbytes,), torch.uint8)
+    mine, theirs = int(handle.buffer_ptrs[rank]), int(handle.buffer_ptrs[peer])
+    torch.cuda.synchronize()
     dist.barrier()
     n16 = nbytes // 16
-    base = {**_meta(dev), "kind": "ceiling", "bytes": nbytes, "peer": "(rank + 1) % world, every rank at once"}
+    base = {**_meta(dev), "kind": "ceiling", "bytes": nbytes, "peer": "(rank + 1) % world, every rank at once",
+            "buffers": "runtime.ipc workspace (cudaMalloc + CUDA IPC, peer pointers)"}
     records = []
 
     def rec(method, sms, us, **kw):
         records.append(dict(base, method=method, sms_used=sms, us=us[0], p99_us=us[1], GBps=nbytes / (us[0] * 1e-6) / 1e9,
-                            **kw))
+                            error=None, **kw))
+
+    def failed(method, sms, reason, **kw):
+        records.append(dict(base, method=method, sms_used=sms, us=None, p99_us=None, GBps=None, error=reason, **kw))
 
     def arrived_ok() -> bool:  # after a push: B holds the source rank's A
         torch.cuda.synchronize()
@@ -588,26 +641,45 @@ def run_ceiling(sms_list=CEILING_SMS, mib: int = 64, iters: int = 10, reps: int 
         smid = torch.zeros(max(sms_list), dtype=torch.int32, device=dev)
         for sms in sms_list:
             for method, src, dst in (("sm_push", mine, theirs + nbytes), ("sm_pull", theirs, mine + nbytes)):
-                def launch(src=src, dst=dst, sms=sms):
+                def launch(src=src, dst=dst, sms=sms):  # (const int4* src, int4* dst, long long n, int* smid)
                     kern.launch(sms, CEILING_THREADS, ctypes.c_uint64(src), ctypes.c_uint64(dst), ctypes.c_int64(n16),
                                 ctypes.c_uint64(smid.data_ptr()))
-                us = _time_launches(launch, iters, reps)
+                us, why = collective_try(lambda: _time_launches(launch, iters, reps))
+                if why:
+                    failed(method, sms, why, threads=CEILING_THREADS)
+                    continue
                 distinct = len(set(smid[:sms].tolist()))
                 ok = arrived_ok() if method == "sm_push" else None
                 rec(method, sms, us, threads=CEILING_THREADS, distinct_sms=distinct, data_ok=ok)
         kern.close()
     else:
-        records.append(dict(base, method="sm_push", sms_used=None, us=None, GBps=None, error=reason))
-    rec("copy_engine_push", None, _time_launches(lambda: peer_view[nbytes:].copy_(buf[:nbytes]), iters, reps),
-        data_ok=arrived_ok(), note="Tensor.copy_ into the peer's mapped buffer (cudaMemcpyAsync, copy engine)")
-    rec("copy_engine_pull", None, _time_launches(lambda: buf[nbytes:].copy_(peer_view[:nbytes]), iters, reps),
-        note="Tensor.copy_ from the peer's mapped buffer (cudaMemcpyAsync, copy engine)")
+        failed("sm_push", None, reason)
+    copy, reason = collective_try(lambda: copy_engine(nbytes))
+    for method, dst, src, note in (("copy_engine_push", theirs + nbytes, mine, "into"),
+                                   ("copy_engine_pull", mine + nbytes, theirs, "from")):
+        what = f"cuMemcpyAsync {note} the peer's IPC-mapped buffer (copy engine; what Tensor.copy_ does)"
+        if copy is None:
+            failed(method, None, reason, note=what)
+            continue
+        us, why = collective_try(lambda: _time_launches(lambda: copy(dst, src), iters, reps))
+        if why:
+            failed(method, None, why, note=what)
+        else:
+            rec(method, None, us, note=what, data_ok=arrived_ok() if method == "copy_engine_push" else None)
     send = [nbytes if d == peer else 0 for d in range(world)]
     recv = [nbytes if s == source else 0 for s in range(world)]
-    a2a_in, a2a_out = buf[:nbytes], torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    rec("nccl", None, _time_launches(lambda: dist.all_to_all_single(a2a_out, a2a_in, recv, send), iters, reps),
-        note="all_to_all_single of the same bytes to the same peer (NCCL picks its own SMs)")
-    del peer_view, handle
+    a2a_in, a2a_out = buf[:nbytes].clone(), torch.empty(nbytes, dtype=torch.uint8, device=dev)  # torch's allocator
+    what = "all_to_all_single of the same bytes to the same peer (NCCL picks its own SMs)"
+    us, why = collective_try(lambda: _time_launches(lambda: dist.all_to_all_single(a2a_out, a2a_in, recv, send),
+                                                    iters, reps))
+    if why:
+        failed("nccl", None, why, note=what)
+    else:
+        rec("nccl", None, us, note=what)
+    torch.cuda.synchronize()
+    dist.barrier()  # no peer reads or writes this rank's buffer any more
+    buf = None  # its memory is freed next
+    handle.close()
     return records
 
 
@@ -699,14 +771,23 @@ def run(args, emit=lambda recs: None) -> list[dict]:
     if args.layer_loop:
         for T in args.tokens or LOOP_TOKENS:
             add([run_layer_loop(T, args.hidden[0], args.topk, args.experts, args.layers, args.reps)])
-    if args.ceiling:
-        add(run_ceiling(args.ceiling_sms, args.ceiling_mib))
+    gate_error = None
     if args.layer:
         dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
         inter, hidden = args.intermediate, args.hidden[0]
         weights = make_weights(args.experts // dist.get_world_size(), hidden, inter, dev)  # once: every point's experts
-        for mode in args.layer_dtypes:
-            for T in args.tokens or LAYER_TOKENS:
-                add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
-                                    graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights))
+        try:
+            for mode in args.layer_dtypes:
+                for T in args.tokens or LAYER_TOKENS:
+                    add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
+                                        graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights))
+                    if dev.type == "cuda":  # the point's graph pools back to the device: no growth across points,
+                        torch.cuda.empty_cache()  # and room for the next op's workspace (cudaMalloc, outside torch)
+        except B.GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs
+            gate_error = e
+        del weights
+    if args.ceiling:  # last: a sticky device error in its raw peer copies cannot cost the layer points
+        add(run_ceiling(args.ceiling_sms, args.ceiling_mib))
+    if gate_error is not None:
+        raise gate_error
     return records

@@ -8,9 +8,9 @@
 # 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
-# the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the link's ceiling and the MoE layer on epgen and the
-# all_to_all_single shuffle, then all_to_all_vdev_2d in a process of its own (NVSHMEM), $OUT/layer.jsonl, the tables
-# (scripts/layer_table.py) and the example's GPU test),
+# the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the MoE layer on epgen and the all_to_all_single shuffle
+# and the link's ceiling, $OUT/layer.jsonl; then at 16 experts per rank epgen, all_to_all_single and all_to_all_vdev_2d
+# (in a process of its own: NVSHMEM), $OUT/layer_vdev2d.jsonl; the tables (scripts/layer_table.py) and the example's GPU test),
 # LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
 # $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (runtime.tune
 # --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
@@ -76,10 +76,17 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   if [ -n "${LAYER:-}" ]; then
     timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer-loop --ceiling --layer --out "$OUT/layer.jsonl" \
       2>&1 | tee "$OUT/layer.log" | grep -vE "^(W|\*)" | tail -50; status[layer]=${PIPESTATUS[0]}
+    # torch's all_to_all_vdev_2d takes at most 16 experts per rank: the three paths meet at 16 per rank, in a file of
+    # their own (epgen and all_to_all_single here, then all_to_all_vdev_2d in a process of its own: NVSHMEM)
+    VEXP=$((16 * NPROC))
+    timeout 150 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer --experts "$VEXP" --layer-paths epgen a2a \
+      --out "$OUT/layer_vdev2d.jsonl" 2>&1 | tee "$OUT/layer_e16.log" | grep -vE "^(W|\*)" | tail -25; status[layer_e16]=${PIPESTATUS[0]}
     TORCH_SYMMMEM=NVSHMEM NVSHMEM_SYMMETRIC_SIZE=12G timeout 150 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer \
-      --layer-paths a2a vdev2d --out "$OUT/layer.jsonl" 2>&1 | tee "$OUT/layer_vdev2d.log" | grep -vE "^(W|\*)" | tail -25
-    status[layer_vdev2d]=${PIPESTATUS[0]}
-    python3 scripts/layer_table.py "$OUT/layer.jsonl" > "$OUT/layer_table.md"; cat "$OUT/layer_table.md"
+      --experts "$VEXP" --layer-paths a2a vdev2d --out "$OUT/layer_vdev2d.jsonl" 2>&1 | tee "$OUT/layer_vdev2d.log" \
+      | grep -vE "^(W|\*)" | tail -25; status[layer_vdev2d]=${PIPESTATUS[0]}
+    { python3 scripts/layer_table.py "$OUT/layer.jsonl"
+      printf '\n## %s experts (16 per rank: the most all_to_all_vdev_2d takes)\n\n' "$VEXP"
+      python3 scripts/layer_table.py "$OUT/layer_vdev2d.jsonl"; } > "$OUT/layer_table.md"; cat "$OUT/layer_table.md"
     python3 scripts/plot_bench.py --layer "$OUT/layer.jsonl" "$OUT/layer.png" || echo "plot skipped (matplotlib?)"
     timeout 120 torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_moe_layer_example.py \
       2>&1 | tee "$OUT/layer_example.log" | grep -vE "^\s*$" | tail -6; status[layer_example]=${PIPESTATUS[0]}
@@ -87,4 +94,4 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sweep layer layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

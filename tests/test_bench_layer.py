@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,64 @@ def test_layer_point_on_cpu_epgen_and_a2a_agree(mode):
     assert per_rank[0][2]["error"] == per_rank[1][2]["error"]  # every rank records the same reason
     lines = L.layer_table(per_rank[0])
     assert any("failed [1]" in line for line in lines) and lines[-1].startswith("\n[1] rank 0:")
+
+
+def test_vdev2d_limits_are_torch_s():
+    assert L.vdev2d_limits(16, 2) is None and L.vdev2d_limits(1, 16) is None
+    why = L.vdev2d_limits(128, 2)  # 256 experts on 2 ranks: torch's all_to_all_vdev_2d refuses every call
+    assert "at most 16 experts per rank" in why and "--experts 32" in why
+    assert "at most 16 ranks" in L.vdev2d_limits(1, 17)
+    with pytest.raises(RuntimeError, match="at most 16 experts per rank"):  # before NVSHMEM or any allocation
+        L.Vdev2dPath(SimpleNamespace(epr=128, world=2))
+
+
+def scn_vdev2d_over_limit(rank, world):
+    return L.run_layer_point(4, 256, 4, 2 * 17, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
+
+
+def test_vdev2d_over_the_expert_limit_is_recorded_with_the_reason():
+    per_rank = get_world(2).run(scn_vdev2d_over_limit, timeout=120)
+    for recs in per_rank:
+        assert [r["path"] for r in recs] == ["a2a", "vdev2d"] and recs[0]["error"] is None
+        assert "at most 16 experts per rank" in recs[1]["error"] and recs[1]["layer_us"] is None
+
+
+class _NanPath:
+    """A path whose output is NaN: its gate fails with an infinite error."""
+    name, capturable = "vdev2d", False
+
+    def __init__(self, p):
+        self.p = p
+
+    def __call__(self):
+        return torch.full_like(self.p.x, float("nan"))
+
+    def close(self):
+        pass
+
+
+def scn_gate_failure(rank, world):
+    saved = L.PATH_CLASSES["vdev2d"]
+    L.PATH_CLASSES["vdev2d"] = _NanPath
+    try:
+        return L.run_layer_point(4, 256, 4, 8, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
+    finally:
+        L.PATH_CLASSES["vdev2d"] = saved
+
+
+def test_a_failed_gate_is_recorded_as_strict_json():
+    per_rank = get_world(2).run(scn_gate_failure, timeout=120)
+    for recs in per_rank:
+        bad = recs[1]
+        assert bad["error"].startswith("gate: largest per-token relative error inf")
+        assert bad["gate_max_rel_err"] is None  # not Infinity: the record stays strict JSON
+        json.dumps(recs, allow_nan=False)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_copy_kernel_compiles_for_sm90a():
+    cubin = L.compile_copy_kernel("sm_90")
+    assert cubin[:4] == b"\x7fELF" and b"epg_copy16" in cubin
 
 
 def scn_loop(rank, world):
@@ -170,6 +230,29 @@ def test_run_emits_each_point_as_it_goes():
     assert [r["kind"] for r in recs] == ["layer_loop", "layer", "layer"]
     assert [[r["kind"] for r in batch] for batch in emitted] == [["layer_loop"], ["layer", "layer"]]
     assert [r["path"] for r in recs[1:]] == ["epgen", "a2a"] and recs[1]["backend"] == "torch"
+
+
+def scn_gate_stop_keeps_the_ceiling(rank, world):
+    saved = L.run_layer_point, L.run_ceiling
+
+    def gate_fails(*a, **kw):
+        raise bench.GateError("layer gate failed (test)")
+
+    L.run_layer_point, L.run_ceiling = gate_fails, lambda *a, **kw: [{"kind": "ceiling", "method": "nccl"}]
+    emitted = []
+    try:
+        L.run(bench.build_parser().parse_args(["--layer", "--ceiling", "--hidden", "256", "--experts", "8",
+                                               "--intermediate", "64", "--tokens", "4"]), emitted.append)
+    except bench.GateError as e:
+        return str(e), emitted
+    finally:
+        L.run_layer_point, L.run_ceiling = saved
+    return None, emitted
+
+
+def test_a_layer_gate_failure_still_runs_the_ceiling_then_raises():
+    for err, emitted in get_world(2).run(scn_gate_stop_keeps_the_ceiling, timeout=120):
+        assert err == "layer gate failed (test)" and emitted == [[{"kind": "ceiling", "method": "nccl"}]]
 
 
 def test_plot_of_layer_records(tmp_path):
