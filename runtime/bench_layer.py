@@ -51,11 +51,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import shutil
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,9 +82,10 @@ def _meta(dev, **kw) -> dict:
 
 
 def loop_time(fn, layers: int, reps: int) -> tuple[list[float], bool]:
-    """(per-layer milliseconds, graph?): `fn` captured `layers` times in one CUDA graph, `reps` replays,
-    each after a host barrier and a device all_reduce lining the GPUs up; replay time / layers. On a
-    CPU process group: `layers` eager calls in a row timed by the host clock, `reps` times."""
+    """(per-layer milliseconds, graph?): `fn` captured `layers` times in one CUDA graph, `reps` replays
+    timed like bench's eager legs (host barrier, device all_reduce lining the GPUs up, events), after one
+    warm-up replay; replay time / layers. On a CPU process group: `layers` eager calls in a row timed by
+    the host clock, `reps` times."""
     if not B._on_gpu():
         ms = B._eager_time([lambda: [fn() for _ in range(layers)]], reps)[0]
         return [m / layers for m in ms], False
@@ -95,21 +94,9 @@ def loop_time(fn, layers: int, reps: int) -> tuple[list[float], bool]:
     with torch.cuda.graph(g):
         for _ in range(layers):
             fn()
-    align = torch.zeros(1, device="cuda")
-    out = []
-    for rep in range(reps + 1):  # the first replay warms up
-        dist.barrier()
-        torch.cuda.synchronize()
-        dist.all_reduce(align)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        if rep:
-            out.append(start.elapsed_time(end) / layers)
+    ms = B._eager_time([g.replay], reps, warmup=1)[0]
     del g
-    return out, True
+    return [m / layers for m in ms], True
 
 
 def _median_us(ms: list[float]) -> tuple[float, float]:
@@ -543,40 +530,30 @@ extern "C" __global__ void __launch_bounds__(1024) epg_copy16(const int4* __rest
 
 
 def compile_copy_kernel(arch: str) -> bytes:
-    """The copy kernel's cubin for `arch` (sm_90 -> nvcc -arch=sm_90a -cubin)."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    target = arch + ("a" if arch == "sm_90" else "")
+    """The copy kernel's code object for `arch`, built with the target's own toolchain and flags
+    (specs/targets.toml; sm_90: nvcc ... sm_90a -cubin)."""
+    from generator import toolchain
+
+    from .config import load_specs
+
+    specs = load_specs()
+    target = specs.targets[arch]
+    tools = toolchain.find(specs.toolchains[target.toolchain])
     with tempfile.TemporaryDirectory() as d:
-        src, out = os.path.join(d, "copy.cu"), os.path.join(d, "copy.cubin")
-        with open(src, "w") as f:
-            f.write(COPY_KERNEL)
-        res = subprocess.run([nvcc, f"-arch={target}", "-cubin", "-O3", "-o", out, src], capture_output=True, text=True)
+        src, out = Path(d) / "copy.cu", Path(d) / "copy.cubin"
+        src.write_text(COPY_KERNEL)
+        res = toolchain.run(toolchain.compile_command(target, tools, src, out), tools)
         if res.returncode:
-            raise RuntimeError(f"nvcc failed: {res.stderr[-2000:]}")
-        with open(out, "rb") as f:
-            return f.read()
+            raise RuntimeError(f"{Path(tools.compiler).name} failed: {res.stderr[-2000:]}")
+        return out.read_bytes()
 
 
 def _time_launches(fn, iters: int, reps: int) -> tuple[float, float]:
-    """Slowest rank's median (and p99) microseconds of one fn() among `iters` back-to-back calls."""
-    torch.cuda.synchronize()
-    dist.barrier()  # the peers' previous method has finished: its copies cannot overlap this warm-up call
-    fn()
-    torch.cuda.synchronize()
-    align = torch.zeros(1, device="cuda")
-    ms = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        dist.all_reduce(align)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        ms.append(start.elapsed_time(end) / iters)
-    return _median_us(ms)
+    """Slowest rank's median (and p99) microseconds of one fn() among `iters` back-to-back calls (bench's
+    eager timing: every round after a barrier, a synchronize and a device all_reduce, so a peer's
+    previous method cannot overlap; one untimed round first)."""
+    ms = B._eager_time([lambda: [fn() for _ in range(iters)]], reps, warmup=1)[0]
+    return _median_us([m / iters for m in ms])
 
 
 def copy_engine(nbytes: int):
