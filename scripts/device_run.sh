@@ -3,6 +3,7 @@
 #   (via the device tool)  bash scripts/device_run.sh
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
 # specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments),
+# EP_PYTEST (pytest options of the EP suite; oversubscribed: -v -o faulthandler_timeout=$FH_TIMEOUT, else -q),
 # NPROC (ranks, default: every GPU x RANKS_PER_GPU), RANKS_PER_GPU (default 1; above 1 the ranks share GPUs: gloo
 # group, IPC workspace, correctness only: every bench is skipped), ONE_GPU=1 (only GPU 0 visible), WS_AB=1 (bench
 # 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
@@ -31,7 +32,9 @@ if [ -z "${NO_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
-  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  # oversubscribed runs name each test as it ends and dump every rank's Python stacks when one outlasts FH_TIMEOUT s
+  EP_PYTEST=${EP_PYTEST:-$([ -n "$OVERSUB" ] && echo "-v -o faulthandler_timeout=${FH_TIMEOUT:-150}" || echo -q)}
+  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then

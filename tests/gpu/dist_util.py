@@ -36,9 +36,12 @@ def collective_assert(err) -> None:
 
 
 def run_collective(check) -> None:
-    """Run check() on every rank; any rank's assertion failure fails every rank (none is left waiting)."""
+    """Run check() on every rank; any rank's failure (an assertion, or an error such as EpTimeoutError) fails
+    every rank with every rank's message: a rank that raised alone would leave its peers in the next collective."""
     try:
         err = check()
     except AssertionError as e:
         err = str(e) or "assertion failed"
+    except Exception as e:  # noqa: BLE001 - reported by every rank below
+        err = f"{type(e).__name__}: {e}"
     collective_assert(err)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 from tests.ep_oracle import expected_received, make_inputs, multiplicity
-from tests.gpu.dist_util import collective_assert, init_dist
+from tests.gpu.dist_util import init_dist, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -39,11 +39,7 @@ def _inputs(seed, T, cfg, rank=None):
 
 
 def _check_identity(op, cfg, x, w, idx, seed, T):
-    try:
-        err = _identity_error(op, cfg, x, w, idx, seed, T)
-    except AssertionError as e:
-        err = str(e) or "assertion failed"
-    collective_assert(err)
+    run_collective(lambda: _identity_error(op, cfg, x, w, idx, seed, T))
 
 
 def _identity_error(op, cfg, x, w, idx, seed, T):
