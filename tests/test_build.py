@@ -71,6 +71,16 @@ def test_ep_kernels_order_at_system_scope(all_results, key, scope, weaker):
     assert not toolchain.has_mnemonic(weak_only, scope)
 
 
+@pytest.mark.parametrize("key", ["sm_90/combine_scatter.bf16.fp8_e4m3fn.fp8_blockwise.intranode",
+                                 "sm_90/combine_scatter.fp32.fp8_e4m3fn.fp8_blockwise.intranode"])
+def test_scaled_decode_is_not_fused_into_the_sum(all_results, key):
+    """An fp32-scaled wire element decodes as q * scale rounded on its own (epg_mul_rn), as the reference
+    does, before the origin sums it: nvcc fuses a plain product into the following add (FFMA, one rounding),
+    and then a row reached from 3 or more ranks can differ from the reference in its last bit (seen at 8
+    ranks). Before epg_mul_rn this kernel held no FMUL at all."""
+    assert toolchain.has_mnemonic(_disasm_ops(all_results[key]), "FMUL")
+
+
 def test_operand_expectations_match_prefixes():
     ops = toolchain.opcodes("\tbuffer_wbl2 sc0 sc1                      // 000000001a2c: E0...\n"
                             "\ts_waitcnt vmcnt(0)\n\tglobal_inv scope:SCOPE_SYS\n", "amd")

@@ -66,6 +66,11 @@ EPG_DEVICE float epg_add_product(float acc, float w, float f) {
 #pragma clang fp contract(off)
   return acc + w * f;
 }
+// a * b rounded on its own: never fused into a later add (a decoded element is the same number in every sum)
+EPG_DEVICE float epg_mul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
 // constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
 EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
@@ -436,7 +441,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
   epg_fp8x4_decode((epg_u32)w, f);
   epg_fp8x4_decode((epg_u32)(w >> 32), f + 4);
   const float scale = ((const float*)scales)[elem / 128];
-  for (int i = 0; i < 8; ++i) f[i] = f[i] * scale;
+  for (int i = 0; i < 8; ++i) f[i] = epg_mul_rn(f[i], scale);  // rounded here, as the reference decodes
 }
 
 // Dispatch (bf16, intranode): one wave per (token, destination rank), so every

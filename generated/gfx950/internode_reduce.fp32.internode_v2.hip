@@ -66,6 +66,11 @@ EPG_DEVICE float epg_add_product(float acc, float w, float f) {
 #pragma clang fp contract(off)
   return acc + w * f;
 }
+// a * b rounded on its own: never fused into a later add (a decoded element is the same number in every sum)
+EPG_DEVICE float epg_mul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
 // constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
 EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------

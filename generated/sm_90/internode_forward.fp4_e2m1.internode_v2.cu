@@ -51,6 +51,8 @@ EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
 EPG_DEVICE float epg_add_product(float acc, float w, float f) { return __fadd_rn(acc, __fmul_rn(w, f)); }
+// a * b rounded on its own: never fused into a later add (a decoded element is the same number in every sum)
+EPG_DEVICE float epg_mul_rn(float a, float b) { return __fmul_rn(a, b); }
 EPG_DEVICE epg_u64 epg_clock_ns() { epg_u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }

@@ -61,52 +61,54 @@ def test_launch_geometries():
 def test_auto_picks_by_token_count_and_protocols_mix():
     """auto: "ll" up to the target's threshold, "bw" above; calls of both protocols in any order on one op
     (dispatch after dispatch, combine after combine, each protocol after the other) stay right."""
-    limit = _threshold()
-    cfg = _cfg(1024, 2048, 8, 32, protocol="auto")
-    with EpDispatchCombineOp(cfg) as op:
-        order = [1, limit, limit + 1, 1, 1000, 3, limit + 1, 2]
-        for seed, T in enumerate(order):
-            x, w, idx = nat._inputs(600 + seed, T, cfg)
-            nat._check_identity(op, cfg, x, w, idx, 600 + seed, T)
-            assert op.last_intranode_protocol == ("ll" if T <= limit else "bw"), (T, op.last_intranode_protocol)
-        # dispatch twice, combine twice, across protocols
-        for Ts in ((1, 900), (900, 1), (2, 3)):
-            hs = []
-            for i, T in enumerate(Ts):
-                x, w, idx = nat._inputs(700 + i, T, cfg)
-                out, ow, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
-                hs.append((x, w, idx, h))
-            x, w, idx, h = hs[-1]  # the last dispatch's rows are the ones in the buffers
-            a, aw = op.combine(op._backend.recv_x, weights=op._backend.recv_w, routing=h)
-            b, bw = op.combine(op._backend.recv_x, weights=op._backend.recv_w, routing=h)
-            torch.cuda.synchronize()
-            U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
-            assert torch.equal(a, (x.float() * U[:, None]).to(cfg.data_type)) and torch.equal(a, b), Ts
-            assert torch.equal(aw, bw)
-        dist.barrier()
+    def check():
+        limit = _threshold()
+        cfg = _cfg(1024, 2048, 8, 32, protocol="auto")
+        with EpDispatchCombineOp(cfg) as op:
+            order = [1, limit, limit + 1, 1, 1000, 3, limit + 1, 2]
+            for seed, T in enumerate(order):
+                x, w, idx = nat._inputs(600 + seed, T, cfg)
+                nat._check_identity(op, cfg, x, w, idx, 600 + seed, T)
+                assert op.last_intranode_protocol == ("ll" if T <= limit else "bw"), (T, op.last_intranode_protocol)
+            # dispatch twice, combine twice, across protocols
+            for Ts in ((1, 900), (900, 1), (2, 3)):
+                hs = []
+                for i, T in enumerate(Ts):
+                    x, w, idx = nat._inputs(700 + i, T, cfg)
+                    out, ow, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+                    hs.append((x, w, idx, h))
+                x, w, idx, h = hs[-1]  # the last dispatch's rows are the ones in the buffers
+                a, aw = op.combine(op._backend.recv_x, weights=op._backend.recv_w, routing=h)
+                b, bw = op.combine(op._backend.recv_x, weights=op._backend.recv_w, routing=h)
+                torch.cuda.synchronize()
+                U = torch.tensor(multiplicity(idx.cpu(), cfg.num_experts_per_rank), dtype=torch.float32, device="cuda")
+                assert torch.equal(a, (x.float() * U[:, None]).to(cfg.data_type)) and torch.equal(a, b), Ts
+                assert torch.equal(aw, bw)
+    run_collective(check)  # its all-gather is the closing barrier
 
 
 def test_parity_with_torch_backend_and_bandwidth_protocol():
     """A non-trivial expert (x * 3) through ll, bw and the torch backend: the same received rows (ll and the
     torch backend in the same order) and bit-identical combined outputs and weights."""
-    T = 100
-    cfgs = [_cfg(128, 4096, 8, 32), _cfg(128, 4096, 8, 32, protocol="bw"),
-            attrs.evolve(_cfg(128, 4096, 8, 32, protocol="bw"), kernel_backend="torch")]
-    x, w, idx = nat._inputs(11, T, cfgs[0])
-    res = []
-    for cfg in cfgs:
-        with EpDispatchCombineOp(cfg) as op:
-            out, ow, _, oi, total, h = op.dispatch(x.to(op.device), w.to(op.device), None, idx.to(op.device),
-                                                   return_routing=True)
-            n = int(total.item())
-            comb, cw = op.combine((out.float() * 3).to(cfg.data_type), weights=ow, routing=h)
-            res.append((out[:n].cuda(), oi[:n].cuda(), comb.cuda(), cw.cuda()))
-    (lo, li, lc, lw), (bo, bi, bc, bw), (to, ti, tc, tw) = res
-    assert torch.equal(lo, to) and torch.equal(li, ti), "ll rows differ from the torch backend's"
-    assert torch.equal(lc, tc) and torch.equal(lc, bc), "combined outputs differ"
-    assert torch.equal(lw, tw) and torch.equal(lw, bw), "combined weights differ"
-    assert lo.shape == bo.shape
-    dist.barrier()
+    def check():
+        T = 100
+        cfgs = [_cfg(128, 4096, 8, 32), _cfg(128, 4096, 8, 32, protocol="bw"),
+                attrs.evolve(_cfg(128, 4096, 8, 32, protocol="bw"), kernel_backend="torch")]
+        x, w, idx = nat._inputs(11, T, cfgs[0])
+        res = []
+        for cfg in cfgs:
+            with EpDispatchCombineOp(cfg) as op:
+                out, ow, _, oi, total, h = op.dispatch(x.to(op.device), w.to(op.device), None, idx.to(op.device),
+                                                       return_routing=True)
+                n = int(total.item())
+                comb, cw = op.combine((out.float() * 3).to(cfg.data_type), weights=ow, routing=h)
+                res.append((out[:n].cuda(), oi[:n].cuda(), comb.cuda(), cw.cuda()))
+        (lo, li, lc, lw), (bo, bi, bc, bw), (to, ti, tc, tw) = res
+        assert torch.equal(lo, to) and torch.equal(li, ti), "ll rows differ from the torch backend's"
+        assert torch.equal(lc, tc) and torch.equal(lc, bc), "combined outputs differ"
+        assert torch.equal(lw, tw) and torch.equal(lw, bw), "combined weights differ"
+        assert lo.shape == bo.shape
+    run_collective(check)  # its all-gather is the closing barrier
 
 
 def test_graph_capture_replays_and_eager_calls_between():
@@ -159,8 +161,7 @@ def test_receive_cap_and_replay_match_torch_backend():
         (n1, d1, r1, c1, w1), (n2, d2, r2, c2, w2) = got
         assert (n1, d1) == (n2, d2), ((n1, d1), (n2, d2))
         assert torch.equal(r1, r2) and torch.equal(c1, c2) and torch.equal(w1, w2)
-        dist.barrier()
-    run_collective(check)
+    run_collective(check)  # its all-gather is the closing barrier
 
 
 def test_std_moe_round_trip():
@@ -175,8 +176,7 @@ def test_std_moe_round_trip():
                 assert op.last_intranode_protocol == protocol
                 want, scale = moe_t._std_moe_expected(x, w, idx, a, b)
                 assert bool(((got - want).abs() <= scale * 2**-6 + 1e-3).all()), f"{protocol}: {(got - want).abs().max()}"
-        dist.barrier()
-    run_collective(check)
+    run_collective(check)  # its all-gather is the closing barrier
 
 
 @pytest.mark.parametrize("payload", ["fp8", "fp4"])
@@ -226,5 +226,4 @@ def test_low_precision_payloads_byte_exact(payload):
                 mine = numerics.dequantize_fp8(q, s, "ocp", "fp8_blockwise", torch.bfloat16).float()
                 U = torch.tensor(multiplicity(idx, EPR), dtype=torch.float32)
                 assert torch.equal(comb.cpu(), (mine * U[:, None]).to(torch.bfloat16))
-        dist.barrier()
-    run_collective(check)
+    run_collective(check)  # its all-gather is the closing barrier

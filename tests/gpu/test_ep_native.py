@@ -104,24 +104,25 @@ def test_fp32_and_back_to_back_calls():
 
 
 def test_parity_with_torch_backend():
-    cfg = _cfg(1024, 4096, 8, 32)
-    ref_cfg = _cfg(1024, 4096, 8, 32, backend="torch")
-    with EpDispatchCombineOp(cfg) as op, EpDispatchCombineOp(ref_cfg) as ref:
-        x, w, idx = _inputs(11, 1000, cfg)
-        o1 = op.dispatch(x, w, None, idx, return_routing=True)
-        dev = ref._backend.device  # the torch backend runs where its group does (CPU on gloo: ranks sharing GPUs)
-        o2 = ref.dispatch(x.to(dev), w.to(dev), None, idx.to(dev), return_routing=True)
-        n1, n2 = int(o1[4].item()), int(o2[4].item())
-        assert n1 == n2
-        # same received set: sort the native rows by source id
-        src = op._backend.recv_src[:n1]
-        order = torch.argsort(src)
-        assert torch.equal(o1[0][:n1][order], o2[0][:n2].to(o1[0].device))
-        assert torch.equal(o1[3][:n1][order], o2[3][:n2].to(o1[3].device))
-        # a non-trivial expert (scale by 3) through both; same combined output
-        c1, _ = op.combine((o1[0].float() * 3).to(cfg.data_type), routing=o1[5])
-        c2, _ = ref.combine((o2[0].float() * 3).to(cfg.data_type), routing=o2[5])
-        assert torch.equal(c1, c2.to(c1.device))
+    def check():  # every collective (the torch backend's) first, the asserts after: no rank leaves early
+        cfg = _cfg(1024, 4096, 8, 32)
+        ref_cfg = _cfg(1024, 4096, 8, 32, backend="torch")
+        with EpDispatchCombineOp(cfg) as op, EpDispatchCombineOp(ref_cfg) as ref:
+            x, w, idx = _inputs(11, 1000, cfg)
+            o1 = op.dispatch(x, w, None, idx, return_routing=True)
+            dev = ref._backend.device  # the torch backend runs where its group does (CPU on gloo: ranks sharing GPUs)
+            o2 = ref.dispatch(x.to(dev), w.to(dev), None, idx.to(dev), return_routing=True)
+            # a non-trivial expert (scale by 3) through both; same combined output
+            c1, _ = op.combine((o1[0].float() * 3).to(cfg.data_type), routing=o1[5])
+            c2, _ = ref.combine((o2[0].float() * 3).to(cfg.data_type), routing=o2[5])
+            n1, n2 = int(o1[4].item()), int(o2[4].item())
+            assert n1 == n2
+            # same received set: sort the native rows by source id
+            order = torch.argsort(op._backend.recv_src[:n1])
+            assert torch.equal(o1[0][:n1][order], o2[0][:n2].to(o1[0].device))
+            assert torch.equal(o1[3][:n1][order], o2[3][:n2].to(o1[3].device))
+            assert torch.equal(c1, c2.to(c1.device))
+    run_collective(check)
 
 
 def _capture_round(op, sx, sw, sidx, warmups=2):
