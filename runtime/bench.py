@@ -938,7 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
     p.add_argument("--protocol", nargs="+", default=["bw"], choices=["auto", "ll", "bw"],
                    help="intranode wire protocols to run every intranode point with (config intranode_protocol; "
-                        "records say which one ran: field protocol)")
+                        "records say which one ran: field protocol); also --layer-loop's and --layer's epgen points")
     layer = p.add_argument_group("layer modes (runtime/bench_layer.py, docs/LAYER.md); any of them replaces the sweep")
     layer.add_argument("--layer-loop", action="store_true",
                        help="L layers of dispatch -> identity copy -> combine in one graph, vs NCCL (bf16)")

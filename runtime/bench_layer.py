@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from generator.abi import LL_MAX_TOKENS
+
 from . import EpDispatchCombineConfig, EpDispatchCombineOp, moe
 from . import bench as B
 
@@ -119,10 +121,12 @@ def collective_try(fn):
 
 # --- (i) the layer loop --------------------------------------------------------------------------
 def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, layers: int = 16, reps: int = 20,
-                   backend: str = "native") -> dict:
-    """One layer-loop point (bf16); collective; returns the record."""
+                   backend: str = "native", protocol: str = "bw") -> dict:
+    """One layer-loop point (bf16) with the intranode wire protocol `protocol` (config intranode_protocol);
+    collective; returns the record."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = EpDispatchCombineConfig(**B.point_config(rank, world, T, hidden, k, experts, torch.bfloat16, backend))
+    cfg = EpDispatchCombineConfig(**B.point_config(rank, world, T, hidden, k, experts, torch.bfloat16, backend),
+                                  intranode_protocol=protocol)
     with EpDispatchCombineOp(cfg) as op:
         dev = op.device
         s = B.make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=dev)[0]
@@ -153,10 +157,11 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
         for name, fn in (("epgen_own", layer(own)), ("epgen_view", layer(view)), ("nccl", nccl)):
             ms, graph = loop_time(fn, layers, reps)
             times[name] = _median_us(ms)
+        ran = op.last_intranode_protocol  # the protocol of the timed calls
     own_us, view_us, nccl_us = times["epgen_own"][0], times["epgen_view"][0], times["nccl"][0]
     return {**_meta(dev), "kind": "layer_loop", "backend": cfg.resolved_backend, "dtype": "bfloat16",
             "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": experts, "layers": layers,
-            "graph": graph, "graph_reps": reps, "rows_sent": sum(sent), "rows_received": sum(recv),
+            "intranode_protocol": protocol, "protocol": ran, "graph": graph, "graph_reps": reps, "rows_sent": sum(sent), "rows_received": sum(recv),
             "epgen_own_us": own_us, "epgen_own_p99_us": times["epgen_own"][1],
             "epgen_view_us": view_us, "epgen_view_p99_us": times["epgen_view"][1],
             "nccl_us": nccl_us, "nccl_p99_us": times["nccl"][1],
@@ -268,17 +273,20 @@ def make_weights(epr, hidden, inter, device, seed=0):
 class EpgenPath:
     name, capturable = "epgen", True
 
-    def __init__(self, p: Problem, backend: str = "native"):
+    def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw"):
         self.p = p
-        cfg = EpDispatchCombineConfig(rank=p.rank, world_size=p.world, hidden_dim=p.H, max_num_inp_token_per_rank=p.T,
-                                      num_experts_per_rank=p.epr, num_experts_per_token=p.k, data_type=torch.bfloat16,
-                                      kernel_backend=backend,
-                                      dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none")
-        self.op = EpDispatchCombineOp(cfg)
+        self.op = EpDispatchCombineOp(self.config(p, backend, protocol))
         self.view = self.op.combine_in_view()
-        R = cfg.max_recv_tokens
+        R = self.op.config.max_recv_tokens
         self.pair_row = torch.arange(R * p.k, device=self.op.device) // p.k
         self.sink = torch.full_like(self.pair_row, R)
+
+    @staticmethod
+    def config(p: Problem, backend: str = "native", protocol: str = "bw") -> EpDispatchCombineConfig:
+        return EpDispatchCombineConfig(rank=p.rank, world_size=p.world, hidden_dim=p.H, max_num_inp_token_per_rank=p.T,
+                                       num_experts_per_rank=p.epr, num_experts_per_token=p.k, data_type=torch.bfloat16,
+                                       kernel_backend=backend, intranode_protocol=protocol,
+                                       dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none")
 
     def __call__(self) -> torch.Tensor:
         p, op = self.p, self.op
@@ -427,9 +435,11 @@ def layer_iters(T: int, base: int) -> int:
 
 def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode: str, paths=("epgen", "a2a"),
                     graph_layers: int = 4, reps: int = 10, eager_iters: int = 20, backend: str = "native",
-                    weights=None) -> list[dict]:
-    """One MoE-layer point, every path on the same problem; collective; one record per path (and the
-    a2a reference first: it gates the others and places the tokens of expert_us)."""
+                    weights=None, protocols=("bw",)) -> list[dict]:
+    """One MoE-layer point, every path on the same problem; collective; one record per path, epgen once per
+    intranode wire protocol in `protocols` (field intranode_protocol; "ll" only where the config allows it:
+    up to LL_MAX_TOKENS tokens per rank, verbatim payloads, so not the fp8 mode's in-kernel quantization);
+    the a2a reference runs first: it gates the others and places the tokens of expert_us."""
     if mode not in LAYER_DTYPES:
         raise ValueError(f"mode must be one of {LAYER_DTYPES}, got {mode!r}")
     dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
@@ -456,17 +466,22 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
                               "dispatch_quant_type=fp8_blockwise, quantized in the kernel; a2a / vdev2d: quantized "
                               "before the shuffle); experts in bf16, combine in bf16"}[mode]}
     records = []
-    for name in paths:
-        rec = dict(base, path=name, backend=backend if name == "epgen" else "torch.distributed", error=None)
+    ll_ok = EpgenPath.config(p, backend).ll_unavailable() is None  # e.g. not above LL_MAX_TOKENS, not fp8_blockwise
+    runs = [(name, proto) for name in paths
+            for proto in ([q for q in protocols if q != "ll" or ll_ok] if name == "epgen" else [None])]
+    for name, proto in runs:
+        rec = dict(base, path=name, backend=backend if name == "epgen" else "torch.distributed", error=None,
+                   intranode_protocol=proto, protocol=None)
         path = ref_path if name == "a2a" else None
         if path is None:
-            path, reason = collective_try(lambda: EpgenPath(p, backend) if name == "epgen" else PATH_CLASSES[name](p))
+            path, reason = collective_try(lambda: EpgenPath(p, backend, proto) if name == "epgen" else PATH_CLASSES[name](p))
             if reason:
                 records.append(_failed(rec, reason))
                 continue
+        got, reason = collective_try(path)
         if name == "epgen":
             rec["backend"] = path.op.config.resolved_backend  # EPGEN_KERNEL_BACKEND may override
-        got, reason = collective_try(path)
+            rec["protocol"] = path.op.last_intranode_protocol  # what ran (None: a backend without protocols)
         if reason:
             path.close()
             records.append(_failed(rec, reason))
@@ -678,32 +693,44 @@ def _x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def _protocol(r: dict) -> str:
+    """The intranode protocol a record's epgen calls asked for ("bw" for records older than the field)."""
+    return r.get("intranode_protocol") or "bw"
+
+
 def loop_table(records: list[dict]) -> list[str]:
-    """Issue 19's table: per layer µs, epgen (expert -> own tensor / -> combine_in_view), NCCL, NCCL / epgen."""
-    out = ["| tokens/rank | epgen, expert → own tensor | epgen, expert → combine_in_view | NCCL | NCCL / epgen (in view) |",
-           "|---|---|---|---|---|"]
-    for r in _latest(records, "layer_loop", lambda r: r["tokens_per_rank"]):
-        out.append(f"| {r['tokens_per_rank']} | {_c(r['epgen_own_us'], '.1f')} µs | {_c(r['epgen_view_us'], '.1f')} µs "
-                   f"| {_c(r['nccl_us'], '.1f')} µs | {_x(r.get('nccl_over_epgen_view'))} |")
+    """Issue 19's table: per layer µs, epgen (expert -> own tensor / -> combine_in_view) with each intranode
+    protocol measured, NCCL, NCCL / epgen."""
+    out = ["| tokens/rank | protocol | epgen, expert → own tensor | epgen, expert → combine_in_view | NCCL "
+           "| NCCL / epgen (in view) |", "|---|---|---|---|---|---|"]
+    for r in _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r))):
+        out.append(f"| {r['tokens_per_rank']} | {_protocol(r)} | {_c(r['epgen_own_us'], '.1f')} µs "
+                   f"| {_c(r['epgen_view_us'], '.1f')} µs | {_c(r['nccl_us'], '.1f')} µs "
+                   f"| {_x(r.get('nccl_over_epgen_view'))} |")
     return out
 
 
 def layer_table(records: list[dict]) -> list[str]:
     """Issue 17's table: per (dtype, tokens) the layer and its communication-only time on each path, and
     footnotes naming why a path has no time."""
-    recs = _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], r["path"]))
+    def column(r):  # epgen with the low-latency protocol: a column of its own
+        return "epgen_ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"]
+
+    recs = _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], column(r)))
     points: dict = {}
     for r in recs:
-        points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[r["path"]] = r
+        points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[column(r)] = r
+    columns = list(LAYER_PATHS) + (["epgen_ll"] if any(column(r) == "epgen_ll" for r in recs) else [])
     head = ("| dispatch | tokens/rank | expert GEMMs µs | epgen layer µs (comm) | all_to_all_single layer µs (comm) "
-            "| all_to_all_vdev_2d layer µs (comm) | a2a / epgen (layer) |")
-    out, notes = [head, "|---|---|---|---|---|---|---|"], {}
+            "| all_to_all_vdev_2d layer µs (comm) |" + (" epgen, low-latency protocol, layer µs (comm) |"
+                                                       if "epgen_ll" in columns else "") + " a2a / epgen (layer) |")
+    out, notes = [head, "|---" * (len(columns) + 4) + "|"], {}
     for (dtype, T) in sorted(points, key=lambda key: (LAYER_DTYPES.index(key[0]) if key[0] in LAYER_DTYPES else 9,
                                                       key[1])):
         row = points[(dtype, T)]
         any_rec = next(iter(row.values()))
         cells = []
-        for path in LAYER_PATHS:
+        for path in columns:
             r = row.get(path)
             if r is None:
                 cells.append("–")
@@ -745,9 +772,14 @@ def run(args, emit=lambda recs: None) -> list[dict]:
         records.extend(recs)
         emit(recs)
 
+    protocols = getattr(args, "protocol", None) or ["bw"]
     if args.layer_loop:
         for T in args.tokens or LOOP_TOKENS:
-            add([run_layer_loop(T, args.hidden[0], args.topk, args.experts, args.layers, args.reps)])
+            for protocol in protocols:
+                if protocol == "ll" and T > LL_MAX_TOKENS:
+                    continue  # the low-latency protocol carries at most LL_MAX_TOKENS tokens per rank
+                add([run_layer_loop(T, args.hidden[0], args.topk, args.experts, args.layers, args.reps,
+                                    protocol=protocol)])
     gate_error = None
     if args.layer:
         dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
@@ -757,7 +789,8 @@ def run(args, emit=lambda recs: None) -> list[dict]:
             for mode in args.layer_dtypes:
                 for T in args.tokens or LAYER_TOKENS:
                     add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
-                                        graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights))
+                                        graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights,
+                                        protocols=protocols))
                     if dev.type == "cuda":  # the point's graph pools back to the device: no growth across points,
                         torch.cuda.empty_cache()  # and room for the next op's workspace (cudaMalloc, outside torch)
         except B.GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs

@@ -17,9 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
 from runtime.bench import read_records, sweep_points  # noqa: E402
-from runtime.bench_layer import LAYER_PATHS, _latest  # noqa: E402
+from runtime.bench_layer import LAYER_PATHS, _latest, _protocol  # noqa: E402
 
-COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green"}
+COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen ll": "tab:purple"}
 
 
 def _finish(fig, title: str, dst: str) -> int:
@@ -73,20 +73,25 @@ def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
 def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
     """The layer loop, the MoE layer per EP path and the link's ceiling (runtime.bench_layer records), one panel each."""
     records = read_records(src)
-    loop = _latest(records, "layer_loop", lambda r: r["tokens_per_rank"])
-    layer = [r for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], r["path"]))
+    loop = _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r)))
+    layer = [dict(r, path="epgen ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"])
+             for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], r["path"], _protocol(r)))
              if r.get("layer_us") is not None]
     ceil = [r for r in _latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)) if r.get("GBps")]
     if not (loop or layer or ceil):
         print(f"no layer records in {src}")
         return 1
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.6))
-    t = [r["tokens_per_rank"] for r in loop]
-    for key, label, style in (("epgen_own_us", "epgen, expert → own tensor", "o-"),
-                              ("epgen_view_us", "epgen, expert → combine_in_view", "s-"), ("nccl_us", "NCCL", "x:")):
-        a1.plot(t, [r[key] for r in loop], style, label=label)
+    bw = [r for r in loop if _protocol(r) == "bw"]
+    ll = [r for r in loop if _protocol(r) == "ll"]
+    for pts, key, label, style in ((bw, "epgen_own_us", "epgen, expert → own tensor", "o-"),
+                                   (bw, "epgen_view_us", "epgen, expert → combine_in_view", "s-"),
+                                   (ll, "epgen_view_us", "epgen low-latency, expert → combine_in_view", "d-"),
+                                   (bw or ll, "nccl_us", "NCCL", "x:")):
+        if pts:
+            a1.plot([r["tokens_per_rank"] for r in pts], [r[key] for r in pts], style, label=label)
     a1.set_title("layer loop (bf16; per layer, graph)", fontsize=9)
-    for path in LAYER_PATHS:
+    for path in (*LAYER_PATHS, "epgen ll"):
         for dtype, style in (("bf16", "-"), ("fp8", "--")):
             pts = [r for r in layer if (r["path"], r["dtype"]) == (path, dtype)]
             if pts:

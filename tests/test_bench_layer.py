@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ep_dist import get_world
+from generator.abi import LL_MAX_TOKENS
 from runtime import bench
 from runtime import bench_layer as L
 
@@ -168,9 +169,10 @@ def _loop(T, own, view, nccl, **kw):
                 nccl_over_epgen_view=nccl / view, **kw)
 
 
-def _layer(path, T, layer, expert, dtype="bf16", error=None, graph=True):
+def _layer(path, T, layer, expert, dtype="bf16", error=None, graph=True, **kw):
     return dict(kind="layer", path=path, dtype=dtype, tokens_per_rank=T, layer_us=layer, expert_graph_us=expert,
-                expert_eager_us=expert, comm_us=None if layer is None else layer - expert, error=error, graph=graph)
+                expert_eager_us=expert, comm_us=None if layer is None else layer - expert, error=error, graph=graph,
+                **kw)
 
 
 def test_tables_format_the_latest_records():
@@ -182,7 +184,7 @@ def test_tables_format_the_latest_records():
             dict(kind="ceiling", method="nccl", sms_used=None, GBps=300.0, us=220.0),
             dict(kind="ceiling", method="sm_pull", sms_used=8, GBps=100.0, us=600.0, distinct_sms=8)]
     loop = L.loop_table(recs)
-    assert loop[2] == "| 1 | 9.0 µs | 8.5 µs | 19.5 µs | 2.29× |" and loop[3].startswith("| 128 | 34.8 µs")
+    assert loop[2] == "| 1 | bw | 9.0 µs | 8.5 µs | 19.5 µs | 2.29× |" and loop[3].startswith("| 128 | bw | 34.8 µs")
     layer = L.layer_table(recs)
     assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) eager | failed [1] | 2.50× |"
     assert layer[3] == "| fp8 | 8 | 70.0 | 90.0 (20.0) | – | – | – |"
@@ -191,6 +193,19 @@ def test_tables_format_the_latest_records():
     ceil = L.ceiling_table(recs)
     assert [c.split("|")[1].strip() for c in ceil[2:]] == ["sm_push", "sm_pull", "nccl"]
     assert ceil[2] == "| sm_push | 32 | 280 | 240.0 | 32 |" and ceil[4] == "| nccl | – | 300 | 220.0 | – |"
+
+
+def test_tables_with_the_low_latency_protocol():
+    """ll records: their own loop rows, and an epgen column of their own in the layer table (the a2a / epgen
+    ratio stays the bandwidth protocol's)."""
+    recs = [_loop(1, 20.0, 19.0, 19.5, intranode_protocol="bw"), _loop(1, 9.6, 9.2, 19.5, intranode_protocol="ll"),
+            _layer("epgen", 8, 120.0, 100.0, intranode_protocol="bw"), _layer("a2a", 8, 300.0, 100.0),
+            _layer("epgen", 8, 110.0, 100.0, intranode_protocol="ll")]
+    assert L.loop_table(recs)[2:] == ["| 1 | bw | 20.0 µs | 19.0 µs | 19.5 µs | 1.03× |",
+                                      "| 1 | ll | 9.6 µs | 9.2 µs | 19.5 µs | 2.12× |"]
+    layer = L.layer_table(recs)
+    assert "low-latency" in layer[0] and layer[0].count("|") == layer[1].count("|") == layer[2].count("|")
+    assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) | – | 110.0 (10.0) | 2.50× |"
 
 
 def test_cli_layer_flags():
@@ -212,7 +227,7 @@ def test_layer_table_script(tmp_path, capsys):
     spec.loader.exec_module(mod)
     assert mod.main([str(src)]) == 0
     out = capsys.readouterr().out
-    assert "| 8 | 21.9 µs | 21.7 µs | 20.5 µs | 0.94× |" in out and "| bf16 | 8 | 100.0 | 120.0 (20.0)" in out
+    assert "| 8 | bw | 21.9 µs | 21.7 µs | 20.5 µs | 0.94× |" in out and "| bf16 | 8 | 100.0 | 120.0 (20.0)" in out
     assert mod.main([str(tmp_path / "missing.jsonl")]) == 1
 
 
@@ -230,6 +245,23 @@ def test_run_emits_each_point_as_it_goes():
     assert [r["kind"] for r in recs] == ["layer_loop", "layer", "layer"]
     assert [[r["kind"] for r in batch] for batch in emitted] == [["layer_loop"], ["layer", "layer"]]
     assert [r["path"] for r in recs[1:]] == ["epgen", "a2a"] and recs[1]["backend"] == "torch"
+    assert (recs[0]["intranode_protocol"], recs[1]["intranode_protocol"], recs[2]["intranode_protocol"]) == ("bw", "bw", None)
+
+
+def test_run_with_both_protocols_records_each_and_skips_ll_past_its_limit():
+    """--protocol ll bw: a layer-loop record and an epgen layer record per protocol, where the config allows
+    ll (not the fp8 mode's in-kernel quantization; not above LL_MAX_TOKENS tokens per rank)."""
+    base = ["--hidden", "256", "--topk", "4", "--experts", "8", "--intermediate", "64", "--layer-iters", "2",
+            "--graph-layers", "2", "--reps", "2", "--layers", "2", "--protocol", "ll", "bw"]
+    (recs, _), _ = get_world(2).run(scn_run, ["--layer", "--layer-loop", "--tokens", "4", *base], timeout=180)
+    assert [(r["kind"], r.get("dtype"), r.get("path"), r["intranode_protocol"]) for r in recs] == [
+        ("layer_loop", "bfloat16", None, "ll"), ("layer_loop", "bfloat16", None, "bw"),
+        ("layer", "bf16", "epgen", "ll"), ("layer", "bf16", "epgen", "bw"), ("layer", "bf16", "a2a", None),
+        ("layer", "fp8", "epgen", "bw"), ("layer", "fp8", "a2a", None)]  # fp8: quantized in the kernel, no ll
+    assert all(r.get("error") is None for r in recs)
+    T = LL_MAX_TOKENS + 1
+    (recs, _), _ = get_world(2).run(scn_run, ["--layer-loop", "--tokens", str(T), *base], timeout=180)
+    assert [(r["tokens_per_rank"], r["intranode_protocol"]) for r in recs] == [(T, "bw")]
 
 
 def scn_gate_stop_keeps_the_ceiling(rank, world):
