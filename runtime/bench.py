@@ -4,7 +4,8 @@ torchrun --nproc-per-node 2 -m runtime.bench [--tokens 128 4096] [--hidden 7168]
                                              [--inner 20] [--reps 30] [--eager-iters 50] [--input-sets 0]
                                              [--torch-baseline] [--lowprec] [--out results.jsonl]
                                              [--internode v2 v2_ll auto] [--gpu-per-node G] [--emulate-nodes]
-                                             [--launch-blocks B] [--launch-threads N] [--profile]
+                                             [--launch-blocks B ...] [--launch-threads N ...] [--profile]
+                                             [--combine-mode gather scatter]
                                              [--topk 8] [--experts 256] [--lowprec-tokens 128 4096]
                                              [--routing uniform|remote] [--protocol auto ll bw]
 
@@ -16,7 +17,11 @@ internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can sta
 limit are skipped); the records say which one ran (field protocol) and what was asked (intranode_protocol).
 
 --launch-blocks / --launch-threads override the tuning table for every point (config launch_blocks /
-launch_threads; the records' dispatch_blocks ... combine_threads show what ran). --profile adds, per
+launch_threads; the records' dispatch_blocks ... combine_threads show what ran); given several values, every
+point runs at each (blocks, threads) pair: the same kernels on a given number of SMs (the link's ceiling at
+those SM counts: --ceiling). --combine-mode runs every intranode point with each combine named (config
+combine_mode: "gather", the default, each origin reads its rows from the peers; "scatter", each rank pushes
+its expert output to the origins; record field combine_mode; "ll" points take the gather only). --profile adds, per
 point, the device time of every kernel and collective of a few eager dispatch -> expert -> combine
 rounds (torch.profiler; record field "profile", printed by rank 0): where a leg's time goes.
 The records say how the eager dispatch checked expert ids (EPGEN_CHECK_EXPERT_IDS: "async" by default,
@@ -96,6 +101,7 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -630,13 +636,16 @@ def _device_info(device) -> dict:
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
               input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
-              profile: bool = False, routing: str = "uniform", protocol: str = "bw") -> dict:
+              profile: bool = False, routing: str = "uniform", protocol: str = "bw",
+              combine_mode: str = "gather") -> dict:
     """One benchmark point (see the module docstring); collective; returns the JSON record (this rank's view).
-    protocol: the intranode wire protocol ("auto", "ll", "bw"; config intranode_protocol)."""
+    protocol: the intranode wire protocol ("auto", "ll", "bw"; config intranode_protocol); combine_mode:
+    "gather" or "scatter" (config combine_mode; intranode)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
     if topology is None:
         cfg_kw["intranode_protocol"] = protocol
+        cfg_kw["combine_mode"] = combine_mode
     cfg = EpDispatchCombineConfig(**cfg_kw)
     epr = cfg.num_experts_per_rank
     d_row, c_row = row_bytes(cfg)
@@ -761,6 +770,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "sms": info["sms"],
         "launch_override": {key: getattr(cfg, key) for key in ("launch_blocks", "launch_threads")
                             if getattr(cfg, key)} or None,
+        "combine_mode": None if cfg.is_internode else cfg.resolved_combine_mode,
         # accounting (this rank's view; rows_matrix has every rank's rows)
         "rows_matrix": matrix,
         **{key: acc[key] for key in ("sent_rows", "local_rows", "remote_rows", "recv_rows", "recv_remote_rows",
@@ -864,12 +874,13 @@ def read_records(path) -> list[dict]:
 
 def sweep_points(records: list[dict], commit: str | None = None) -> tuple[str, list[dict]]:
     """(commit, its sweep points sorted by dtype, hidden descending, tokens): the intranode points of the
-    default routing and the tuning table's launch geometry (no launch_override; experiments carry a
-    note) of `commit` (default: the commit with the most distinct such points, the newest among
+    default routing, the gather combine and the tuning table's launch geometry (no launch_override; experiments
+    carry a note) of `commit` (default: the commit with the most distinct such points, the newest among
     equals); a point measured twice gives its later record. scripts/sweep_table.py and
     scripts/plot_bench.py show these."""
     pts = [r for r in records if "dispatch_us" in r and r.get("topology", "intranode") == "intranode"
-           and r.get("routing", "uniform") == "uniform" and not r.get("note") and not r.get("launch_override")]
+           and r.get("routing", "uniform") == "uniform" and not r.get("note") and not r.get("launch_override")
+           and r.get("combine_mode", "gather") == "gather"]
     if commit is None:
         points: dict[str, set] = {}  # distinct (dtype, hidden, tokens) per commit, in order of first record
         for r in pts:
@@ -891,9 +902,15 @@ def format_table(rows: list[dict]) -> list[str]:
     """The printed summary: a header and one line per point (graph times and bandwidths; eager times)."""
     lines = [" ".join(f"{name:>{w}}" for name, w in TABLE_COLUMNS)]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['dtype']:>13} {r['tokens_per_rank']:>6} {r['hidden']:>6} failed "
+                         f"{r.get('launch_override') or ''}: {r['error']}")
+            continue
         tag = (f"{r['dtype']}/{r['protocol']}" if r.get("protocol") else r["dtype"]) \
             if r.get("topology", "intranode") == "intranode" else \
             f"{r['dtype']}/{r.get('internode_route') or r.get('internode_kernel')}"
+        if r.get("combine_mode") == "scatter":
+            tag += "/scatter"
         cells = [tag, str(r["tokens_per_rank"]), str(r["hidden"]),
                  _pair(r, "dispatch_us", "combine_us", ".1f"), cell(r.get("round_us"), ".1f"),
                  _pair(r, "eager_dispatch_us", "eager_combine_us", ".1f"),
@@ -930,9 +947,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="internode points: GPUs per node (0: half the world, at least 1)")
     p.add_argument("--emulate-nodes", action="store_true",
                    help="set EPGEN_EMULATE_NODES=1: internode points on one host (emulated nodes)")
-    p.add_argument("--launch-blocks", type=int, default=0, help="grid override for every point (0: tuning table)")
-    p.add_argument("--launch-threads", type=int, default=0,
-                   help="threads per block override for every point (0: tuning table)")
+    p.add_argument("--launch-blocks", type=int, nargs="+", default=[0],
+                   help="grid override for every point (0: tuning table); several: each in turn")
+    p.add_argument("--launch-threads", type=int, nargs="+", default=[0],
+                   help="threads per block override for every point (0: tuning table); several: each in turn")
+    p.add_argument("--combine-mode", nargs="+", default=["gather"], choices=["gather", "scatter"],
+                   help="combines to run every intranode point with (config combine_mode; record field combine_mode)")
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform",
                    help="uniform: top-k of all experts; remote: of the other ranks' experts only (no local rows)")
@@ -986,6 +1006,47 @@ def layer_main(args) -> int:
     return 0
 
 
+def plan_points(args, dtypes: list, topologies: list) -> tuple[list[dict], list[str]]:
+    """The points of a sweep run in order (hidden, tokens, dtype, topology, launch geometry, protocol, combine
+    mode: every combination), and why each left-out combination cannot run."""
+    points, skipped = [], []
+    for hidden, T, dt, topo, blocks, threads in itertools.product(args.hidden, args.tokens, dtypes, topologies,
+                                                                  args.launch_blocks, args.launch_threads):
+        for protocol, mode in itertools.product(args.protocol if topo is None else ["bw"],
+                                                args.combine_mode if topo is None else ["gather"]):
+            why = (f"T={T} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)"
+                   if protocol == "ll" and T > LL_MAX_TOKENS else
+                   f"T={T} protocol ll with the scatter combine (the low-latency protocol combines by gather)"
+                   if protocol == "ll" and mode == "scatter" else None)
+            if why:
+                skipped.append(why)
+                continue
+            points.append({"hidden": hidden, "T": T, "dtype": dt, "topology": topo, "protocol": protocol,
+                           "combine_mode": mode, "geometry": {"launch_blocks": blocks, "launch_threads": threads}})
+    return points, skipped
+
+
+def run_planned(pt: dict, args) -> dict:
+    """One planned point; collective. A point that fails on any rank (a launch geometry the kernels cannot
+    take, a failed gate, a timeout) gives, on every rank, a record with its reason (field error) and the run
+    goes on to the next point; main exits 1 at the end."""
+    from .bench_layer import collective_try
+
+    rec, why = collective_try(lambda: run_point(
+        pt["T"], pt["hidden"], args.topk, args.experts, pt["dtype"], args.inner, args.reps,
+        args.torch_baseline and pt["topology"] is None, eager_iters=args.eager_iters, input_sets=args.input_sets,
+        topology=pt["topology"], geometry=pt["geometry"], profile=args.profile, routing=args.routing,
+        protocol=pt["protocol"], combine_mode=pt["combine_mode"]))
+    if why is None:
+        return rec
+    return {"commit": _commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "kind": "point_failed",
+            "error": why, "dtype": dtype_name(pt["dtype"]), "tokens_per_rank": pt["T"], "hidden": pt["hidden"],
+            "topology": "intranode" if pt["topology"] is None else "internode", **(pt["topology"] or {}),
+            "intranode_protocol": pt["protocol"], "combine_mode": pt["combine_mode"],
+            "launch_override": {k: v for k, v in pt["geometry"].items() if v} or None,
+            "world_size": dist.get_world_size()}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
@@ -1002,28 +1063,21 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     gpn = args.gpu_per_node or max(1, dist.get_world_size() // 2)
     topologies = [None] + [{"gpu_per_node": gpn, "internode_kernel": kind} for kind in args.internode]
-    geometry = {"launch_blocks": args.launch_blocks, "launch_threads": args.launch_threads}
-    rows = []
-    for hidden in args.hidden:
-        for T in args.tokens:
-            for dt in dtypes:
-                for topo in topologies:
-                    for protocol in (args.protocol if topo is None else ["bw"]):
-                        if protocol == "ll" and T > LL_MAX_TOKENS:
-                            if dist.get_rank() == 0:
-                                print(f"skipped: T={T} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)")
-                            continue
-                        rows.append(run_point(T, hidden, args.topk, args.experts, dt, args.inner, args.reps,
-                                              args.torch_baseline and topo is None, eager_iters=args.eager_iters,
-                                              input_sets=args.input_sets, topology=topo, geometry=geometry,
-                                              profile=args.profile, routing=args.routing, protocol=protocol))
-    low = [run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps)
+    points, skipped = plan_points(args, dtypes, topologies)
+    if dist.get_rank() == 0:
+        for why in skipped:
+            print(f"skipped: {why}")
+    def emit(r):  # each record as soon as it exists: a run cut short keeps what it measured
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+        return r
+
+    rows = [emit(run_planned(pt, args)) for pt in points]
+    failed = [r for r in rows if r.get("error")]
+    low = [emit(run_lowprec(T, hidden, args.topk, args.experts, args.inner, args.reps))
            for hidden in args.hidden[:1] for T in args.lowprec_tokens] if args.lowprec else []
     if dist.get_rank() == 0:
-        if args.out:
-            with open(args.out, "a") as f:
-                for r in rows + low:
-                    f.write(json.dumps(r, sort_keys=True) + "\n")
         for r in rows:
             if r.get("profile"):
                 print("\n".join(format_profile(r)))
@@ -1035,8 +1089,10 @@ def main(argv=None) -> int:
                   f"combine bf16 gather {m['bf16_gather']['combine_us']:.1f} us, fp8_blockwise scatter "
                   f"{m['bf16_fp8_scatter']['combine_us']:.1f} us (x{r['fp8_scatter_combine_over_bf16_gather']:.2f}), "
                   f"bf16 scatter {m['bf16_scatter']['combine_us']:.1f} us")
+        if failed:
+            print(f"{len(failed)} of {len(rows)} points failed (records with field error)")
     dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

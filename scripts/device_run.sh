@@ -12,7 +12,8 @@
 # the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the MoE layer on epgen and the all_to_all_single shuffle
 # and the link's ceiling, $OUT/layer.jsonl, epgen with each protocol in LAYER_PROTOCOLS (default: ll bw); then at 16 experts per rank epgen, all_to_all_single and all_to_all_vdev_2d
 # (in a process of its own: NVSHMEM), $OUT/layer_vdev2d.jsonl; the tables (scripts/layer_table.py) and the example's GPU test),
-# LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
+# SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks x 512/1024 threads, gather and scatter combine, $OUT/bench_sms.jsonl,
+# and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
 # $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (runtime.tune
 # --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
 set -uo pipefail
@@ -71,6 +72,14 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
       --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
     status[ll_bench]=${PIPESTATUS[0]}
   fi
+  if [ -n "${SMS:-}" ]; then  # equal SMs (docs/BENCH.md): 4096 tokens, bf16, grids of 24/32/128 blocks x 512/1024
+    # threads, gather and scatter combine; then the link's ceiling (copy kernel push / pull) at those SM counts
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 4096 --dtypes bfloat16 --launch-blocks 24 32 128 \
+      --launch-threads 512 1024 --combine-mode gather scatter --reps 20 --eager-iters 10 --out "$OUT/bench_sms.jsonl" 2>&1 \
+      | tee "$OUT/bench_sms.log" | grep -vE "^(W|\*)" | tail -16; status[sms]=${PIPESTATUS[0]}
+    timeout 120 torchrun --nproc-per-node "$NPROC" -m runtime.bench --ceiling --ceiling-sms 24 32 128 \
+      --out "$OUT/ceiling_sms.jsonl" 2>&1 | tee "$OUT/ceiling_sms.log" | grep -vE "^(W|\*)" | tail -12; status[ceiling_sms]=${PIPESTATUS[0]}
+  fi
   if [ -n "${SWEEP:-}" ]; then
     timeout 540 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 512 2048 4096 8192 \
       --hidden 7168 4096 --dtypes bfloat16 float8_e4m3fn --torch-baseline --out "$OUT/sweep.jsonl" 2>&1 \
@@ -97,4 +106,4 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -151,9 +151,30 @@ def test_cli_defaults_and_table():
                                             "--inner", "3", "--reps", "4", "--out", "x.jsonl"])
     assert (args.tokens, args.dtypes, args.torch_baseline, args.lowprec, args.out) == \
         ([8], ["bfloat16"], True, True, "x.jsonl")
-    assert (args.launch_blocks, args.launch_threads, args.profile) == (0, 0, False)
+    assert (args.launch_blocks, args.launch_threads, args.profile, args.combine_mode) == ([0], [0], False, ["gather"])
     args = bench.build_parser().parse_args(["--launch-blocks", "32", "--launch-threads", "1024", "--profile"])
-    assert (args.launch_blocks, args.launch_threads, args.profile) == (32, 1024, True)
+    assert (args.launch_blocks, args.launch_threads, args.profile) == ([32], [1024], True)
+
+
+def test_plan_points_crosses_geometries_and_combines():
+    """--launch-blocks 24 32 --launch-threads 512 1024 --combine-mode gather scatter --protocol ll bw: every
+    combination that can run, in order; ll above its token limit or with the scatter combine is named."""
+    args = bench.build_parser().parse_args(["--tokens", "128", "4096", "--dtypes", "bfloat16", "--launch-blocks", "24",
+                                            "32", "--launch-threads", "512", "1024", "--combine-mode", "gather",
+                                            "scatter", "--protocol", "ll", "bw"])
+    points, skipped = bench.plan_points(args, [torch.bfloat16], [None])
+    got = [(p["T"], p["geometry"]["launch_blocks"], p["geometry"]["launch_threads"], p["protocol"], p["combine_mode"])
+           for p in points]
+    geos = [(24, 512), (24, 1024), (32, 512), (32, 1024)]
+    want = [(128, b, t, pr, m) for b, t in geos for pr, m in (("ll", "gather"), ("bw", "gather"), ("bw", "scatter"))]
+    want += [(4096, b, t, "bw", m) for b, t in geos for m in ("gather", "scatter")]
+    assert got == want
+    assert len(skipped) == 4 + 8 and all("ll" in why for why in skipped)
+    assert sum("scatter" in why for why in skipped) == 4  # 128: ll with scatter; 4096: ll past its token limit
+    assert sum("at most" in why for why in skipped) == 8
+    # internode points: bandwidth protocol and gather only
+    pts, _ = bench.plan_points(args, [torch.bfloat16], [{"gpu_per_node": 1, "internode_kernel": "v2"}])
+    assert {(p["protocol"], p["combine_mode"]) for p in pts} == {("bw", "gather")}
 
 
 def test_geometry_override_reaches_the_config():
@@ -341,9 +362,39 @@ def test_gate_single_rank_checks_total_recv_and_values():
 # ---------------------------------------------------------------------------------------------
 # A whole benchmark point on CPU (torch backend, gloo, eager only)
 # ---------------------------------------------------------------------------------------------
-def scn_point(rank, world, dtype_name):
+def scn_point(rank, world, dtype_name, combine_mode="gather"):
     return bench.run_point(8, 256, 4, 8, getattr(torch, dtype_name), 2, 2, backend="torch", eager_iters=3,
-                           input_sets=3)
+                           input_sets=3, combine_mode=combine_mode)
+
+
+def scn_planned(rank, world, threads):
+    args = bench.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--topk", "4", "--experts", "8",
+                                            "--dtypes", "bfloat16", "--launch-threads", str(threads), "--inner", "2",
+                                            "--reps", "2", "--eager-iters", "2", "--input-sets", "2"])
+    points, _ = bench.plan_points(args, [torch.bfloat16], [None])
+    return [bench.run_planned(pt, args) for pt in points]  # the workers run the torch backend
+
+
+def test_a_failing_point_is_recorded_on_every_rank_and_the_run_goes_on():
+    """A geometry the config refuses (100 threads: not whole waves) fails that point alike on every rank:
+    a record with the reason, a 'failed' table line; a good point still gives its record."""
+    bad = get_world(2).run(scn_planned, 100, timeout=120)
+    for recs in bad:
+        assert len(recs) == 1 and recs[0]["kind"] == "point_failed" and "launch_threads" in recs[0]["error"]
+        assert recs[0]["launch_override"] == {"launch_threads": 100}
+        json.dumps(recs[0], allow_nan=False)
+    line = bench.format_table(bad[0])[1]
+    assert "failed" in line and "launch_threads" in line
+    good = get_world(2).run(scn_planned, 0, timeout=120)
+    assert all(not recs[0].get("error") and recs[0]["eager_combine_us"] > 0 for recs in good)
+
+
+def test_scatter_point_is_gated_and_labelled():
+    recs = get_world(2).run(scn_point, "bfloat16", "scatter", timeout=120)
+    assert all(r["combine_mode"] == "scatter" and r["eager_combine_us"] > 0 for r in recs)
+    assert bench.format_table(recs[:1])[1].split()[0] == "bfloat16/scatter"  # the torch backend: no protocol
+    assert bench.sweep_points(recs + [dict(recs[0], combine_mode="gather", dispatch_us=1.0)])[1][0]["combine_mode"] == \
+        "gather"  # the sweep table keeps the gather combine's points
 
 
 REQUIRED = ("commit", "backend", "target", "gpu", "driver", "world_size", "dtype", "quant", "tokens_per_rank",
