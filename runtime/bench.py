@@ -79,7 +79,8 @@ JSON fields (one line per point; run_lowprec adds lines of its own, with a "mode
     dtype, combine_dtype, quant ("none" | "payload_block128_fp32_scales"), scale_dim, tokens_per_rank,
     hidden, topk, experts, routing, graph, graph_modes, input_sets, graph_iters, graph_reps, eager_iters, gate,
     sms, dispatch_blocks, combine_blocks, dispatch_threads, combine_threads (the launch geometry: SMs used),
-    launch_override ({"launch_blocks": B, "launch_threads": N} as given by --launch-blocks / --launch-threads,
+    launch_override ({"launch_blocks": B, "launch_threads": N, "combine_threads": C} as given by --launch-blocks /
+    --launch-threads / --combine-threads,
     null: the tuning table's geometry; the sweep table (docs/BENCH.md) leaves such points out),
     expert_id_check ("async" | "sync" | "off", see runtime.native.id_check_mode), profile (--profile:
     [{name, calls, us_per_round}] per kernel, or null)
@@ -526,13 +527,26 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def point_config(rank: int, world: int, T: int, hidden: int, k: int, num_experts: int, dtype: torch.dtype,
-                 backend: str = "native", topology: dict | None = None, geometry: dict | None = None) -> dict:
+                 backend: str = "native", topology: dict | None = None, geometry: dict | None = None,
+                 wave: int = 32) -> dict:
     """Config fields of a benchmark point; an fp8 dtype is a pre-quantized payload with per-128 fp32 scales.
     topology: extra config fields of an internode point ({"gpu_per_node": G, "internode_kernel": kind});
-    geometry: launch overrides ({"launch_blocks": B, "launch_threads": N}, zeros: the tuning table)."""
+    geometry: launch overrides ({"launch_blocks": B, "launch_threads": N, "combine_threads": C}, zeros: the tuning
+    table). A combine thread count of its own goes through the per-role fields (dispatch_block_num /
+    warp_num_per_block, combine_block_num / combine_warp_num_per_block: warps of `wave` lanes), since
+    launch_threads pins both roles."""
+    geometry = dict(geometry or {})
+    combine_threads = geometry.pop("combine_threads", 0)
+    if combine_threads:
+        blocks, threads = geometry.pop("launch_blocks", 0), geometry.pop("launch_threads", 0)
+        if threads % wave or combine_threads % wave:
+            raise ValueError(f"launch threads {threads} / combine threads {combine_threads}: not whole {wave}-lane waves")
+        per_role = dict(dispatch_block_num=blocks, combine_block_num=blocks, warp_num_per_block=threads // wave,
+                        combine_warp_num_per_block=combine_threads // wave)
+        geometry.update({key: v for key, v in per_role.items() if v})
     kw = dict(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
               num_experts_per_rank=num_experts // world, num_experts_per_token=k, kernel_backend=backend,
-              **(topology or {}), **(geometry or {}))
+              **(topology or {}), **geometry)
     if dtype in FP8_PAYLOADS:
         if hidden % QUANT_BLOCK:
             raise ValueError(f"an {dtype_name(dtype)} payload point needs hidden % {QUANT_BLOCK} == 0, got {hidden}")
@@ -633,6 +647,15 @@ def _device_info(device) -> dict:
             "target": op_arch()}
 
 
+def _wave() -> int:
+    """Lanes per wave of this process's GPU target (specs; 32 without a GPU: the torch backend ignores it)."""
+    if not _on_gpu():
+        return 32
+    from .config import load_specs
+    from .kernels import device_arch
+    return load_specs().targets[device_arch(torch.device("cuda", torch.cuda.current_device()))].wave_size
+
+
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
               torch_baseline: bool = False, *, backend: str = "native", eager_iters: int = 50,
               input_sets: int = 0, topology: dict | None = None, geometry: dict | None = None,
@@ -642,7 +665,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
     protocol: the intranode wire protocol ("auto", "ll", "bw"; config intranode_protocol); combine_mode:
     "gather" or "scatter" (config combine_mode; intranode)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry)
+    cfg_kw = point_config(rank, world, T, hidden, k, num_experts, dtype, backend, topology, geometry, _wave())
     if topology is None:
         cfg_kw["intranode_protocol"] = protocol
         cfg_kw["combine_mode"] = combine_mode
@@ -768,8 +791,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
         "dispatch_blocks": launched["dispatch"][0], "combine_blocks": launched["combine"][0],
         "dispatch_threads": launched["dispatch"][1], "combine_threads": launched["combine"][1],
         "sms": info["sms"],
-        "launch_override": {key: getattr(cfg, key) for key in ("launch_blocks", "launch_threads")
-                            if getattr(cfg, key)} or None,
+        "launch_override": {key: v for key, v in (geometry or {}).items() if v} or None,
         "combine_mode": None if cfg.is_internode else cfg.resolved_combine_mode,
         # accounting (this rank's view; rows_matrix has every rank's rows)
         "rows_matrix": matrix,
@@ -951,6 +973,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grid override for every point (0: tuning table); several: each in turn")
     p.add_argument("--launch-threads", type=int, nargs="+", default=[0],
                    help="threads per block override for every point (0: tuning table); several: each in turn")
+    p.add_argument("--combine-threads", type=int, nargs="+", default=[0],
+                   help="threads per block of the combine alone (0: as --launch-threads); several: each in turn")
     p.add_argument("--combine-mode", nargs="+", default=["gather"], choices=["gather", "scatter"],
                    help="combines to run every intranode point with (config combine_mode; record field combine_mode)")
     p.add_argument("--profile", action="store_true", help="device time per kernel of each point (torch.profiler)")
@@ -1010,8 +1034,8 @@ def plan_points(args, dtypes: list, topologies: list) -> tuple[list[dict], list[
     """The points of a sweep run in order (hidden, tokens, dtype, topology, launch geometry, protocol, combine
     mode: every combination), and why each left-out combination cannot run."""
     points, skipped = [], []
-    for hidden, T, dt, topo, blocks, threads in itertools.product(args.hidden, args.tokens, dtypes, topologies,
-                                                                  args.launch_blocks, args.launch_threads):
+    for hidden, T, dt, topo, blocks, threads, cthreads in itertools.product(
+            args.hidden, args.tokens, dtypes, topologies, args.launch_blocks, args.launch_threads, args.combine_threads):
         for protocol, mode in itertools.product(args.protocol if topo is None else ["bw"],
                                                 args.combine_mode if topo is None else ["gather"]):
             why = (f"T={T} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)"
@@ -1022,7 +1046,8 @@ def plan_points(args, dtypes: list, topologies: list) -> tuple[list[dict], list[
                 skipped.append(why)
                 continue
             points.append({"hidden": hidden, "T": T, "dtype": dt, "topology": topo, "protocol": protocol,
-                           "combine_mode": mode, "geometry": {"launch_blocks": blocks, "launch_threads": threads}})
+                           "combine_mode": mode, "geometry": {"launch_blocks": blocks, "launch_threads": threads,
+                                                              "combine_threads": cthreads}})
     return points, skipped
 
 

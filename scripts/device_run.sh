@@ -12,7 +12,7 @@
 # the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the MoE layer on epgen and the all_to_all_single shuffle
 # and the link's ceiling, $OUT/layer.jsonl, epgen with each protocol in LAYER_PROTOCOLS (default: ll bw); then at 16 experts per rank epgen, all_to_all_single and all_to_all_vdev_2d
 # (in a process of its own: NVSHMEM), $OUT/layer_vdev2d.jsonl; the tables (scripts/layer_table.py) and the example's GPU test),
-# SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks x 512/1024 threads, gather and scatter combine, $OUT/bench_sms.jsonl,
+# SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks, combine at 512/768/1024 threads, gather and scatter, $OUT/bench_sms.jsonl,
 # and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
 # $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (runtime.tune
 # --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
@@ -72,10 +72,12 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
       --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
     status[ll_bench]=${PIPESTATUS[0]}
   fi
-  if [ -n "${SMS:-}" ]; then  # equal SMs (docs/BENCH.md): 4096 tokens, bf16, grids of 24/32/128 blocks x 512/1024
-    # threads, gather and scatter combine; then the link's ceiling (copy kernel push / pull) at those SM counts
-    timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 4096 --dtypes bfloat16 --launch-blocks 24 32 128 \
-      --launch-threads 512 1024 --combine-mode gather scatter --reps 20 --eager-iters 10 --out "$OUT/bench_sms.jsonl" 2>&1 \
+  if [ -n "${SMS:-}" ]; then  # equal SMs (docs/BENCH.md): 4096 tokens, bf16, grids of 24/32/128 blocks, dispatch 512
+    # threads, combine 512/768/1024 threads (as many as its registers allow), gather and scatter; then the link's
+    # ceiling (copy kernel push / pull) at those SM counts
+    timeout 360 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 4096 --dtypes bfloat16 --launch-blocks 24 32 128 \
+      --launch-threads 512 --combine-threads 512 768 1024 --combine-mode gather scatter --reps 20 --eager-iters 10 \
+      --out "$OUT/bench_sms.jsonl" 2>&1 \
       | tee "$OUT/bench_sms.log" | grep -vE "^(W|\*)" | tail -16; status[sms]=${PIPESTATUS[0]}
     timeout 120 torchrun --nproc-per-node "$NPROC" -m runtime.bench --ceiling --ceiling-sms 24 32 128 \
       --out "$OUT/ceiling_sms.jsonl" 2>&1 | tee "$OUT/ceiling_sms.log" | grep -vE "^(W|\*)" | tail -12; status[ceiling_sms]=${PIPESTATUS[0]}

@@ -151,9 +151,26 @@ def test_cli_defaults_and_table():
                                             "--inner", "3", "--reps", "4", "--out", "x.jsonl"])
     assert (args.tokens, args.dtypes, args.torch_baseline, args.lowprec, args.out) == \
         ([8], ["bfloat16"], True, True, "x.jsonl")
-    assert (args.launch_blocks, args.launch_threads, args.profile, args.combine_mode) == ([0], [0], False, ["gather"])
+    assert (args.launch_blocks, args.launch_threads, args.profile, args.combine_mode, args.combine_threads) == \
+        ([0], [0], False, ["gather"], [0])
     args = bench.build_parser().parse_args(["--launch-blocks", "32", "--launch-threads", "1024", "--profile"])
     assert (args.launch_blocks, args.launch_threads, args.profile) == ([32], [1024], True)
+
+
+def test_combine_threads_of_their_own_go_through_the_per_role_fields():
+    """--combine-threads: the combine's block size alone (launch_threads would pin both roles), in warps of
+    the target's wave; the grid stays the one asked for, for both roles."""
+    for geometry, wave, want in (
+            ({"launch_blocks": 24, "launch_threads": 512, "combine_threads": 768}, 32,
+             {"dispatch": (24, 512), "combine": (24, 768), "combine_ll": (24, 768)}),
+            ({"launch_blocks": 32, "combine_threads": 1024}, 64, {"dispatch": (32, 0), "combine": (32, 1024)}),
+            ({"launch_blocks": 24, "launch_threads": 512, "combine_threads": 0}, 32,
+             {"dispatch": (24, 512), "combine": (24, 512)})):
+        cfg = EpDispatchCombineConfig(**bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry=geometry,
+                                                           wave=wave))
+        assert {role: cfg.launch_override(role, 64, wave) for role in want} == want
+    with pytest.raises(ValueError, match="whole 32-lane waves"):
+        bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"combine_threads": 100})
 
 
 def test_plan_points_crosses_geometries_and_combines():
@@ -165,6 +182,7 @@ def test_plan_points_crosses_geometries_and_combines():
     points, skipped = bench.plan_points(args, [torch.bfloat16], [None])
     got = [(p["T"], p["geometry"]["launch_blocks"], p["geometry"]["launch_threads"], p["protocol"], p["combine_mode"])
            for p in points]
+    assert {p["geometry"]["combine_threads"] for p in points} == {0}
     geos = [(24, 512), (24, 1024), (32, 512), (32, 1024)]
     want = [(128, b, t, pr, m) for b, t in geos for pr, m in (("ll", "gather"), ("bw", "gather"), ("bw", "scatter"))]
     want += [(4096, b, t, "bw", m) for b, t in geos for m in ("gather", "scatter")]
