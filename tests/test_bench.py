@@ -536,3 +536,51 @@ def test_sweep_table_picks_one_commits_default_points():
     assert st.sweep_rows(records, "a")[1][1]["dispatch_us"] == 10.0
     with pytest.raises(ValueError, match="no intranode benchmark points for commit d"):
         st.sweep_rows(records, "d")
+
+
+def scn_main(rank, world, argv):
+    """bench.main on CPU gloo ranks: the process group exists already (the worker's) and there is no GPU to
+    select, so those two calls are stubbed; the workers run the torch backend."""
+    import io
+    from contextlib import redirect_stdout
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "set_device", lambda *a: None), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0), \
+            mock.patch.object(bench.dist, "init_process_group", lambda *a, **kw: None), \
+            mock.patch.object(bench.dist, "destroy_process_group", lambda *a, **kw: None):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = bench.main(argv)
+    return rc, out.getvalue()
+
+
+def test_main_runs_the_planned_points_writes_each_record_and_reports_failures(tmp_path):
+    """The sweep entry end to end (torch backend): every planned point, one record each, written as made;
+    an impossible geometry fails its points with the reason and the run exits 1 after the others ran."""
+    out = tmp_path / "b.jsonl"
+    argv = ["--tokens", "8", "--hidden", "256", "--topk", "4", "--experts", "8", "--dtypes", "bfloat16",
+            "--inner", "2", "--reps", "2", "--eager-iters", "2", "--input-sets", "2", "--combine-mode", "gather",
+            "scatter", "--launch-threads", "0", "100", "--out", str(out)]
+    (rc, printed), (rc1, _) = get_world(2).run(scn_main, argv, timeout=180)
+    assert rc == rc1 == 1
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r.get("launch_override"), r["combine_mode"], bool(r.get("error"))) for r in recs] == [
+        (None, "gather", False), (None, "scatter", False),
+        ({"launch_threads": 100}, "gather", True), ({"launch_threads": 100}, "scatter", True)]
+    assert "2 of 4 points failed" in printed and printed.count("failed") >= 3
+    (rc, _), _ = get_world(2).run(scn_main, argv[:-6] + ["--out", str(tmp_path / "ok.jsonl")], timeout=180)
+    assert rc == 0 and len((tmp_path / "ok.jsonl").read_text().splitlines()) == 1
+
+
+def test_main_layer_modes_write_records_and_print_the_tables(tmp_path):
+    out = tmp_path / "layer.jsonl"
+    argv = ["--layer-loop", "--layer", "--tokens", "4", "--hidden", "256", "--topk", "4", "--experts", "8",
+            "--intermediate", "64", "--layer-dtypes", "bf16", "--layer-iters", "2", "--graph-layers", "2", "--reps", "2",
+            "--layers", "2", "--protocol", "ll", "bw", "--out", str(out)]
+    (rc, printed), _ = get_world(2).run(scn_main, argv, timeout=180)
+    assert rc == 0
+    kinds = [(r["kind"], r.get("path"), r["intranode_protocol"]) for r in map(json.loads, out.read_text().splitlines())]
+    assert kinds == [("layer_loop", None, "ll"), ("layer_loop", None, "bw"), ("layer", "epgen", "ll"),
+                     ("layer", "epgen", "bw"), ("layer", "a2a", None)]
+    assert "| 4 | ll |" in printed and "| 4 | bw |" in printed and "low-latency protocol" in printed
