@@ -651,9 +651,8 @@ def _wave() -> int:
     """Lanes per wave of this process's GPU target (specs; 32 without a GPU: the torch backend ignores it)."""
     if not _on_gpu():
         return 32
-    from .config import load_specs
-    from .kernels import device_arch
-    return load_specs().targets[device_arch(torch.device("cuda", torch.cuda.current_device()))].wave_size
+    from .native import device_target
+    return device_target("dispatch")[3].wave_size
 
 
 def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, reps: int,
@@ -1051,12 +1050,23 @@ def plan_points(args, dtypes: list, topologies: list) -> tuple[list[dict], list[
     return points, skipped
 
 
+def collective_try(fn):
+    """(fn(), None) on every rank, or (None, reason) on every rank when fn raised on any rank (the
+    first failing rank's exception, named)."""
+    try:
+        value, reason = fn(), None
+    except Exception as e:  # noqa: BLE001 - recorded, never hidden
+        value, reason = None, f"{type(e).__name__}: {e}"[:600]
+    reasons: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    bad = [(r, m) for r, m in enumerate(reasons) if m]
+    return (value, None) if not bad else (None, f"rank {bad[0][0]}: {bad[0][1]}")
+
+
 def run_planned(pt: dict, args) -> dict:
     """One planned point; collective. A point that fails on any rank (a launch geometry the kernels cannot
     take, a failed gate, a timeout) gives, on every rank, a record with its reason (field error) and the run
     goes on to the next point; main exits 1 at the end."""
-    from .bench_layer import collective_try
-
     rec, why = collective_try(lambda: run_point(
         pt["T"], pt["hidden"], args.topk, args.experts, pt["dtype"], args.inner, args.reps,
         args.torch_baseline and pt["topology"] is None, eager_iters=args.eager_iters, input_sets=args.input_sets,

@@ -63,6 +63,7 @@ from generator.abi import LL_MAX_TOKENS
 
 from . import EpDispatchCombineConfig, EpDispatchCombineOp, moe
 from . import bench as B
+from .bench import collective_try
 
 LOOP_TOKENS = (1, 8, 32, 128, 512, 4096, 8192)
 LAYER_TOKENS = (1, 8, 32, 128, 512, 2048, 4096)
@@ -104,19 +105,6 @@ def loop_time(fn, layers: int, reps: int) -> tuple[list[float], bool]:
 def _median_us(ms: list[float]) -> tuple[float, float]:
     med, p99 = B._stats(ms)
     return med * 1e3, p99 * 1e3
-
-
-def collective_try(fn):
-    """(fn(), None) on every rank, or (None, reason) on every rank when fn raised on any rank (the
-    first failing rank's exception, named)."""
-    try:
-        value, reason = fn(), None
-    except Exception as e:  # noqa: BLE001 - recorded, never hidden
-        value, reason = None, f"{type(e).__name__}: {e}"[:600]
-    reasons: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, reason)
-    bad = [(r, m) for r, m in enumerate(reasons) if m]
-    return (value, None) if not bad else (None, f"rank {bad[0][0]}: {bad[0][1]}")
 
 
 # --- (i) the layer loop --------------------------------------------------------------------------
@@ -698,6 +686,11 @@ def _protocol(r: dict) -> str:
     return r.get("intranode_protocol") or "bw"
 
 
+def layer_column(r: dict) -> str:
+    """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll"."""
+    return "epgen_ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"]
+
+
 def loop_table(records: list[dict]) -> list[str]:
     """Issue 19's table: per layer µs, epgen (expert -> own tensor / -> combine_in_view) with each intranode
     protocol measured, NCCL, NCCL / epgen."""
@@ -713,14 +706,11 @@ def loop_table(records: list[dict]) -> list[str]:
 def layer_table(records: list[dict]) -> list[str]:
     """Issue 17's table: per (dtype, tokens) the layer and its communication-only time on each path, and
     footnotes naming why a path has no time."""
-    def column(r):  # epgen with the low-latency protocol: a column of its own
-        return "epgen_ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"]
-
-    recs = _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], column(r)))
+    recs = _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
     points: dict = {}
     for r in recs:
-        points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[column(r)] = r
-    columns = list(LAYER_PATHS) + (["epgen_ll"] if any(column(r) == "epgen_ll" for r in recs) else [])
+        points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[layer_column(r)] = r
+    columns = list(LAYER_PATHS) + (["epgen_ll"] if any(layer_column(r) == "epgen_ll" for r in recs) else [])
     head = ("| dispatch | tokens/rank | expert GEMMs µs | epgen layer µs (comm) | all_to_all_single layer µs (comm) "
             "| all_to_all_vdev_2d layer µs (comm) |" + (" epgen, low-latency protocol, layer µs (comm) |"
                                                        if "epgen_ll" in columns else "") + " a2a / epgen (layer) |")

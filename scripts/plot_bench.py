@@ -17,9 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
 from runtime.bench import read_records, sweep_points  # noqa: E402
-from runtime.bench_layer import LAYER_PATHS, _latest, _protocol  # noqa: E402
+from runtime.bench_layer import LAYER_PATHS, _latest, _protocol, layer_column  # noqa: E402
 
-COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen ll": "tab:purple"}
+COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple"}
 
 
 def _finish(fig, title: str, dst: str) -> int:
@@ -74,8 +74,8 @@ def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
     """The layer loop, the MoE layer per EP path and the link's ceiling (runtime.bench_layer records), one panel each."""
     records = read_records(src)
     loop = _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r)))
-    layer = [dict(r, path="epgen ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"])
-             for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], r["path"], _protocol(r)))
+    layer = [dict(r, path=layer_column(r))
+             for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
              if r.get("layer_us") is not None]
     ceil = [r for r in _latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)) if r.get("GBps")]
     if not (loop or layer or ceil):
@@ -91,7 +91,7 @@ def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
         if pts:
             a1.plot([r["tokens_per_rank"] for r in pts], [r[key] for r in pts], style, label=label)
     a1.set_title("layer loop (bf16; per layer, graph)", fontsize=9)
-    for path in (*LAYER_PATHS, "epgen ll"):
+    for path in (*LAYER_PATHS, "epgen_ll"):
         for dtype, style in (("bf16", "-"), ("fp8", "--")):
             pts = [r for r in layer if (r["path"], r["dtype"]) == (path, dtype)]
             if pts:

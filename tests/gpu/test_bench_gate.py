@@ -18,7 +18,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime import bench
 from runtime.bench import GateError, identity_gate, quantize_blocks
 from tests.ep_oracle import random_routing
-from tests.gpu.dist_util import init_dist, oversubscribed, run_collective
+from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -27,12 +27,6 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 H, T, K, EPR = 2048, 256, 8, 16
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 def _cfg(payload):

@@ -13,18 +13,12 @@ import torch.distributed as dist
 
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpTimeoutError
-from tests.gpu.dist_util import collective_assert, init_dist, oversubscribed
+from tests.gpu.dist_util import collective_assert, oversubscribed
 
 pytestmark = pytest.mark.multigpu
 
 if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
     pytest.skip("needs torchrun and GPUs", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 def _cfg(T=256, H=2048, k=8, epr=16, **kw):

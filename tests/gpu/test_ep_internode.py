@@ -14,7 +14,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpgenError
 from runtime import config as rconfig
 from tests.ep_oracle import expected_received, multiplicity, random_routing
-from tests.gpu.dist_util import init_dist, oversubscribed, run_collective
+from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -25,8 +25,7 @@ H, TMAX, K, EPR = 2048, 4096, 8, 16
 
 
 @pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
+def emulated_nodes():
     os.environ[rconfig.EMULATE_NODES_ENV] = "1"  # on every rank: 2 emulated nodes
     yield
     os.environ.pop(rconfig.EMULATE_NODES_ENV, None)

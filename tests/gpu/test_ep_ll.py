@@ -18,10 +18,9 @@ from tests.gpu.dist_util import run_collective
 pytestmark = pytest.mark.multigpu
 
 # helpers of the bandwidth protocol's tests (their test functions are not collected here); importing them
-# skips this module where they skip (no torchrun or no GPU), and dist_env is their process-group fixture
+# skips this module where they skip (no torchrun or no GPU)
 from tests.gpu import test_ep_moe as moe_t  # noqa: E402
 from tests.gpu import test_ep_native as nat  # noqa: E402
-from tests.gpu.test_ep_native import dist_env  # noqa: E402,F401
 
 
 def _cfg(T_max, hidden, k, epr, protocol="ll", **kw):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 from tests.ep_oracle import multiplicity, random_routing
-from tests.gpu.dist_util import init_dist, run_collective
+from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -21,12 +21,6 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 H, T, K, EPR = 2048, 256, 8, 16
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 def _inputs(seed, rank):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from tests.ep_oracle import multiplicity, random_routing
-from tests.gpu.dist_util import init_dist, run_collective
+from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -19,12 +19,6 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
     pytest.skip("needs torchrun and GPUs", allow_module_level=True)
 
 H, T, K, EPR = 2048, 256, 8, 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 def _cfg(**kw):

@@ -12,18 +12,12 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 from tests.ep_oracle import expected_received, make_inputs, multiplicity
-from tests.gpu.dist_util import init_dist, run_collective
+from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
 
 if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
     pytest.skip("needs torchrun and GPUs", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 def _cfg(T_max, hidden, k, epr, dtype=torch.bfloat16, backend="native"):

@@ -10,19 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.gpu.dist_util import init_dist, run_collective
+from tests.gpu.dist_util import run_collective
 from tests.moe_layer_ref import REL_TOL, check_block, load_example
 
 pytestmark = pytest.mark.multigpu
 
 if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
     pytest.skip("needs torchrun and GPUs", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    init_dist()
-    yield
 
 
 @pytest.mark.parametrize("tokens", [1, 128])
