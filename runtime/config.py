@@ -32,7 +32,7 @@ per call: the call's largest per-rank token count <= ``internode_auto_ll_max_tok
 gather combine only, ``quant_type`` and ``dispatch_quant_type`` "none" (rule internode_quant_none;
 pre-quantized fp8/fp4 payloads are allowed), no std-MoE. The op checks the real host layout at
 construction (``EPGEN_EMULATE_NODES=1`` skips it). The native backend runs it on generated record kernels
-around NCCL/RCCL all_to_all_single (runtime/internode.py).
+around NCCL/RCCL all_to_all_single (runtime/backends/internode.py).
 
 Intranode wire protocol (``intranode_protocol``, native backend): "bw" (bandwidth: claimed slots, one
 completion barrier per leg), "ll" (low latency: rows carry per-16-byte epoch flags the receiver polls, no
@@ -61,7 +61,7 @@ import os
 import attrs
 import torch
 
-from . import seed_compat
+from . import aliases
 from .errors import ConfigError
 
 BACKEND_ENV = "EPGEN_KERNEL_BACKEND"
@@ -127,10 +127,10 @@ def _dtype_list(names) -> str:
 
 
 @attrs.frozen(kw_only=True)
-class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
+class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     """Static shape and mode of an EP dispatch/combine op (see the module docstring).
 
-    The seed library's fields and properties are accepted too (runtime/seed_compat.py,
+    The seed library's fields and properties are accepted too (runtime/aliases.py,
     docs/SEED_COMPAT.md)."""
 
     rank: int
@@ -149,23 +149,23 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
     dispatch_quant_type: str = "none"
     enable_std_moe: bool = False
     max_total_recv_tokens: int = 0  # 0: worst case, world_size * max_num_inp_token_per_rank
-    gpu_per_node: int = attrs.field(default=0, converter=seed_compat.gpu_per_node)  # 0 (or None): world_size (one node)
+    gpu_per_node: int = attrs.field(default=0, converter=aliases.gpu_per_node)  # 0 (or None): world_size (one node)
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
     intranode_protocol: str = "bw"  # "bw" (bandwidth) | "ll" (low latency) | "auto"; see the module docstring
-    kernel_backend: str | None = attrs.field(default=None, converter=seed_compat.kernel_backend)  # None: see the module docstring
+    kernel_backend: str | None = attrs.field(default=None, converter=aliases.kernel_backend)  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
     strict_capacity: bool = False  # dispatch raises CapacityError when it dropped received rows
     launch_blocks: int = 0  # EP kernel grid override; 0: specs/tuning.toml
     launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
     launch_rows: str = ""  # dispatch row copy override: "wave" | "block"; "": specs/tuning.toml
-    # the seed library's fields (seed_compat.SEED_FIELDS): launch geometry aliases, or accepted and ignored
+    # the seed library's fields (aliases.SEED_FIELDS): launch geometry aliases, or accepted and ignored
     dispatch_block_num: int | None = None
     combine_block_num: int | None = None
     warp_num_per_block: int | None = None
     combine_warp_num_per_block: int | None = None
-    schedule: tuple | None = attrs.field(default=None, converter=seed_compat.schedule)
+    schedule: tuple | None = attrs.field(default=None, converter=aliases.schedule)
     num_qp_per_pe: int | None = None
     dispatch_rdma_block_num: int | None = None
     combine_rdma_block_num: int | None = None
@@ -182,7 +182,7 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
         self._check_quants()
         self._check_rules()
         self._check_built()
-        seed_compat.check_seed_fields(self)
+        aliases.check_seed_fields(self)
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         object.__setattr__(self, "_resolved_backend", self._resolve_backend())
         object.__setattr__(self, "_key", tuple(getattr(self, name) for name in FIELDS) + (self._resolved_backend,))
@@ -274,12 +274,12 @@ class EpDispatchCombineConfig(seed_compat.SeedConfigMembers):
             self.internode_kernel, ("internode_v2", "internode_v2_ll"))
 
     def launch_override(self, role: str, tokens: int, wave: int) -> tuple[int, int]:
-        """(blocks, threads) overrides of a call (0: specs/tuning.toml); see seed_compat.launch_override."""
-        return seed_compat.launch_override(self, role, tokens, wave)
+        """(blocks, threads) overrides of a call (0: specs/tuning.toml); see aliases.launch_override."""
+        return aliases.launch_override(self, role, tokens, wave)
 
     def launch_thread_overrides(self, role: str, wave: int) -> set[int]:
         """Every thread count the overrides can launch ``role`` with (empty: specs/tuning.toml decides)."""
-        return seed_compat.launch_thread_overrides(self, role, wave)
+        return aliases.launch_thread_overrides(self, role, wave)
 
     @property
     def key(self) -> tuple:

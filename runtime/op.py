@@ -1,28 +1,7 @@
 """EpDispatchCombineOp: the public facade. Validates every input, then delegates to a backend.
 
-A backend (``runtime.torch_backend.TorchBackend``, ``runtime.native.NativeBackend``,
-``runtime.internode.NativeInternodeBackend``) is built as
-``Backend(config, group)`` and provides:
-
-  name: str; device: torch.device; capabilities: dict (merged over the op's defaults)
-  wire_dtype: torch.dtype (optional, default torch.float8_e4m3fn): the FP8 e4m3 dtype of in-kernel
-      fp8 quantization (torch.float8_e4m3fnuz where the target's native e4m3 is FNUZ, gfx942)
-  dispatch_out_dtype: torch.dtype (optional): overrides the op's own derivation (below)
-  dispatch(x, weights, scales, indices, routing)
-      -> (out, out_weights, out_scales, out_indices, total_recv, handle_fields: dict)
-      handle_fields are keyword arguments of RoutingHandle (e.g. {"extra": {...}}); routing is
-      None or an already-checked handle of this op (replay).
-  combine(expert_out, weights, indices, routing) -> (combined, combined_weights)
-  combine_in_view() -> tensor [max_recv_tokens, hidden_dim]
-  reset() -> None;  close() -> None
-  check() -> None (optional): raise runtime.errors.EpTimeoutError if a kernel gave up waiting
-  wait() -> None (optional): wait for the op's queued kernels (op.check(sync=True) calls it first)
-  MoE integration (each optional; without one the op uses the plain-torch reference in runtime/moe.py
-  on the last dispatch's outputs, except dropped_count, which the backend must provide):
-  dropped_count() -> int32 scalar tensor; local_expert_count() -> int32 [num_experts_per_rank];
-  convert_dispatch_output() -> (packed_x, packed_count, packed_src, packed_weights);
-  std_moe_dropped() -> int32 scalar tensor; convert_combine_input(expert_out, routing) -> [R, H];
-  memory_report() -> dict (else the op reports the native workspace formula of docs/RUNTIME.md)
+The backend (runtime/backends/: torch reference, native intranode, native internode) is made by
+``backends.make(config, group)``; runtime/backends/__init__.py documents the interface the op calls.
 
 Before the backend is built, every rank's config is compared over the process group
 (``check_config_agreement``): a config differing between ranks, or one that does not match the
@@ -56,7 +35,7 @@ import torch
 
 from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import moe, seed_compat
+from . import aliases, backends, moe
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
@@ -182,26 +161,6 @@ def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
                             f"to emulate nodes on one host (tests)")
 
 
-def _make_backend(config: EpDispatchCombineConfig, group):
-    name = config.resolved_backend
-    if name == "torch":
-        from .torch_backend import TorchBackend
-
-        return TorchBackend(config, group)
-    if name == "native":
-        try:
-            from .native import NativeBackend
-            from .internode import NativeInternodeBackend
-        except EpgenError:
-            raise
-        except Exception as e:  # ImportError, or a vendor binding failing to load
-            raise EpgenError(f"kernel backend 'native' is unavailable: importing runtime.native failed "
-                             f"({type(e).__name__}: {e}); use kernel_backend='torch' or "
-                             f"EPGEN_KERNEL_BACKEND=torch for the reference backend") from e
-        return (NativeInternodeBackend if config.is_internode else NativeBackend)(config, group)
-    raise ConfigError(f"unknown kernel backend {name!r}")  # the config validates this already
-
-
 class EpDispatchCombineOp:
     """Expert-parallel dispatch/combine over one process group (see the module docstring)."""
 
@@ -212,7 +171,7 @@ class EpDispatchCombineOp:
         ``indices``, are unused."""
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
-        seed_compat.check_op_args(group, combine_weights)
+        aliases.check_op_args(group, combine_weights)
         self._combine_weights = combine_weights
         check_config_agreement(config, group)  # collective; before anything is allocated
         check_host_layout(config, group)  # collective
@@ -222,7 +181,7 @@ class EpDispatchCombineOp:
         self._seq = 0  # dispatches that moved data (returned, or raised CapacityError)
         self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
-        self._backend = _make_backend(config, group)
+        self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -242,7 +201,7 @@ class EpDispatchCombineOp:
     @classmethod
     def available_backends(cls) -> list[str]:
         """Kernel backends that can run on this machine ("native" needs a GPU and its vendor bindings)."""
-        return seed_compat.available_backends()
+        return backends.available()
 
     def scale_stride_bytes(self) -> int:
         """Bytes between consecutive rows of dispatch's out_scales, 0 when dispatch returns no scales
@@ -336,7 +295,7 @@ class EpDispatchCombineOp:
         """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle]). ``input``: the seed's
         name for x."""
         self._check_open("dispatch")
-        x = seed_compat.renamed("dispatch", "x", x, "input", input)
+        x = aliases.renamed("dispatch", "x", x, "input", input)
         cfg = self.config
         k, cols = cfg.num_experts_per_token, cfg.dispatch_payload_cols
         self._check_tensor("dispatch", "x", x, cfg.dispatch_dtype, ndim=2)
@@ -386,11 +345,11 @@ class EpDispatchCombineOp:
         """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None). ``input``: the seed's
         name for expert_out; ``weights``: see combine_weights in __init__."""
         self._check_open("combine")
-        expert_out = seed_compat.renamed("combine", "expert_out", expert_out, "input", input)
+        expert_out = aliases.renamed("combine", "expert_out", expert_out, "input", input)
         if self._combine_weights == "fold":  # the seed's combine: indices taken for parity only, unused
             indices = None
             if weights is not None:
-                weights = seed_compat.forwarded_weights(self._need_dispatch("combine (weight fold)"))
+                weights = aliases.forwarded_weights(self._need_dispatch("combine (weight fold)"))
         cfg = self.config
         if routing is None:
             raise InputError("combine: routing is required: pass the RoutingHandle from "

@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: build the device's variants, run the GPU tests, benchmark, print a table.
 #   (via the device tool)  bash scripts/device_run.sh
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
-# specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra runtime.bench arguments),
+# specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra bench arguments),
 # EP_PYTEST (pytest options of the EP suite; oversubscribed: -v -o faulthandler_timeout=$FH_TIMEOUT, else -q),
 # NPROC (ranks, default: every GPU x RANKS_PER_GPU), RANKS_PER_GPU (default 1; above 1 the ranks share GPUs: gloo
 # group, IPC workspace, correctness only: every bench is skipped), ONE_GPU=1 (only GPU 0 visible), WS_AB=1 (bench
@@ -14,7 +14,7 @@
 # (in a process of its own: NVSHMEM), $OUT/layer_vdev2d.jsonl; the tables (scripts/layer_table.py) and the example's GPU test),
 # SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks, combine at 512/768/1024 threads, gather and scatter, $OUT/bench_sms.jsonl,
 # and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
-# $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (runtime.tune
+# $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (bench.tune
 # --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,21 +41,21 @@ fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   if [ -n "${WS_AB:-}" ]; then  # the two workspace allocators, same run, same points
     for ws in symmetric ipc; do
-      EPGEN_WORKSPACE=$ws timeout 120 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 128 4096 --dtypes bfloat16 \
+      EPGEN_WORKSPACE=$ws timeout 120 torchrun --nproc-per-node "$NPROC" -m bench --tokens 128 4096 --dtypes bfloat16 \
         --out "$OUT/bench_ws.jsonl" 2>&1 | grep -vE "^(W|\*)" | tail -4 | sed "s/^/[$ws] /"; status[ws_$ws]=${PIPESTATUS[0]}
     done
   fi
   if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
-    timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi
   if [ -n "${TUNE_LL:-}" ]; then  # the low-latency protocol's threshold (intranode_ll_max_tokens), rewritten in specs/tuning.toml
-    timeout 240 torchrun --nproc-per-node "$NPROC" -m runtime.tune --ll-threshold --write 2>&1 | tee "$OUT/tune_ll.log" \
+    timeout 240 torchrun --nproc-per-node "$NPROC" -m bench.tune --ll-threshold --write 2>&1 | tee "$OUT/tune_ll.log" \
       | grep -vE "^(W|\*)" | tail -12; status[tune_ll]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi
   if [ -n "${BENCH_INTERNODE:-}" ]; then  # internode (2 emulated nodes) vs intranode on the same GPUs
-    timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 128 4096 --dtypes bfloat16 --internode v2 v2_ll \
+    timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --tokens 128 4096 --dtypes bfloat16 --internode v2 v2_ll \
       --emulate-nodes --out "$OUT/bench_internode.jsonl" 2>&1 | tee "$OUT/bench_internode.log" | grep -vE "^(W|\*)" | tail -8
     status[internode_bench]=${PIPESTATUS[0]}
   fi
@@ -68,34 +68,34 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
       | grep -vE "^(W|\*)" > "$OUT/host_internode.log"; status[host_internode]=${PIPESTATUS[0]}; head -1 "$OUT/host_internode.log"
   fi
   if [ -n "${LL:-}" ]; then  # the low-latency intranode protocol and the bandwidth one side by side
-    timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 --dtypes bfloat16 \
+    timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --tokens 1 8 32 128 --dtypes bfloat16 \
       --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
     status[ll_bench]=${PIPESTATUS[0]}
   fi
   if [ -n "${SMS:-}" ]; then  # equal SMs (docs/BENCH.md): 4096 tokens, bf16, grids of 24/32/128 blocks, dispatch 512
     # threads, combine 512/768/1024 threads (as many as its registers allow), gather and scatter; then the link's
     # ceiling (copy kernel push / pull) at those SM counts
-    timeout 360 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 4096 --dtypes bfloat16 --launch-blocks 24 32 128 \
+    timeout 360 torchrun --nproc-per-node "$NPROC" -m bench --tokens 4096 --dtypes bfloat16 --launch-blocks 24 32 128 \
       --launch-threads 512 --combine-threads 512 768 1024 --combine-mode gather scatter --reps 20 --eager-iters 10 \
       --out "$OUT/bench_sms.jsonl" 2>&1 \
       | tee "$OUT/bench_sms.log" | grep -vE "^(W|\*)" | tail -16; status[sms]=${PIPESTATUS[0]}
-    timeout 120 torchrun --nproc-per-node "$NPROC" -m runtime.bench --ceiling --ceiling-sms 24 32 128 \
+    timeout 120 torchrun --nproc-per-node "$NPROC" -m bench --ceiling --ceiling-sms 24 32 128 \
       --out "$OUT/ceiling_sms.jsonl" 2>&1 | tee "$OUT/ceiling_sms.log" | grep -vE "^(W|\*)" | tail -12; status[ceiling_sms]=${PIPESTATUS[0]}
   fi
   if [ -n "${SWEEP:-}" ]; then
-    timeout 540 torchrun --nproc-per-node "$NPROC" -m runtime.bench --tokens 1 8 32 128 512 2048 4096 8192 \
+    timeout 540 torchrun --nproc-per-node "$NPROC" -m bench --tokens 1 8 32 128 512 2048 4096 8192 \
       --hidden 7168 4096 --dtypes bfloat16 float8_e4m3fn --torch-baseline --out "$OUT/sweep.jsonl" 2>&1 \
       | tee "$OUT/sweep.log" | grep -vE "^(W|\*)" | tail -34; status[sweep]=${PIPESTATUS[0]}
   fi
   if [ -n "${LAYER:-}" ]; then
-    timeout 300 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer-loop --ceiling --layer --protocol ${LAYER_PROTOCOLS:-ll bw} --out "$OUT/layer.jsonl" \
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench --layer-loop --ceiling --layer --protocol ${LAYER_PROTOCOLS:-ll bw} --out "$OUT/layer.jsonl" \
       2>&1 | tee "$OUT/layer.log" | grep -vE "^(W|\*)" | tail -50; status[layer]=${PIPESTATUS[0]}
     # torch's all_to_all_vdev_2d takes at most 16 experts per rank: the three paths meet at 16 per rank, in a file of
     # their own (epgen and all_to_all_single here, then all_to_all_vdev_2d in a process of its own: NVSHMEM)
     VEXP=$((16 * NPROC))
-    timeout 150 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer --experts "$VEXP" --layer-paths epgen a2a \
+    timeout 150 torchrun --nproc-per-node "$NPROC" -m bench --layer --experts "$VEXP" --layer-paths epgen a2a \
       --out "$OUT/layer_vdev2d.jsonl" 2>&1 | tee "$OUT/layer_e16.log" | grep -vE "^(W|\*)" | tail -25; status[layer_e16]=${PIPESTATUS[0]}
-    TORCH_SYMMMEM=NVSHMEM NVSHMEM_SYMMETRIC_SIZE=12G timeout 150 torchrun --nproc-per-node "$NPROC" -m runtime.bench --layer \
+    TORCH_SYMMMEM=NVSHMEM NVSHMEM_SYMMETRIC_SIZE=12G timeout 150 torchrun --nproc-per-node "$NPROC" -m bench --layer \
       --experts "$VEXP" --layer-paths a2a vdev2d --out "$OUT/layer_vdev2d.jsonl" 2>&1 | tee "$OUT/layer_vdev2d.log" \
       | grep -vE "^(W|\*)" | tail -25; status[layer_vdev2d]=${PIPESTATUS[0]}
     { python3 scripts/layer_table.py "$OUT/layer.jsonl"
@@ -105,7 +105,7 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
     timeout 120 torchrun --nproc-per-node "$NPROC" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu/test_moe_layer_example.py \
       2>&1 | tee "$OUT/layer_example.log" | grep -vE "^\s*$" | tail -6; status[layer_example]=${PIPESTATUS[0]}
   fi
-  [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m runtime.bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
+  [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
 for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/graph_floor.py
 
-Times, with runtime.bench's graph harness (events recorded inside one CUDA graph, slowest rank's
+Times, with bench's graph harness (events recorded inside one CUDA graph, slowest rank's
 median), a one-element add, a one-element NCCL all_reduce, and the native dispatch and combine of one
 token: how much of a small-batch leg is the harness and a kernel launch inside a graph.
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
-from runtime.bench import _graph_time, _stats  # noqa: E402
+from bench.core import _graph_time, _stats  # noqa: E402
 
 
 def main() -> int:

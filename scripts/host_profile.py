@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
-from runtime.native import id_check_mode  # noqa: E402
+from runtime.backends.native import id_check_mode  # noqa: E402
 
 
 def main() -> int:

@@ -1,10 +1,10 @@
-"""Print the layer tables (markdown) from layer benchmark records (runtime.bench --layer-loop / --layer / --ceiling).
+"""Print the layer tables (markdown) from layer benchmark records (bench --layer-loop / --layer / --ceiling).
 
 python scripts/layer_table.py [results/layer.jsonl ...]
 
 The layer loop (issue 19's table: per-layer µs of epgen with the expert writing its own tensor or into
 combine_in_view, and NCCL), the MoE layer on each EP path (layer µs and communication-only µs), and the
-link's ceiling; a point measured more than once shows its latest record (runtime.bench_layer).
+link's ceiling; a point measured more than once shows its latest record (bench.layer).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from runtime.bench import read_records  # noqa: E402
-from runtime.bench_layer import ceiling_table, layer_table, loop_table  # noqa: E402
+from bench.core import read_records  # noqa: E402
+from bench.layer import ceiling_table, layer_table, loop_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 python scripts/plot_bench.py [results/bench.jsonl] [results/bench.png]   (needs matplotlib)
 python scripts/plot_bench.py --layer [results/layer.jsonl] [results/layer.png]   (layer records: main_layer)
-Plots the sweep's points (runtime.bench.sweep_points: intranode, default routing and geometry, no
+Plots the sweep's points (bench.core.sweep_points: intranode, default routing and geometry, no
 experiment note, of the commit with the most distinct points): one row of panels per hidden size,
 one colour per dtype, and the performance issue's targets on the hidden-7168 panels.
 """
@@ -16,8 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from runtime.bench import read_records, sweep_points  # noqa: E402
-from runtime.bench_layer import LAYER_PATHS, _latest, _protocol, layer_column  # noqa: E402
+from bench.core import read_records, sweep_points  # noqa: E402
+from bench.layer import LAYER_PATHS, _latest, _protocol, layer_column  # noqa: E402
 
 COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple"}
 
@@ -71,7 +71,7 @@ def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
 
 
 def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
-    """The layer loop, the MoE layer per EP path and the link's ceiling (runtime.bench_layer records), one panel each."""
+    """The layer loop, the MoE layer per EP path and the link's ceiling (bench.layer records), one panel each."""
     records = read_records(src)
     loop = _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r)))
     layer = [dict(r, path=layer_column(r))

@@ -1,6 +1,6 @@
 """A CPU stand-in for the native internode backend's device side, to test its host orchestration.
 
-``SimBackend`` is ``runtime.internode.NativeInternodeBackend`` with its kernels replaced by the Python
+``SimBackend`` is ``runtime.backends.internode.NativeInternodeBackend`` with its kernels replaced by the Python
 functions below (written from the kernel templates' contracts, byte for byte on the same record
 layout and buffers) and its collectives by an in-process exchange between threads, one thread per
 rank. Everything else -- ordered slots, exchange splits, the v2 stages and the regrouping of return
@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from runtime.internode import NativeInternodeBackend
+from runtime.backends.internode import NativeInternodeBackend
 
 
 class SimWorld:

@@ -1,4 +1,4 @@
-"""The benchmark's accounting, bandwidth arithmetic and correctness gate (runtime/bench.py), on CPU.
+"""The benchmark's accounting, bandwidth arithmetic and correctness gate (bench/core.py), on CPU.
 
 Accounting and bandwidths against hand-computed routings; the identity gate on the torch backend
 over 2 gloo ranks (tests/ep_dist.py): it passes on clean data and raises GateError, on every rank
@@ -19,8 +19,8 @@ import torch
 from ep_dist import get_world
 from ep_oracle import expected_received, make_inputs, multiplicity
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from runtime import bench
-from runtime.bench import (GateError, accounting, bandwidths, dequantize_rows, identity_expected, identity_gate,
+from bench import cli, core as bench
+from bench.core import (GateError, accounting, bandwidths, dequantize_rows, identity_expected, identity_gate,
                            quantize_blocks, row_bytes, rows_per_destination)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,17 +143,17 @@ def test_fp8_block_quantization_round_trip():
 
 
 def test_cli_defaults_and_table():
-    args = bench.build_parser().parse_args([])
+    args = cli.build_parser().parse_args([])
     assert args.dtypes == ["bfloat16", "float8_e4m3fn"]
     assert (args.tokens, args.hidden, args.inner, args.reps, args.input_sets) == (None, [7168], 20, 30, 0)  # None: 128 4096
-    args = bench.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--dtypes", "bfloat16",
+    args = cli.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--dtypes", "bfloat16",
                                             "--torch-baseline", "--lowprec", "--lowprec-tokens", "8",
                                             "--inner", "3", "--reps", "4", "--out", "x.jsonl"])
     assert (args.tokens, args.dtypes, args.torch_baseline, args.lowprec, args.out) == \
         ([8], ["bfloat16"], True, True, "x.jsonl")
     assert (args.launch_blocks, args.launch_threads, args.profile, args.combine_mode, args.combine_threads) == \
         ([0], [0], False, ["gather"], [0])
-    args = bench.build_parser().parse_args(["--launch-blocks", "32", "--launch-threads", "1024", "--profile"])
+    args = cli.build_parser().parse_args(["--launch-blocks", "32", "--launch-threads", "1024", "--profile"])
     assert (args.launch_blocks, args.launch_threads, args.profile) == ([32], [1024], True)
 
 
@@ -176,10 +176,10 @@ def test_combine_threads_of_their_own_go_through_the_per_role_fields():
 def test_plan_points_crosses_geometries_and_combines():
     """--launch-blocks 24 32 --launch-threads 512 1024 --combine-mode gather scatter --protocol ll bw: every
     combination that can run, in order; ll above its token limit or with the scatter combine is named."""
-    args = bench.build_parser().parse_args(["--tokens", "128", "4096", "--dtypes", "bfloat16", "--launch-blocks", "24",
+    args = cli.build_parser().parse_args(["--tokens", "128", "4096", "--dtypes", "bfloat16", "--launch-blocks", "24",
                                             "32", "--launch-threads", "512", "1024", "--combine-mode", "gather",
                                             "scatter", "--protocol", "ll", "bw"])
-    points, skipped = bench.plan_points(args, [torch.bfloat16], [None])
+    points, skipped = cli.plan_points(args, [torch.bfloat16], [None])
     got = [(p["T"], p["geometry"]["launch_blocks"], p["geometry"]["launch_threads"], p["protocol"], p["combine_mode"])
            for p in points]
     assert {p["geometry"]["combine_threads"] for p in points} == {0}
@@ -191,7 +191,7 @@ def test_plan_points_crosses_geometries_and_combines():
     assert sum("scatter" in why for why in skipped) == 4  # 128: ll with scatter; 4096: ll past its token limit
     assert sum("at most" in why for why in skipped) == 8
     # internode points: bandwidth protocol and gather only
-    pts, _ = bench.plan_points(args, [torch.bfloat16], [{"gpu_per_node": 1, "internode_kernel": "v2"}])
+    pts, _ = cli.plan_points(args, [torch.bfloat16], [{"gpu_per_node": 1, "internode_kernel": "v2"}])
     assert {(p["protocol"], p["combine_mode"]) for p in pts} == {("bw", "gather")}
 
 
@@ -386,11 +386,11 @@ def scn_point(rank, world, dtype_name, combine_mode="gather"):
 
 
 def scn_planned(rank, world, threads):
-    args = bench.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--topk", "4", "--experts", "8",
+    args = cli.build_parser().parse_args(["--tokens", "8", "--hidden", "256", "--topk", "4", "--experts", "8",
                                             "--dtypes", "bfloat16", "--launch-threads", str(threads), "--inner", "2",
                                             "--reps", "2", "--eager-iters", "2", "--input-sets", "2"])
-    points, _ = bench.plan_points(args, [torch.bfloat16], [None])
-    return [bench.run_planned(pt, args) for pt in points]  # the workers run the torch backend
+    points, _ = cli.plan_points(args, [torch.bfloat16], [None])
+    return [cli.run_planned(pt, args) for pt in points]  # the workers run the torch backend
 
 
 def test_a_failing_point_is_recorded_on_every_rank_and_the_run_goes_on():
@@ -486,7 +486,7 @@ def test_internode_point_is_gated_and_labelled(kind):
             ("internode", 1, kind, kind)
         assert r["gate"].endswith("(passed)") and r["eager_dispatch_us"] > 0
     assert f"bfloat16/{kind}" in bench.format_table(recs[:1])[1]
-    assert bench.build_parser().parse_args(["--internode", "v2", "auto", "--emulate-nodes"]).internode == ["v2", "auto"]
+    assert cli.build_parser().parse_args(["--internode", "v2", "auto", "--emulate-nodes"]).internode == ["v2", "auto"]
 
 
 @pytest.mark.parametrize("routing,local", [("uniform", True), ("remote", False)])
@@ -547,11 +547,11 @@ def scn_main(rank, world, argv):
 
     with mock.patch.object(torch.cuda, "set_device", lambda *a: None), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
-            mock.patch.object(bench.dist, "init_process_group", lambda *a, **kw: None), \
-            mock.patch.object(bench.dist, "destroy_process_group", lambda *a, **kw: None):
+            mock.patch.object(cli.dist, "init_process_group", lambda *a, **kw: None), \
+            mock.patch.object(cli.dist, "destroy_process_group", lambda *a, **kw: None):
         out = io.StringIO()
         with redirect_stdout(out):
-            rc = bench.main(argv)
+            rc = cli.main(argv)
     return rc, out.getvalue()
 
 

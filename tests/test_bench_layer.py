@@ -1,4 +1,4 @@
-"""runtime/bench_layer.py on CPU: the pair placement and grouped-expert arithmetic, the fp8 row packing,
+"""bench/layer.py on CPU: the pair placement and grouped-expert arithmetic, the fp8 row packing,
 the MoE-layer point (epgen on the torch backend and the all_to_all_single shuffle, 2 gloo ranks, gated
 against each other), a vdev2d path that cannot run (recorded with its reason, the run goes on), the
 layer loop's record, the tables and scripts/layer_table.py."""
@@ -16,8 +16,8 @@ import torch
 
 from ep_dist import get_world
 from generator.abi import LL_MAX_TOKENS
-from runtime import bench
-from runtime import bench_layer as L
+from bench import cli, core as bench
+from bench import layer as L
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,10 +209,10 @@ def test_tables_with_the_low_latency_protocol():
 
 
 def test_cli_layer_flags():
-    args = bench.build_parser().parse_args(["--layer", "--layer-paths", "a2a", "vdev2d", "--tokens", "1", "8"])
+    args = cli.build_parser().parse_args(["--layer", "--layer-paths", "a2a", "vdev2d", "--tokens", "1", "8"])
     assert (args.layer, args.layer_paths, args.tokens, args.layer_dtypes) == (True, ["a2a", "vdev2d"], [1, 8],
                                                                              ["bf16", "fp8"])
-    args = bench.build_parser().parse_args(["--layer-loop", "--ceiling"])
+    args = cli.build_parser().parse_args(["--layer-loop", "--ceiling"])
     assert (args.layer_loop, args.layers, args.ceiling, args.ceiling_sms, args.intermediate) == \
         (True, 16, True, [8, 16, 32, 64, 132], 2048)
 
@@ -233,7 +233,7 @@ def test_layer_table_script(tmp_path, capsys):
 
 def scn_run(rank, world, argv):
     emitted = []
-    recs = L.run(bench.build_parser().parse_args(argv), emitted.append)
+    recs = L.run(cli.build_parser().parse_args(argv), emitted.append)
     return recs, emitted
 
 
@@ -273,7 +273,7 @@ def scn_gate_stop_keeps_the_ceiling(rank, world):
     L.run_layer_point, L.run_ceiling = gate_fails, lambda *a, **kw: [{"kind": "ceiling", "method": "nccl"}]
     emitted = []
     try:
-        L.run(bench.build_parser().parse_args(["--layer", "--ceiling", "--hidden", "256", "--experts", "8",
+        L.run(cli.build_parser().parse_args(["--layer", "--ceiling", "--hidden", "256", "--experts", "8",
                                                "--intermediate", "64", "--tokens", "4"]), emitted.append)
     except bench.GateError as e:
         return str(e), emitted

@@ -203,7 +203,7 @@ def test_native_internode_needs_a_gpu_here():
 def test_native_exchange_splits_pair_up(world, gpn, route):
     """What every rank sends to a peer in a stage is what that peer expects from it, and the cells
     delivered add up to every source's tokens (each rank receives one cell per (source, token))."""
-    from runtime.internode import exchange_splits
+    from runtime.backends.internode import exchange_splits
 
     g = torch.Generator().manual_seed(world * 10 + gpn)
     counts = torch.randint(0, 50, (world,), generator=g).tolist()
@@ -221,7 +221,7 @@ def test_native_exchange_splits_pair_up(world, gpn, route):
 
 
 def test_native_record_layout():
-    from runtime.internode import record_layout
+    from runtime.backends.internode import record_layout
 
     lay = record_layout(row_bytes=14336, scale_bytes=56 * 4, k=8, gpn=4)
     assert lay["off_w"] == 14336 + 224 and lay["off_ids"] == lay["off_w"] + 32

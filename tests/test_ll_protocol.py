@@ -86,7 +86,7 @@ def test_tuning_threshold_checked(tmp_path, value):
 def test_tuner_rewrite_keeps_the_thresholds(tmp_path):
     import shutil
 
-    from runtime import tune
+    from bench import tune
 
     root = tmp_path / "specs"
     shutil.copytree(S.default_root(), root)
@@ -126,7 +126,7 @@ def test_config_protocol_field():
 
 
 def test_plan_names_and_layout():
-    from runtime.native import Plan
+    from runtime.backends.native import Plan
     from runtime.op import native_workspace
 
     t = load_specs().targets["sm_90"]

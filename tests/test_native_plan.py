@@ -5,7 +5,7 @@ import torch
 
 from runtime import EpDispatchCombineConfig, kernels
 from runtime.config import load_specs
-from runtime.native import Plan
+from runtime.backends.native import Plan
 
 BASE = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64, num_experts_per_rank=8,
             num_experts_per_token=4, kernel_backend="torch")
@@ -55,7 +55,7 @@ def test_plan_sizes():
 @pytest.mark.parametrize("value,mode", [(None, "async"), ("", "async"), ("async", "async"), ("1", "sync"),
                                         ("SYNC", "sync"), ("0", "off"), ("off", "off")])
 def test_expert_id_check_mode_from_environment(monkeypatch, value, mode):
-    from runtime.native import ID_CHECK_ENV, id_check_mode
+    from runtime.backends.native import ID_CHECK_ENV, id_check_mode
 
     if value is None:
         monkeypatch.delenv(ID_CHECK_ENV, raising=False)
@@ -66,7 +66,7 @@ def test_expert_id_check_mode_from_environment(monkeypatch, value, mode):
 
 def test_expert_id_check_mode_rejects_other_values(monkeypatch):
     from runtime.errors import EpgenError
-    from runtime.native import ID_CHECK_ENV, id_check_mode
+    from runtime.backends.native import ID_CHECK_ENV, id_check_mode
 
     monkeypatch.setenv(ID_CHECK_ENV, "yes")
     with pytest.raises(EpgenError, match="EPGEN_CHECK_EXPERT_IDS='yes': must be one of async, sync, off"):
@@ -90,7 +90,7 @@ def test_noted_bad_expert_id_is_reported_once():
     one report naming the id: InputError from op.check(), InputWarning from an eager call (raising on one
     rank there would leave its peers waiting), nothing from the check after a launch; then it is cleared."""
     from runtime.errors import InputError, InputWarning
-    from runtime.native import NativeBackend
+    from runtime.backends.native import NativeBackend
 
     fake = _checker()
     NativeBackend.check(fake)  # nothing noted
@@ -113,7 +113,7 @@ def test_noted_bad_expert_id_is_reported_once():
 
 def test_a_timeout_is_reported_before_a_noted_bad_id():
     from runtime.errors import EpTimeoutError
-    from runtime.native import NativeBackend
+    from runtime.backends.native import NativeBackend
 
     fake = _checker()
     fake.error[:8] = torch.tensor([1, 0, 1, 2, 1, 1, 999, 1], dtype=torch.int32)
@@ -132,7 +132,7 @@ def test_rows_of_whole_8_element_groups(arch):
     """fp32 rows of 4 mod 8 elements are whole 16-byte vectors but not whole 8-element groups: the
     scatter, conversion and std-MoE kernels would leave the tail unwritten or overrun the row."""
     from runtime.errors import EpgenError
-    from runtime.native import check_rows
+    from runtime.backends.native import check_rows
 
     target = load_specs().targets[arch]
     cfg = EpDispatchCombineConfig(**dict(BASE, hidden_dim=20, data_type=torch.float32))
@@ -149,7 +149,7 @@ def test_launch_threads_whole_waves(arch, threads, bad):
     import types
 
     from runtime.errors import EpgenError
-    from runtime.native import NativeBackend
+    from runtime.backends.native import NativeBackend
 
     kern = types.SimpleNamespace(max_threads=1024, symbol="k")
     fake = types.SimpleNamespace(config=EpDispatchCombineConfig(**dict(BASE, launch_threads=threads)), arch=arch,

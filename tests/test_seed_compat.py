@@ -155,7 +155,7 @@ def test_seed_geometry_maps_per_role_and_schedule():
 
 
 def test_native_launch_takes_the_seed_geometry():
-    from runtime.native import NativeBackend
+    from runtime.backends.native import NativeBackend
 
     cfg = EpDispatchCombineConfig(**{**BASE, "combine_block_num": 40, "combine_warp_num_per_block": 8})
     fake = types.SimpleNamespace(arch="gfx950", num_sms=256, wave=64, _dispatch_converts=False, config=cfg,

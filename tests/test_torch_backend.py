@@ -313,8 +313,8 @@ def test_rejects_non_config():
 
 def test_native_backend_unavailable(monkeypatch):
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
-    monkeypatch.setitem(sys.modules, "runtime.native", None)  # makes `from .native import` fail
-    with pytest.raises(EpgenError, match="kernel backend 'native' is unavailable: importing runtime.native"):
+    monkeypatch.setitem(sys.modules, "runtime.backends.native", None)  # makes `from .native import` fail
+    with pytest.raises(EpgenError, match="kernel backend 'native' is unavailable: importing runtime.backends.native"):
         EpDispatchCombineOp(_cfg(0, 1, kernel_backend="native"))
 
 

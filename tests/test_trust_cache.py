@@ -222,7 +222,8 @@ class _Queued:
 def native_op(monkeypatch):
     """An op whose backend is the native backend's host side over stand-ins for the device."""
     from runtime import EpDispatchCombineOp
-    from runtime import kernels, native
+    from runtime import kernels
+    from runtime.backends import native
     from test_torch_backend import _cfg
 
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)

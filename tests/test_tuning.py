@@ -5,8 +5,9 @@ import types
 import pytest
 
 from generator import specs as S
-from runtime import seed_compat, tune
-from runtime.native import NativeBackend
+from runtime import seed_compat
+from bench import tune
+from runtime.backends.native import NativeBackend
 
 
 def _config(**kw):
@@ -182,7 +183,7 @@ def test_native_geometry_uses_the_ops_world_size(spec_copy, monkeypatch):
     _write(spec_copy, _table({("sm_90", "dispatch"): [
         "max_tokens = 0\nblocks = 0\nthreads = 512", "world = 8\nmax_tokens = 0\nblocks = 0\nthreads = 128"]}))
     specs = S.load(spec_copy)
-    import runtime.native as native
+    import runtime.backends.native as native
 
     monkeypatch.setattr(native, "load_specs", lambda: specs)
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,

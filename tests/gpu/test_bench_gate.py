@@ -1,4 +1,4 @@
-"""The benchmark's correctness gate (runtime.bench.identity_gate) on the native backend, real GPUs.
+"""The benchmark's correctness gate (bench.core.identity_gate) on the native backend, real GPUs.
 
 The gate passes on clean data and raises GateError on every rank when a received row is damaged
 (a whole row: exactly its token comes back wrong; one bit: the received rows' checksum), for a bf16
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from runtime import bench
-from runtime.bench import GateError, identity_gate, quantize_blocks
+from bench import core as bench
+from bench.core import GateError, identity_gate, quantize_blocks
 from tests.ep_oracle import random_routing
 from tests.gpu.dist_util import oversubscribed, run_collective
 

@@ -1,9 +1,9 @@
 """Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
 
-torchrun --nproc-per-node N -m runtime.tune [--tokens 128 4096] [--hidden 7168] [--topk 8] [--experts 256]
+torchrun --nproc-per-node N -m bench.tune [--tokens 128 4096] [--hidden 7168] [--topk 8] [--experts 256]
                                             [--blocks B ...] [--threads 256 512] [--rows wave [block]]
                                             [--write [--fallback]]
-torchrun --nproc-per-node N -m runtime.tune --ll-threshold [--tokens 1 8 32 64 128 256 512] [--write]
+torchrun --nproc-per-node N -m bench.tune --ll-threshold [--tokens 1 8 32 64 128 256 512] [--write]
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
 median, correctness-gated like the benchmark) for every candidate (blocks, threads, dispatch rows)
@@ -32,13 +32,14 @@ import torch.distributed as dist
 
 from generator import specs as gspecs
 
-from . import EpDispatchCombineConfig, EpDispatchCombineOp
-from .bench import _graph_time, _stats
-from .errors import EpgenError
-from .kernels import device_arch
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime.errors import EpgenError
+from runtime.kernels import device_arch
+
+from .core import _graph_time, _stats
 
 TUNING = gspecs.default_root() / "tuning.toml"
-HEADER_END = "# `python -m runtime.tune`"
+HEADER_END = "# `python -m bench.tune`"
 
 
 def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str, ll_max: dict[str, int] | None = None) -> str:

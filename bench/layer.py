@@ -1,10 +1,10 @@
-"""Layer-level benchmarks of runtime.bench: the layer loop, the MoE layer on three EP paths, the link's ceiling.
+"""Layer-level benchmarks of bench: the layer loop, the MoE layer on three EP paths, the link's ceiling.
 
-torchrun --nproc-per-node 2 -m runtime.bench --layer-loop [--tokens ...] [--layers 16]
-torchrun --nproc-per-node 2 -m runtime.bench --layer [--layer-paths epgen a2a] [--layer-dtypes bf16 fp8]
+torchrun --nproc-per-node 2 -m bench --layer-loop [--tokens ...] [--layers 16]
+torchrun --nproc-per-node 2 -m bench --layer [--layer-paths epgen a2a] [--layer-dtypes bf16 fp8]
                                               [--intermediate 2048] [--tokens ...]
-torchrun --nproc-per-node 2 -m runtime.bench --layer --layer-paths a2a vdev2d --experts 32   # own process (NVSHMEM)
-torchrun --nproc-per-node 2 -m runtime.bench --ceiling [--ceiling-sms 8 16 32 64 132] [--ceiling-mib 64]
+torchrun --nproc-per-node 2 -m bench --layer --layer-paths a2a vdev2d --experts 32   # own process (NVSHMEM)
+torchrun --nproc-per-node 2 -m bench --ceiling [--ceiling-sms 8 16 32 64 132] [--ceiling-mib 64]
 
 Every mode writes JSON-lines records ("kind": "layer_loop" | "layer" | "ceiling") with the usual metadata
 (commit, date, gpu, driver, cuda_driver_api, torch, world_size, target, sms). docs/LAYER.md describes the
@@ -14,7 +14,7 @@ Layer loop (kind "layer_loop"): L layers of dispatch -> identity expert -> combi
 graph; time per layer = replay / L, the slowest rank's median over replays. Three variants on the same
 rows: epgen with the expert copying the received rows into a tensor of its own (combine stages it),
 epgen with the expert copying into combine_in_view(), and NCCL: all_to_all_single of the same rows, the
-same copy, all_to_all_single back. Gated by runtime.bench.identity_gate first.
+same copy, all_to_all_single back. Gated by bench.core.identity_gate first.
 
 MoE layer (kind "layer", one record per path): top-k of E experts routed by a softmax router, the experts
 (two GEMMs and a SiLU-gated activation) sharded over ranks, the same weights and routing on every path:
@@ -61,9 +61,10 @@ import torch.nn.functional as F
 
 from generator.abi import LL_MAX_TOKENS
 
-from . import EpDispatchCombineConfig, EpDispatchCombineOp, moe
-from . import bench as B
-from .bench import collective_try
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, moe
+
+from . import core as B
+from .core import collective_try
 
 LOOP_TOKENS = (1, 8, 32, 128, 512, 4096, 8192)
 LAYER_TOKENS = (1, 8, 32, 128, 512, 2048, 4096)
@@ -157,7 +158,7 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
             "method": f"{layers} layers of dispatch -> identity copy -> combine in one graph, replay / {layers}, "
                       f"slowest rank's median of {reps} replays; NCCL: all_to_all_single, the same copy, "
                       f"all_to_all_single back, of the same rows",
-            "gate": "identity gate (runtime.bench.identity_gate) passed"}
+            "gate": "identity gate (bench.core.identity_gate) passed"}
 
 
 # --- (ii) the MoE layer --------------------------------------------------------------------------
@@ -537,7 +538,7 @@ def compile_copy_kernel(arch: str) -> bytes:
     (specs/targets.toml; sm_90: nvcc ... sm_90a -cubin)."""
     from generator import toolchain
 
-    from .config import load_specs
+    from runtime.config import load_specs
 
     specs = load_specs()
     target = specs.targets[arch]
@@ -565,7 +566,7 @@ def copy_engine(nbytes: int):
     copy engine (what Tensor.copy_ does between device tensors, without a tensor on the peer's memory)."""
     from cuda.bindings import driver as cu
 
-    from .kernels import current_raw_stream
+    from runtime.kernels import current_raw_stream
 
     def copy(dst: int, src: int) -> None:
         res = cu.cuMemcpyAsync(dst, src, nbytes, current_raw_stream())
@@ -580,8 +581,8 @@ def run_ceiling(sms_list=CEILING_SMS, mib: int = 64, iters: int = 10, reps: int 
 
     The buffers are the runtime's own IPC workspace (runtime.ipc.allocate: the default allocator of the
     ops, no torch symmetric memory in this process); each method that fails is recorded with its reason."""
-    from . import ipc
-    from .kernels import CudaKernel, device_arch
+    from runtime import ipc
+    from runtime.kernels import CudaKernel, device_arch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -752,9 +753,9 @@ def ceiling_table(records: list[dict]) -> list[str]:
     return out
 
 
-# --- entry (runtime.bench's --layer-loop / --layer / --ceiling) ----------------------------------
+# --- entry (bench's --layer-loop / --layer / --ceiling) ----------------------------------
 def run(args, emit=lambda recs: None) -> list[dict]:
-    """The layer modes selected in runtime.bench's parsed arguments; collective; returns the records and
+    """The layer modes selected in bench's parsed arguments; collective; returns the records and
     hands each point's records to emit() as soon as they exist (a run cut short keeps what it measured)."""
     records: list[dict] = []
 

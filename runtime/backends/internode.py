@@ -37,12 +37,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import kernels, workspace
-from .config import EpDispatchCombineConfig, spec_dtype
-from .errors import EpgenError, InputError
-from .native import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped, \
-    route_kernels
-from .routing import all_gather_counts, ordered_slots
+from .. import kernels, workspace
+from ..config import EpDispatchCombineConfig, spec_dtype
+from ..errors import EpgenError, InputError
+from ..routing import all_gather_counts, ordered_slots
+from .common import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped, route_kernels
 
 WAVES_PER_BLOCK = 8
 _TOPOLOGY = {"v2": "internode_v2", "v2_ll": "internode_v2_ll"}

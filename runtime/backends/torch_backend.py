@@ -66,9 +66,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import numerics
-from .config import EpDispatchCombineConfig
-from .errors import CapacityError, ConfigError, InputError
+from .. import numerics
+from ..config import EpDispatchCombineConfig
+from ..errors import CapacityError, ConfigError, InputError
 
 FP8_FORMAT = "ocp"  # this backend's FP8 e4m3 (torch.float8_e4m3fn)
 
