@@ -55,7 +55,7 @@ def test_plan_sizes():
 @pytest.mark.parametrize("value,mode", [(None, "async"), ("", "async"), ("async", "async"), ("1", "sync"),
                                         ("SYNC", "sync"), ("0", "off"), ("off", "off")])
 def test_expert_id_check_mode_from_environment(monkeypatch, value, mode):
-    from runtime.backends.native import ID_CHECK_ENV, id_check_mode
+    from runtime.backends.common import ID_CHECK_ENV, id_check_mode
 
     if value is None:
         monkeypatch.delenv(ID_CHECK_ENV, raising=False)
@@ -66,7 +66,7 @@ def test_expert_id_check_mode_from_environment(monkeypatch, value, mode):
 
 def test_expert_id_check_mode_rejects_other_values(monkeypatch):
     from runtime.errors import EpgenError
-    from runtime.backends.native import ID_CHECK_ENV, id_check_mode
+    from runtime.backends.common import ID_CHECK_ENV, id_check_mode
 
     monkeypatch.setenv(ID_CHECK_ENV, "yes")
     with pytest.raises(EpgenError, match="EPGEN_CHECK_EXPERT_IDS='yes': must be one of async, sync, off"):
