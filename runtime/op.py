@@ -497,6 +497,8 @@ class EpDispatchCombineOp:
         """dispatch(x, weights, scales, indices, return_routing=True, routing=routing), then grouped_layout():
         -> (GroupedLayout, routing handle). The grouped GEMMs run on the layout; combine_grouped(expert_out,
         handle) brings their rows back."""
+        self._check_open("dispatch_grouped")
+        self._need_grouped("dispatch_grouped")
         *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing)
         return self.grouped_layout(), handle
 
@@ -644,13 +646,15 @@ class EpDispatchCombineOp:
 
 NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
-    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d, every region rounded up to 256 bytes "
+    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) + "
+    "(12P + 8Rk + 12E_local + 4), every region rounded up to 256 bytes "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
-    "scat_s, scat_w; std_moe_x outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
+    "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
     "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
     "(L = its low-latency token limit, ll_row / ll_cell: runtime/ll.py); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
     "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
-    "E_local = num_experts_per_rank")
+    "E_local = num_experts_per_rank, P = grouped rows (grouped_capacity, else the worst case "
+    "floor((R*k + E_local*(A - 1)) / A) * A, A = expert_alignment)")
 _REGION_ALIGN = 256
 
 
@@ -691,6 +695,10 @@ def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.
     if cfg.enable_std_moe:
         regions.append(("std_moe_x", cfg.num_experts_per_rank * cfg.resolved_expert_capacity * H
                         * dispatch_out_dtype.itemsize))
+    if cfg.enable_grouped_layout:
+        P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+        regions += [("grouped_x", P * wire_row), ("grouped_scales", P * scale_row),
+                    ("grouped_meta", 12 * P + 8 * R * k + 12 * E + 4)]  # src, m_indices, weights; pair maps; offs, counts
     sized = {name: -(-n // _REGION_ALIGN) * _REGION_ALIGN for name, n in regions}
     return {"backend": "native (formula)", "regions": sized, "total_bytes": sum(sized.values()),
             "formula": NATIVE_WORKSPACE_FORMULA}

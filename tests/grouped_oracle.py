@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import torch
 
+MODE_FIELDS = {  # payload mode of the grouped-layout tests: its config fields
+    "bf16": {},
+    "fp32": {"data_type": torch.float32},
+    "fp8": {"dispatch_data_type": torch.float8_e4m3fn, "combine_data_type": torch.bfloat16, "scale_dim": 2,
+            "scale_type_size": 4},  # pre-quantized: bytes and two fp32 scales per row, verbatim
+    "fp8_blockwise": {"dispatch_quant_type": "fp8_blockwise"},
+    "fp4_blockwise": {"dispatch_quant_type": "fp4_blockwise"},
+}
+
 
 def local_pairs(rows_idx, rank: int, epr: int) -> list[list[int]]:
     """Per local expert, the pair ids i * k + j of the local (row, column) pairs, ascending."""

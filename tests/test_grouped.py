@@ -14,18 +14,12 @@ import torch
 
 from ep_dist import get_world, shutdown_all
 from ep_oracle import expected_received, make_inputs
-from grouped_oracle import check_layout, combine_input, expert_rows
+from grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 
 T, K, EPR = 12, 4, 3
-MODES = {  # mode: (hidden, config fields)
-    "bf16": (32, {}),
-    "fp32": (32, {"data_type": torch.float32}),
-    "fp8": (32, {"dispatch_data_type": torch.float8_e4m3fn, "combine_data_type": torch.bfloat16, "scale_dim": 2,
-                 "scale_type_size": 4}),
-    "fp8_blockwise": (128, {"dispatch_quant_type": "fp8_blockwise"}),
-    "fp4_blockwise": (64, {"dispatch_quant_type": "fp4_blockwise"}),
-}
+HIDDEN = {"bf16": 32, "fp32": 32, "fp8": 32, "fp8_blockwise": 128, "fp4_blockwise": 64}
+MODES = {mode: (HIDDEN[mode], MODE_FIELDS[mode]) for mode in HIDDEN}  # mode: (hidden, config fields)
 
 
 def _cfg(rank, world, mode, **kw):
@@ -195,3 +189,23 @@ def test_grouped_empty_dispatch(monkeypatch):
         assert bool((layout.src == -1).all()) and bool((layout.m_indices == -1).all())
         y = torch.zeros(layout.rows, 32, dtype=torch.bfloat16)
         assert op.combine_grouped(y, h)[0].shape == (0, 32)
+
+
+def test_grouped_memory_formula(monkeypatch):
+    """The grouped buffer's size (docs/RUNTIME.md, Memory): P*(wire_row + scale_row) + 12P + 8Rk + 12E + 4."""
+    from runtime.op import native_workspace
+
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    up = lambda n: -(-n // 256) * 256  # noqa: E731
+    cfg = _cfg(0, 1, "fp8_blockwise")  # H = 128: fp8 rows of 128 bytes, one fp32 scale each
+    R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
+    assert P == (R * K + EPR * 15) // 16 * 16 == cfg.worst_case_grouped_rows
+    nat = native_workspace(cfg, torch.float8_e4m3fn)["regions"]
+    assert (nat["grouped_x"], nat["grouped_scales"], nat["grouped_meta"]) == \
+        (up(P * 128), up(P * 4), up(12 * P + 8 * R * K + 12 * EPR + 4))
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_capacity=32)) as op:
+        buf = op.memory_report()["buffers"]
+        assert (buf["grouped_x"], buf["grouped_scales"], buf["grouped_meta"]) == (32 * 64, 0, 12 * 32 + 8 * R * K + 12 * EPR + 4)
+    plain = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
+                                    num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="torch")
+    assert "grouped_x" not in native_workspace(plain, torch.bfloat16)["regions"]
