@@ -188,9 +188,12 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 }
 // Grouped layout, pass 1: per local expert, its (received row, k) pairs among the real ones (row <
 // total_recv) and each pair's position in its group. One block per local expert scans the pairs in pair-id
-// order; a block-wide prefix of wave ballots numbers this expert's pairs, so a group holds its pairs in
-// ascending pair id (runtime/grouped.py). pair_rel[p] = the position (pairs of this expert only);
-// counts[e] = the expert's pairs. The placement (grouped_place) then cuts them at the buffer's rows.
+// order, eight consecutive pairs per thread per step: a thread's hits are numbered after those of the
+// threads below it (a wave prefix of the per-thread counts from four bit-sliced ballots, then the waves
+// below), so a group holds its pairs in ascending pair id (runtime/grouped.py). pair_rel[p] = the position
+// (pairs of this expert only); counts[e] = the expert's pairs. The placement (grouped_place) then cuts them
+// at the buffer's rows.
+constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per step (a count of 0..8: four bits)
 EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx, const int* __restrict__ total_recv,
                                int* __restrict__ pair_rel, int* __restrict__ counts, epg_i64 k, epg_i64 first_expert) {
   __shared__ int wave_sums[1024 / EPG_WAVE];
@@ -198,17 +201,32 @@ EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx, const i
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
   const int expert = (int)(first_expert + epg_block());
   const epg_i64 pairs = (epg_i64)*total_recv * k;
+  const epg_u64 below = (1ull << lane) - 1ull;
   if (tid == 0) base = 0;
   epg_syncthreads();
-  for (epg_i64 p0 = 0; p0 < pairs; p0 += epg_block_dim()) {
-    const epg_i64 p = p0 + tid;
-    const bool hit = p < pairs && recv_idx[p] == expert;
-    const epg_u64 m = epg_ballot(hit);
-    if (lane == 0) wave_sums[wave] = epg_popc(m);
+  for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
+    const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
+    int hits = 0, c = 0;
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (pb + u < pairs && recv_idx[pb + u] == expert) {
+        hits |= 1 << u;
+        ++c;
+      }
+    int pre = 0, total = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const epg_u64 m = epg_ballot((c >> b) & 1);
+      pre += epg_popc(m & below) << b;
+      total += epg_popc(m) << b;
+    }
+    if (lane == 0) wave_sums[wave] = total;
     epg_syncthreads();
-    int pos = base + epg_popc(m & ((1ull << lane) - 1ull));
+    int pos = base + pre;
     for (int w = 0; w < wave; ++w) pos += wave_sums[w];
-    if (hit) pair_rel[p] = pos;
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (hits & (1 << u)) pair_rel[pb + u] = pos++;
     epg_syncthreads();
     if (tid == 0)
       for (int w = 0; w < waves; ++w) base += wave_sums[w];
