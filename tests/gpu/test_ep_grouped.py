@@ -27,23 +27,23 @@ T, K, EPR = 64, 8, 8
 MODES = {mode: (256, MODE_FIELDS[mode]) for mode in ("bf16", "fp32", "fp8", "fp8_blockwise")}  # (hidden, fields)
 
 
-def _cfg(backend, mode, **kw):
+def _cfg(backend, mode, tokens=T, **kw):
     hidden, fields = MODES[mode]
     return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=hidden,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
+                                   max_num_inp_token_per_rank=tokens, num_experts_per_rank=EPR, num_experts_per_token=K,
                                    kernel_backend=backend, enable_grouped_layout=True, **fields, **kw)
 
 
-def _inputs(seed, mode, device):
+def _inputs(seed, mode, device, tokens=T):
     hidden, fields = MODES[mode]
     g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
-    x = (torch.randint(-64, 65, (T, hidden), generator=g).float() / 16).to(fields.get("data_type", torch.bfloat16))
-    w = torch.randint(1, 64, (T, K), generator=g).float() / 64
-    idx = random_routing(g, T, K, EPR * dist.get_world_size())
+    x = (torch.randint(-64, 65, (tokens, hidden), generator=g).float() / 16).to(fields.get("data_type", torch.bfloat16))
+    w = torch.randint(1, 64, (tokens, K), generator=g).float() / 64
+    idx = random_routing(g, tokens, K, EPR * dist.get_world_size())
     s = None
     if mode == "fp8":
         x = x.float().to(torch.float8_e4m3fn)
-        s = torch.rand(T, 2, generator=g) + 0.5
+        s = torch.rand(tokens, 2, generator=g) + 0.5
     return tuple(None if t is None else t.to(device) for t in (x, w, s, idx))
 
 
@@ -70,8 +70,8 @@ def _native_ids(op):
     return op._backend.recv_src.cpu().tolist()  # rank * max_tokens + token of each received row
 
 
-def _torch_ids(handle):
-    return [s * T + t for s, t in handle.recv_src.cpu().tolist()]
+def _torch_ids(handle, tokens=T):
+    return [s * tokens + t for s, t in handle.recv_src.cpu().tolist()]
 
 
 def _round(op, x, w, s, idx, mode, routing=None):
@@ -80,19 +80,20 @@ def _round(op, x, w, s, idx, mode, routing=None):
     return layout, h, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
 
 
-@pytest.mark.parametrize("mode,protocol,recv_cap,gcap", [
-    ("bf16", "bw", 0, 0), ("bf16", "ll", 0, 0), ("fp32", "bw", 0, 0), ("fp8", "bw", 0, 0),
-    ("fp8_blockwise", "bw", 0, 0),
-    ("bf16", "bw", 120, 128),        # receive cap: (source rank, token) order; a small buffer: drops
-    ("fp8_blockwise", "bw", 100, 0),
+@pytest.mark.parametrize("mode,protocol,recv_cap,gcap,tokens", [
+    ("bf16", "bw", 0, 0, T), ("bf16", "ll", 0, 0, T), ("fp32", "bw", 0, 0, T), ("fp8", "bw", 0, 0, T),
+    ("fp8_blockwise", "bw", 0, 0, T),
+    ("bf16", "bw", 120, 128, T),        # receive cap: (source rank, token) order; a small buffer: drops
+    ("fp8_blockwise", "bw", 100, 0, T),
+    ("bf16", "bw", 2000, 0, 1024),      # 16000 pairs: the counting kernel's blocks take several steps
 ])
-def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap):
+def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     def check():
-        kw = dict(max_total_recv_tokens=recv_cap, grouped_capacity=gcap)
+        kw = dict(max_total_recv_tokens=recv_cap, grouped_capacity=gcap, tokens=tokens)
         with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, **kw)) as op, \
                 EpDispatchCombineOp(_cfg("torch", mode, **kw)) as ref:
             for attempt, seed in enumerate((1, 2)):
-                x, w, s, idx = _inputs(seed, mode, "cuda")
+                x, w, s, idx = _inputs(seed, mode, "cuda", tokens)
                 routing = (h_nat, h_ref) if attempt else (None, None)  # the second round replays the first's routing
                 if attempt:
                     idx = idx0
@@ -104,7 +105,7 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap):
                     h_nat, h_ref, idx0 = h_n, h_r, idx
                 assert lay.offs.tolist() == rlay.offs.tolist(), (lay.offs.tolist(), rlay.offs.tolist())
                 assert lay.counts.tolist() == rlay.counts.tolist() and int(lay.dropped) == int(rlay.dropped)
-                assert _groups(lay, _native_ids(op), K) == _groups(rlay, _torch_ids(h_ref), K), f"round {attempt}"
+                assert _groups(lay, _native_ids(op), K) == _groups(rlay, _torch_ids(h_ref, tokens), K), f"round {attempt}"
                 if recv_cap:  # deterministic receive order: the same rows in the same places
                     assert torch.equal(lay.src.cpu(), rlay.src.cpu()) and torch.equal(lay.m_indices.cpu(), rlay.m_indices.cpu())
                 assert torch.equal(comb.cpu(), rcomb.cpu()), (comb.float().cpu() - rcomb.float().cpu()).abs().max()
