@@ -66,18 +66,14 @@ class GroupedLayout:
 
 def group_bounds(counts: torch.Tensor, align: int, capacity: int):
     """Per-expert real pair counts int64 [E] -> (start int64 [E], kept int64 [E], offs int64 [E]) by the rule
-    of the module docstring (a prefix over the experts: E steps of tensor ops, no host sync)."""
-    E = counts.numel()
-    start = torch.zeros(E, dtype=torch.int64, device=counts.device)
-    kept = torch.zeros_like(start)
-    offs = torch.zeros_like(start)
-    here = torch.zeros((), dtype=torch.int64, device=counts.device)
-    for e in range(E):
-        start[e] = here
-        k_e = torch.minimum(counts[e], capacity - here)
-        kept[e] = k_e
-        here = here + (k_e + align - 1) // align * align
-        offs[e] = here
+    of the module docstring, without a loop: with S = the exclusive prefix of the padded counts (nothing cut),
+    every expert before the first one that does not fit keeps all (S + padded count <= capacity: both are
+    multiples of align), that one keeps capacity - S and ends the buffer, the rest keep nothing."""
+    padded = (counts + align - 1) // align * align
+    S = torch.cumsum(padded, 0) - padded
+    start = S.clamp(max=capacity)
+    kept = torch.minimum(counts, capacity - S).clamp(min=0)
+    offs = (S + padded).clamp(max=capacity)
     return start, kept, offs
 
 
