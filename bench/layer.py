@@ -18,9 +18,10 @@ same copy, all_to_all_single back. Gated by bench.core.identity_gate first.
 
 MoE layer (kind "layer", one record per path): top-k of E experts routed by a softmax router, the experts
 (two GEMMs and a SiLU-gated activation) sharded over ranks, the same weights and routing on every path:
-  epgen   dispatch (bf16, or fp8_blockwise: quantized in the kernel, per-128 fp32 scales) -> the received
-          rows' local (row, expert) pairs grouped per expert -> grouped GEMMs -> weighted sum per row into
-          combine_in_view() -> combine. Graph-captured (L layers per graph) and eager.
+  epgen   dispatch_grouped (bf16, or fp8_blockwise: quantized in the kernel, per-128 fp32 scales; the received
+          rows' local (row, expert) pairs grouped per expert, each group padded to GROUP_ALIGN rows, by the
+          generated grouped-layout kernels) -> grouped GEMMs -> combine_grouped (the weighted sum per row, a
+          generated kernel, into the combine buffer) -> combine. Graph-captured (L layers per graph) and eager.
   a2a     the all_to_all_single token shuffle (as torchtitan / Megatron's all-to-all dispatcher): one row
           per (token, expert) pair sorted by expert, the counts exchanged and read on the host (split
           sizes), all_to_all_single, grouped GEMMs, all_to_all_single back, weighted sum. Eager only.
@@ -31,7 +32,8 @@ MoE layer (kind "layer", one record per path): top-k of E experts routed by a so
           op takes at most 16 experts per rank (VDEV2D_MAX_LOCAL_EXPERTS; --experts 16 x world). Any
           failure is recorded with its reason ("error").
 Every path's local experts run the same grouped GEMMs (``experts_ffn``): pairs placed per expert, each
-expert's group padded to a multiple of GROUP_ALIGN rows (at least one multiple), torch._grouped_mm on
+expert's group padded to a multiple of GROUP_ALIGN rows (an expert without pairs: an empty group, as the epgen
+grouped layout has it, so both place the same rows), torch._grouped_mm on
 sm_90 / bf16, else a loop. expert_us times exactly those GEMMs on tokens already in place (the a2a
 path's placed rows, which every path's counts equal); comm_us = layer_us - expert_us (same mode: graph
 minus graph, eager minus eager; a path is "graph" only when it and the expert GEMMs both captured).
@@ -61,7 +63,7 @@ import torch.nn.functional as F
 
 from generator.abi import LL_MAX_TOKENS
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, moe
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 
 from . import core as B
 from .core import collective_try
@@ -73,7 +75,7 @@ LAYER_PATHS = ("epgen", "a2a", "vdev2d")
 LAYER_TOL = {"bf16": 1e-2, "fp8": 3e-2}  # per-token relative error against the a2a path
 CEILING_SMS = (8, 16, 32, 64, 132)
 CEILING_THREADS = 1024
-GROUP_ALIGN = 16  # rows per expert group: padded to a multiple, at least one (no empty group reaches the GEMM)
+GROUP_ALIGN = 16  # rows per expert group: padded to a multiple (0 rows for an expert without pairs)
 QBLOCK = B.QUANT_BLOCK
 
 
@@ -185,14 +187,14 @@ def experts_ffn(xs: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: tor
 
 
 def place(e_pair: torch.Tensor, E: int, align: int = GROUP_ALIGN):
-    """Slots of (row, expert) pairs in expert-major groups, each padded to a multiple of `align` rows (at
-    least `align`). e_pair [P]: each pair's local expert, E = no local expert. Returns (pos [P]: the pair's
+    """Slots of (row, expert) pairs in expert-major groups, each padded to a multiple of `align` rows (none
+    for an expert without pairs). e_pair [P]: each pair's local expert, E = no local expert. Returns (pos [P]: the pair's
     slot, S - 1 for E; slot_pair [S]: the pair in each slot, 0 for padding; ends int32 [E]; S = P + E *
     align + 1 slots, the last a sink outside every group). Static shapes, no host sync."""
     P, dev = e_pair.numel(), e_pair.device
     S = P + E * align + 1
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, e_pair, torch.ones_like(e_pair))[:E]
-    padded = ((counts + align - 1) // align * align).clamp_min(align)
+    padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
     order = torch.sort(e_pair, stable=True).indices
     se = e_pair[order]
@@ -265,29 +267,21 @@ class EpgenPath:
     def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw"):
         self.p = p
         self.op = EpDispatchCombineOp(self.config(p, backend, protocol))
-        self.view = self.op.combine_in_view()
-        R = self.op.config.max_recv_tokens
-        self.pair_row = torch.arange(R * p.k, device=self.op.device) // p.k
-        self.sink = torch.full_like(self.pair_row, R)
 
     @staticmethod
     def config(p: Problem, backend: str = "native", protocol: str = "bw") -> EpDispatchCombineConfig:
         return EpDispatchCombineConfig(rank=p.rank, world_size=p.world, hidden_dim=p.H, max_num_inp_token_per_rank=p.T,
                                        num_experts_per_rank=p.epr, num_experts_per_token=p.k, data_type=torch.bfloat16,
                                        kernel_backend=backend, intranode_protocol=protocol,
-                                       dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none")
+                                       dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none",
+                                       enable_grouped_layout=True, expert_alignment=GROUP_ALIGN)
 
     def __call__(self) -> torch.Tensor:
         p, op = self.p, self.op
-        out, ow, os_, oi, total, h = op.dispatch(p.x, p.w, None, p.idx, return_routing=True)
-        rows = out if os_ is None else B.dequantize_rows(out, os_, torch.bfloat16)
-        e = moe._local_experts(oi, total, p.rank, p.epr)  # [R * k] pair -> local expert (E_local: none)
-        y, _, _ = pairs_ffn(rows, self.pair_row, e, p.w13, p.w2)
-        R = rows.shape[0]
-        acc = torch.zeros(R + 1, p.H, dtype=torch.float32, device=rows.device)
-        acc.index_add_(0, torch.where(e < p.epr, self.pair_row, self.sink), ow.reshape(-1, 1) * y.float())
-        self.view.copy_(acc[:R])  # the expert writes straight into the combine buffer
-        return op.combine(self.view, routing=h)[0]
+        layout, h = op.dispatch_grouped(p.x, p.w, None, p.idx)  # rows grouped per local expert, in generated kernels
+        xs = layout.x if layout.scales is None else B.dequantize_rows(layout.x, layout.scales, torch.bfloat16)
+        y = experts_ffn(xs, layout.offs, p.w13, p.w2)
+        return op.combine_grouped(y, h)[0]  # weighted sum per received row (a kernel) -> combine
 
     def close(self):
         self.op.close()

@@ -3,10 +3,11 @@
     torchrun --nproc-per-node 2 examples/moe_layer.py                      # GPUs: NCCL + the generated kernels
     torchrun --nproc-per-node 2 examples/moe_layer.py --hidden 512 --experts 16 --intermediate 128   # CPU: gloo
 
-Router (softmax over the experts, top-k, weights renormalised to sum 1) -> epgen dispatch -> the
-standard-MoE layout (each local expert's rows packed in [experts, capacity, hidden]) -> the experts
-(two GEMMs and a SiLU-gated activation each; one grouped GEMM per projection on sm_90 / bf16, else a
-loop over the experts) -> weighted back into rows -> epgen combine. Experts are sharded over ranks:
+Router (softmax over the experts, top-k, weights renormalised to sum 1) -> epgen dispatch into the
+grouped-GEMM layout (each local expert's rows contiguous, each group padded to a multiple of 16 rows;
+generated kernels, no host sync) -> the experts (two GEMMs and a SiLU-gated activation each; one
+torch._grouped_mm per projection where torch has it for the device, else a loop over the groups) ->
+epgen combine out of that layout (the weighted sum per row, then back to the tokens). Experts are sharded over ranks:
 rank r holds experts [r * E / W, (r + 1) * E / W). DeepSeek-V3's sizes are the defaults (hidden 7168,
 256 routed experts, top-8, expert intermediate 2048); its shared expert and group-limited sigmoid
 routing are left out. docs/LAYER.md has more; tests/test_moe_layer.py checks this block against a
@@ -54,21 +55,24 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
 
 
 def grouped_gemm_ok(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on sm_90 with bf16 operands."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    """torch._grouped_mm runs bf16 operands on sm_90 (and on CPU in recent torch)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(x.device) == (9, 0) if x.is_cuda else True
 
 
-def experts_packed(packed_x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
-    """Every local expert on its packed rows: [E, C, H] -> [E, C, H]; rows past counts[e] are unspecified
-    (combine never reads them)."""
-    if grouped_gemm_ok(packed_x):  # one grouped GEMM per projection, no host sync (graph-capturable)
-        gate, up = torch._grouped_mm(packed_x, w13.transpose(-2, -1)).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1))
-    out = torch.zeros_like(packed_x)
-    for e, n in enumerate(counts.tolist()):  # a loop over the experts that received rows (one host sync)
-        if n:
-            out[e, :n] = expert_ffn(packed_x[e, :n], w13[e], w2[e])
+def experts_grouped(xs: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Every local expert on its group of rows (group e = rows [offs[e-1], offs[e])): [P, H] -> [P, H]; rows
+    outside the groups' pairs are unspecified (combine never reads them)."""
+    if grouped_gemm_ok(xs):  # one grouped GEMM per projection, no host sync (graph-capturable)
+        gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    out = torch.empty_like(xs)
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # a loop over the groups (one host sync)
+        if end > start:
+            out[start:end] = expert_ffn(xs[start:end], w13[e], w2[e])
+        start = end
     return out
 
 
@@ -82,24 +86,24 @@ class MoEBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.gate, self.k)
-        # each token goes once to every rank holding one of its experts, with all k ids and weights
-        *_, handle = self.op.dispatch(x, weights, None, ids, return_routing=True)
-        packed_x, counts, _, _ = self.op.convert_dispatch_output()  # [E_local, C, H] per local expert
-        y = experts_packed(packed_x, counts, self.w13, self.w2)
-        rows = self.op.convert_combine_input(y, handle)  # weighted sum of each received row's local experts
-        out, _ = self.op.combine(rows, routing=handle)  # sum over ranks: sum_k w_k * expert_k(x)
-        return out  # the op's buffer: valid until its next combine (clone to keep it)
+        # each token goes once to every rank holding one of its experts; there its (token, local expert) pairs
+        # become rows grouped per expert: layout.x [P, H], layout.offs the group ends
+        layout, handle = self.op.dispatch_grouped(x, weights, None, ids)
+        y = experts_grouped(layout.x, layout.offs, self.w13, self.w2)
+        out, _ = self.op.combine_grouped(y, handle)  # sum_k w_k * expert_k(x): weighted per row, then over ranks
+        return out  # a fresh tensor per call
 
 
 def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, seed=0, device=None):
-    """The rank's MoEBlock (torch.distributed initialised; world size divides `experts`). capacity: rows
-    per local expert in the packed layout (0: tokens x world, which never drops a row)."""
+    """The rank's MoEBlock (torch.distributed initialised; world size divides `experts`). capacity: rows of
+    the grouped layout, a multiple of 16 (0: the worst case, which never drops a pair; op.grouped_layout()'s
+    dropped counts the pairs past a smaller one)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     per_rank = experts // world
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
                                   num_experts_per_rank=per_rank, num_experts_per_token=topk, data_type=torch.bfloat16,
-                                  enable_std_moe=True, expert_capacity=capacity)
+                                  enable_grouped_layout=True, expert_alignment=16, grouped_capacity=capacity)
     mine = [expert_weights(e, hidden, inter, seed, device) for e in range(rank * per_rank, (rank + 1) * per_rank)]
     w13, w2 = (torch.stack(ws) for ws in zip(*mine))
     return MoEBlock(EpDispatchCombineOp(cfg), router_weight(experts, hidden, seed, device), w13, w2)
@@ -112,7 +116,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
-    p.add_argument("--capacity", type=int, default=0, help="packed rows per local expert (0: tokens x world)")
+    p.add_argument("--capacity", type=int, default=0, help="rows of the grouped layout, a multiple of 16 (0: the worst case)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     if torch.cuda.is_available():

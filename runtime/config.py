@@ -26,6 +26,12 @@ Standard-MoE layout (``enable_std_moe=True``, intranode, bf16/fp32 payloads): di
 converts to per-local-expert buckets of ``expert_capacity`` rows (0: max_recv_tokens,
 ``resolved_expert_capacity``); see ``EpDispatchCombineOp.convert_dispatch_output``.
 
+Grouped-GEMM layout (``enable_grouped_layout=True``, every payload, intranode): the received (row, local
+expert) pairs as rows grouped per local expert, contiguous, each group padded to a multiple of
+``expert_alignment`` rows (1..1024; 16 suits torch._grouped_mm, 128 DeepGEMM's m-grouped contiguous
+layout), in a buffer of ``grouped_capacity`` rows (0: the worst case, ``resolved_grouped_capacity``); see
+``EpDispatchCombineOp.grouped_layout`` / ``combine_grouped`` and runtime/grouped.py.
+
 Internode (``world_size > gpu_per_node``; ranks node-major, node = rank // gpu_per_node): both
 backends run it (``internode_kernel`` "v2" hierarchical, "v2_ll" one copy per destination rank, "auto"
 per call: the call's largest per-rank token count <= ``internode_auto_ll_max_tokens`` picks "v2_ll");
@@ -85,6 +91,8 @@ INT_RANGES = {  # field: (least, most, why the most)
     **{f: (0, INT32_MAX, _I32) for f in ("scale_dim", "max_total_recv_tokens", "gpu_per_node", "expert_capacity",
                                          "launch_blocks", "scale_type_size")},  # scale_type_size: 0, 1 or 4 (below)
     "launch_threads": (0, 1024, "threads per block"),
+    "expert_alignment": (1, 1024, "rows a grouped-layout group is padded to a multiple of"),
+    "grouped_capacity": (0, INT32_MAX, _I32),
 }
 
 # What this release builds (spec dtype names / modes).
@@ -160,6 +168,9 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     launch_blocks: int = 0  # EP kernel grid override; 0: specs/tuning.toml
     launch_threads: int = 0  # EP kernel threads per block override; 0: specs/tuning.toml
     launch_rows: str = ""  # dispatch row copy override: "wave" | "block"; "": specs/tuning.toml
+    enable_grouped_layout: bool = False  # grouped-GEMM layout buffers and kernels (op.grouped_layout)
+    expert_alignment: int = 16  # grouped layout: each group padded to a multiple of this many rows
+    grouped_capacity: int = 0  # grouped layout: rows of its buffer (a multiple of expert_alignment); 0: worst case
     # the seed library's fields (aliases.SEED_FIELDS): launch geometry aliases, or accepted and ignored
     dispatch_block_num: int | None = None
     combine_block_num: int | None = None
@@ -214,6 +225,18 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     def resolved_expert_capacity(self) -> int:
         """Rows per local expert of the standard-MoE packed layout (expert_capacity, 0 -> max_recv_tokens)."""
         return self.expert_capacity or self.max_recv_tokens
+
+    @property
+    def worst_case_grouped_rows(self) -> int:
+        """Rows the grouped layout needs at most: every (received row, column) pair local, each of the
+        num_experts_per_rank groups padded by up to expert_alignment - 1 rows (a multiple of the alignment)."""
+        a = self.expert_alignment
+        return (self.max_recv_tokens * self.num_experts_per_token + self.num_experts_per_rank * (a - 1)) // a * a
+
+    @property
+    def resolved_grouped_capacity(self) -> int:
+        """Rows of the grouped layout's buffer (grouped_capacity, 0 -> worst_case_grouped_rows)."""
+        return self.grouped_capacity or self.worst_case_grouped_rows
 
     @property
     def resolved_backend(self) -> str:
@@ -294,7 +317,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
         ints = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                 "num_experts_per_token", "scale_dim", "scale_type_size", "max_total_recv_tokens",
                 "gpu_per_node", "internode_auto_ll_max_tokens", "expert_capacity", "launch_blocks",
-                "launch_threads")
+                "launch_threads", "expert_alignment", "grouped_capacity")
         for f in ints:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -308,7 +331,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
                 raise self._fail(f, "must be a str or None")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise self._fail("timeout_s", "must be a number of seconds (int or float)")
-        for f in ("enable_std_moe", "strict_capacity"):
+        for f in ("enable_std_moe", "strict_capacity", "enable_grouped_layout"):
             if not isinstance(getattr(self, f), bool):
                 raise self._fail(f, "must be a bool")
         if not isinstance(self.data_type, torch.dtype):
@@ -356,7 +379,8 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
                         ("max_total_recv_tokens (resolved) x num_experts_per_token",
                          self.max_recv_tokens * self.num_experts_per_token),
                         ("num_experts_per_rank x expert capacity (resolved)",
-                         self.num_experts_per_rank * self.resolved_expert_capacity)):
+                         self.num_experts_per_rank * self.resolved_expert_capacity),
+                        ("grouped_capacity (resolved)", self.resolved_grouped_capacity)):
             if n >= 2 ** 31:
                 raise self._fail("max_num_inp_token_per_rank", f"{what} = {n}: row numbers are int32 (must be < 2^31)")
         rows = max(self.max_recv_tokens, self.max_num_inp_token_per_rank)
@@ -367,6 +391,14 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
         if self.expert_capacity > self.max_recv_tokens:
             raise self._fail("expert_capacity", f"must be <= max_recv_tokens={self.max_recv_tokens} (rows per local "
                                                 f"expert in the standard-MoE layout; 0 selects max_recv_tokens)")
+        if self.grouped_capacity % self.expert_alignment:
+            raise self._fail("grouped_capacity", f"must be a multiple of expert_alignment={self.expert_alignment} "
+                                                 f"(rows of the grouped layout; 0 selects the worst case)")
+        if self.grouped_capacity > self.worst_case_grouped_rows:
+            raise self._fail("grouped_capacity", f"must be <= the worst case {self.worst_case_grouped_rows} rows "
+                                                 f"(max_recv_tokens x num_experts_per_token pairs, each of the "
+                                                 f"num_experts_per_rank groups padded to a multiple of "
+                                                 f"expert_alignment={self.expert_alignment}; 0 selects it)")
 
     def _check_names(self) -> None:
         specs = load_specs()
@@ -561,6 +593,9 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
             why = self.ll_unavailable()
             if why is not None:
                 raise ConfigError(f"intranode_protocol='ll': the low-latency protocol cannot run this config: {why}")
+        if self.enable_grouped_layout and self.is_internode:
+            raise ConfigError(f"enable_grouped_layout=True: the grouped layout is intranode only in this release; "
+                              f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")
         if self.enable_std_moe and self.is_internode:
             raise ConfigError(f"enable_std_moe=True: the standard-MoE layout conversion is intranode only; "
                               f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")

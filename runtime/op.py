@@ -31,11 +31,12 @@ import itertools
 import os
 import socket
 
+import attrs
 import torch
 
 from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import aliases, backends, moe
+from . import aliases, backends, grouped, moe
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
@@ -181,6 +182,7 @@ class EpDispatchCombineOp:
         self._seq = 0  # dispatches that moved data (returned, or raised CapacityError)
         self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
+        self._grouped: grouped.GroupedLayout | None = None  # the last grouped layout of that dispatch
         self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -327,15 +329,15 @@ class EpDispatchCombineOp:
             if routing.num_tokens != num_tokens:
                 raise InputError(f"dispatch: routing replay needs the same token count: the handle has "
                                  f"{routing.num_tokens} tokens, x has {num_tokens}")
-        self._last = self._packed = None  # the buffers are about to change
+        self._last = self._packed = self._grouped = None  # the buffers are about to change
         try:
             *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
         except CapacityError:
             self._seq += 1  # the data moved; dropped_count() reports it
             raise
         self._seq += 1
-        out, out_w, _, out_i, total = outs
-        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_i": out_i, "total": total}
+        out, out_w, out_s, out_i, total = outs
+        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_s": out_s, "out_i": out_i, "total": total}
         if not return_routing:
             return tuple(outs)
         handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, seq=self._seq, **fields)
@@ -465,6 +467,76 @@ class EpDispatchCombineOp:
         return moe.unpack(expert_out, packed["src"], packed["w"], cfg.max_recv_tokens, cfg.num_experts_per_token,
                           cfg.combine_dtype)
 
+    # --- the grouped-GEMM layout (runtime/grouped.py) ---------------------------------------------
+    def grouped_layout(self) -> grouped.GroupedLayout:
+        """The last dispatch's local (received row, column) pairs as rows grouped per local expert, each group
+        padded to a multiple of expert_alignment rows (needs enable_grouped_layout=True; every payload: fp8/fp4
+        rows keep their bytes and carry their scales in the same order).
+
+        -> GroupedLayout: x [P, cols], scales [P, scale cols] or None, offs int32 [E] (group ends:
+        ``torch._grouped_mm(layout.x, w, offs=layout.offs)``), counts int32 [E] (kept pairs per group), src int32
+        [P] (pair id row * k + j, -1 padding), m_indices int32 [P] (local expert, -1 padding: DeepGEMM's
+        m-grouped contiguous layout), weights float32 [P], dropped int32 scalar (pairs past P =
+        config.resolved_grouped_capacity). Sized by the real pairs on the device: no host sync,
+        graph-capturable. Tensors may be the op's buffers: valid until the next grouped_layout().
+        """
+        self._check_open("grouped_layout")
+        self._need_grouped("grouped_layout")
+        last = self._need_dispatch("grouped_layout")
+        own = getattr(self._backend, "grouped_layout", None)
+        cfg = self.config
+        if own is not None:
+            layout = own()
+        else:
+            layout = grouped.group(last["out"], last["out_s"], last["out_w"], last["out_i"], last["total"], cfg.rank,
+                                   cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
+        self._grouped = layout = attrs.evolve(layout, seq=last["seq"])
+        return layout
+
+    def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None):
+        """dispatch(x, weights, scales, indices, return_routing=True, routing=routing), then grouped_layout():
+        -> (GroupedLayout, routing handle). The grouped GEMMs run on the layout; combine_grouped(expert_out,
+        handle) brings their rows back."""
+        self._check_open("dispatch_grouped")
+        self._need_grouped("dispatch_grouped")
+        *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing)
+        return self.grouped_layout(), handle
+
+    def combine_grouped(self, expert_out, routing, apply_weights: bool = True):
+        """Expert outputs in the grouped layout of the last grouped_layout() -> combine.
+
+        expert_out: [P = config.resolved_grouped_capacity, hidden_dim] combine dtype, row for row with the
+        layout's x (rows outside the groups' kept pairs are never read); routing: the handle of that dispatch.
+        Each received row becomes the float32 sum, in ascending column j, of its kept local pairs' rows, each
+        times its dispatch weight (apply_weights=True, the default: a token's result is then sum_j w_j *
+        expert_j(x), as with convert_combine_input; 1.0 when dispatch had no weights) or as they are
+        (apply_weights=False: the expert already applied them), rounded once to the combine dtype (written
+        straight into the combine buffer by the native backend); then combine(that, routing=routing).
+        -> combine's (combined [num_tokens, hidden_dim], None).
+        """
+        self._check_open("combine_grouped")
+        self._need_grouped("combine_grouped")
+        self._check_handle("combine_grouped", routing)
+        self._need_dispatch("combine_grouped")
+        layout = self._grouped
+        if layout is None:
+            raise InputError("combine_grouped: call grouped_layout() after the dispatch first")
+        if routing.seq != layout.seq:
+            raise InputError("combine_grouped: routing handle is not from the dispatch that grouped_layout() "
+                             "grouped last")
+        if not isinstance(apply_weights, bool):
+            raise InputError(f"combine_grouped: apply_weights must be a bool, got {type(apply_weights).__name__}")
+        cfg = self.config
+        shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
+        self._check_tensor("combine_grouped", "expert_out", expert_out, cfg.combine_dtype, shape=shape)
+        own = getattr(self._backend, "grouped_reduce", None)
+        if own is not None:
+            rows = own(expert_out, apply_weights)
+        else:
+            rows = grouped.reduce(expert_out, layout, self._last["out_w"], cfg.max_recv_tokens,
+                                  cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
+        return self.combine(rows, routing=routing)
+
     def memory_report(self) -> dict:
         """Bytes per buffer of this op, and a "formula" string: the backend's own report when it has one,
         else the native workspace formula (docs/RUNTIME.md, Memory) evaluated for this config."""
@@ -498,14 +570,14 @@ class EpDispatchCombineOp:
     def reset(self) -> None:
         """Collective: clear the backend's signals, counters and error state (after a timeout, on every rank)."""
         self._check_open("reset")
-        self._last = self._packed = None  # outputs and handles from before a reset are stale
+        self._last = self._packed = self._grouped = None  # outputs and handles from before a reset are stale
         self._backend.reset()
 
     def close(self) -> None:
         """Release the backend; idempotent. Every later call raises ClosedError."""
         if not self._closed:
             self._closed = True
-            self._last = self._packed = None
+            self._last = self._packed = self._grouped = None
             self._backend.close()
 
     def __enter__(self):
@@ -533,6 +605,10 @@ class EpDispatchCombineOp:
             raise InputError(f"{what}: the standard-MoE layout of {self.dispatch_out_dtype} payloads "
                              f"(dispatch_data_type={cfg.dispatch_data_type}, dispatch_quant_type="
                              f"{cfg.dispatch_quant_type!r}) is not built yet (bf16/fp32 payloads only)")
+
+    def _need_grouped(self, what: str) -> None:
+        if not self.config.enable_grouped_layout:
+            raise InputError(f"{what}: the grouped layout requires enable_grouped_layout=True in the config")
 
     def _need_packed(self, what: str) -> dict:
         self._need_dispatch(what)
@@ -570,13 +646,15 @@ class EpDispatchCombineOp:
 
 NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
-    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d, every region rounded up to 256 bytes "
+    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) + "
+    "(12P + 8Rk + 12E_local + 4), every region rounded up to 256 bytes "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
-    "scat_s, scat_w; std_moe_x outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
+    "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
     "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
     "(L = its low-latency token limit, ll_row / ll_cell: runtime/ll.py); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
     "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
-    "E_local = num_experts_per_rank")
+    "E_local = num_experts_per_rank, P = grouped rows (grouped_capacity, else the worst case "
+    "floor((R*k + E_local*(A - 1)) / A) * A, A = expert_alignment)")
 _REGION_ALIGN = 256
 
 
@@ -617,6 +695,10 @@ def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.
     if cfg.enable_std_moe:
         regions.append(("std_moe_x", cfg.num_experts_per_rank * cfg.resolved_expert_capacity * H
                         * dispatch_out_dtype.itemsize))
+    if cfg.enable_grouped_layout:
+        P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+        regions += [("grouped_x", P * wire_row), ("grouped_scales", P * scale_row),
+                    ("grouped_meta", 12 * P + 8 * R * k + 12 * E + 4)]  # src, m_indices, weights; pair maps; offs, counts
     sized = {name: -(-n // _REGION_ALIGN) * _REGION_ALIGN for name, n in regions}
     return {"backend": "native (formula)", "regions": sized, "total_bytes": sum(sized.values()),
             "formula": NATIVE_WORKSPACE_FORMULA}

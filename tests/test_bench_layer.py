@@ -26,9 +26,9 @@ def test_place_groups_pairs_per_expert_padded():
     e = torch.tensor([2, 0, 3, 2, 3, 0, 2, 3])  # E = 3: 3 means no local expert
     pos, slot_pair, ends, S = L.place(e, 3, align=4)
     assert S == 8 + 3 * 4 + 1
-    assert ends.tolist() == [4, 8, 12]  # expert 0: 2 pairs -> 4 rows; expert 1: none -> 4; expert 2: 3 -> 4
+    assert ends.tolist() == [4, 4, 8]  # expert 0: 2 pairs -> 4 rows; expert 1: none -> 0; expert 2: 3 -> 4
     assert ends.dtype == torch.int32
-    assert pos[[1, 5]].tolist() == [0, 1] and pos[[0, 3, 6]].tolist() == [8, 9, 10]  # ascending pair id
+    assert pos[[1, 5]].tolist() == [0, 1] and pos[[0, 3, 6]].tolist() == [4, 5, 6]  # ascending pair id
     assert all(int(pos[i]) == S - 1 for i in (2, 4, 7))  # the sink
     for i in (0, 1, 3, 5, 6):
         assert int(slot_pair[pos[i]]) == i

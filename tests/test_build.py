@@ -34,6 +34,10 @@ def test_every_variant_compiles_and_verifies(all_results, specs):
     ("gfx1250/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise", "v_cvt_scalef32_pk8_fp4_f32"),
     ("gfx942/quantize_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise", "v_cvt_pk_fp8_f32"),
     ("sm_90/quantize_fp8.bf16.fp8_e4m3fn.fp8_direct_cast", "F2FP.SATFINITE.E4M3"),
+    # the grouped layout's placement and reduce: 16-byte copies on the op's own buffers, every target
+    ("sm_90/grouped_place.i32", "STG.E.128"), ("sm_90/grouped_reduce.bf16", "LDG.E.128"),
+    ("gfx942/grouped_place.i32", "global_load_dwordx4"), ("gfx950/grouped_reduce.fp32", "global_store_dwordx4"),
+    ("gfx1250/grouped_place.i32", "global_store_b128"), ("gfx1250/grouped_reduce.bf16", "global_load_b128"),
 ])
 def test_spec_expectations_hold(all_results, key, mnemonic):
     """The spec-driven checks cover the instructions the issue names (the spec is the source)."""

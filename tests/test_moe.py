@@ -389,7 +389,9 @@ def test_build_close_ten_times_then_closed(no_env):
         "dropped_count": op.dropped_count, "local_expert_count": op.local_expert_count,
         "convert_dispatch_output": op.convert_dispatch_output, "std_moe_dropped": op.std_moe_dropped,
         "convert_combine_input": lambda: op.convert_combine_input(y, h), "memory_report": op.memory_report,
-        "scale_stride_bytes": op.scale_stride_bytes,
+        "scale_stride_bytes": op.scale_stride_bytes, "grouped_layout": op.grouped_layout,
+        "dispatch_grouped": lambda: op.dispatch_grouped(x, w, None, idx),
+        "combine_grouped": lambda: op.combine_grouped(out, h),
     }
     public = {n for n in dir(EpDispatchCombineOp) if not n.startswith("_") and callable(getattr(EpDispatchCombineOp, n))}
     # close is idempotent; available_backends is a classmethod (the machine's, no op state)

@@ -37,16 +37,21 @@ def test_router_weights_are_normalised_and_experts_reproducible():
     assert not torch.equal(a[0], ex.expert_weights(4, 64, 32)[0])
 
 
-def test_packed_experts_loop_matches_one_expert_at_a_time():
+def test_grouped_experts_match_one_expert_at_a_time(monkeypatch):
     ex = load_example()
     w13 = torch.randn(3, 32, 16).to(torch.bfloat16)
     w2 = torch.randn(3, 16, 16).to(torch.bfloat16)
-    packed = torch.randn(3, 5, 16).to(torch.bfloat16)
-    counts = torch.tensor([2, 0, 5], dtype=torch.int32)
-    out = ex.experts_packed(packed, counts, w13, w2)
-    assert torch.equal(out[0, :2], ex.expert_ffn(packed[0, :2], w13[0], w2[0]))
-    assert torch.equal(out[2], ex.expert_ffn(packed[2], w13[2], w2[2]))
-    assert not ex.grouped_gemm_ok(packed)  # CPU: the loop
+    xs = torch.randn(12, 16).to(torch.bfloat16)
+    offs = torch.tensor([4, 4, 12], dtype=torch.int32)  # expert 1's group is empty
+    want = [ex.expert_ffn(xs[:4], w13[0], w2[0]), ex.expert_ffn(xs[4:12], w13[2], w2[2])]
+    assert ex.grouped_gemm_ok(xs) == hasattr(torch, "_grouped_mm")  # CPU: torch._grouped_mm where torch has it
+    if hasattr(torch, "_grouped_mm"):
+        out = ex.experts_grouped(xs, offs, w13, w2)
+        assert torch.allclose(out[:4].float(), want[0].float(), rtol=2 ** -7, atol=1e-2)
+        assert torch.allclose(out[4:].float(), want[1].float(), rtol=2 ** -7, atol=1e-2)
+    monkeypatch.setattr(ex, "grouped_gemm_ok", lambda x: False)  # the loop over the groups
+    out = ex.experts_grouped(xs, offs, w13, w2)
+    assert torch.equal(out[:4], want[0]) and torch.equal(out[4:], want[1])
 
 
 def test_example_command_runs_under_torchrun():

@@ -30,14 +30,15 @@ import torch.distributed as dist
 from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
-from .. import errors, kernels, ll, workspace
+from .. import errors, grouped, kernels, ll, workspace
 from ..config import EpDispatchCombineConfig, load_specs, spec_dtype
 from ..errors import EpgenError, InputError
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped, route_kernels)
 
-BLOCK = 512  # threads per block of the std-MoE kernels (the EP kernels take specs/tuning.toml)
+BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the EP kernels take specs/tuning.toml)
+GROUPED_MAX_EXPERTS = 1024  # grouped_place's shared group bounds (EPG_GROUPED_MAX_EXPERTS in its template)
 _ALIGN = 256
 _SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
 
@@ -240,6 +241,7 @@ class NativeBackend:
         self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
+        self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
@@ -430,22 +432,80 @@ class NativeBackend:
                             cfg.resolved_expert_capacity, self.plan.in_row, int(self._had_weights))
         return st["x"], st["count"], st["src"], st["w"]
 
+    def _combine_dst(self, st: dict) -> torch.Tensor:
+        """Where a conversion writes the combine input: this op's combine buffer (zero-copy), except right
+        after a combine, whose peers may still be reading that buffer (only the next dispatch orders their
+        reads before this rank's writes): then a tensor of its own, which combine stages after its entry
+        barrier."""
+        if self._last != "combine":
+            return self.comb_x
+        if "restage" not in st:
+            st["restage"] = torch.empty_like(self.comb_x)
+        return st["restage"]
+
+    def _rows_grid(self) -> int:
+        """Blocks of a kernel with one thread per (received row, 8 elements), grid-stride."""
+        items = self.config.max_recv_tokens * self.config.hidden_dim // 8
+        return max(1, min(8 * self.num_sms, -(-items // BLOCK)))
+
     def convert_combine_input(self, expert_out, routing):
-        """Weighted expert outputs [E, C, H] -> combine input rows: this op's combine buffer (zero-copy),
-        except right after a combine, whose peers may still be reading that buffer (only the next dispatch
-        orders their reads before this rank's writes): then a tensor of its own, which combine stages
-        after its entry barrier."""
+        """Weighted expert outputs [E, C, H] -> combine input rows (see _combine_dst for where)."""
         st, cfg = self._std, self.config
-        dst = self.comb_x
-        if self._last == "combine":
-            if "restage" not in st:
-                st["restage"] = torch.empty_like(self.comb_x)
-            dst = st["restage"]
-        items = cfg.max_recv_tokens * cfg.hidden_dim // 8
-        kernels.launch_args(st["unpack"], max(1, min(8 * self.num_sms, -(-items // BLOCK))), BLOCK, expert_out,
+        dst = self._combine_dst(st)
+        kernels.launch_args(st["unpack"], self._rows_grid(), BLOCK, expert_out,
                             self.recv_idx, st["pair_pos"], st["w"], self.total_recv, dst,
                             cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank, cfg.num_experts_per_rank,
                             cfg.hidden_dim)
+        return dst
+
+    # --- the grouped-GEMM layout (runtime/grouped.py; kernels grouped_count / grouped_place / grouped_reduce)
+    def _grouped_setup(self) -> dict:
+        """Grouped-layout buffers and kernels, made at construction: P = resolved_grouped_capacity rows."""
+        cfg, plan, dev = self.config, self.plan, self.device
+        E, P, Rk = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity, cfg.max_recv_tokens * cfg.num_experts_per_token
+        if E > GROUPED_MAX_EXPERTS:
+            raise EpgenError(f"native backend: the grouped layout takes at most {GROUPED_MAX_EXPERTS} experts per rank "
+                             f"(its placement kernel keeps the group bounds in shared memory), got {E}")
+        comb = spec_dtype(cfg.combine_dtype).name
+        i32 = dict(dtype=torch.int32, device=dev)
+        x = torch.empty((P, plan.wire_row), dtype=torch.uint8, device=dev)
+        scales = torch.empty((P, plan.scale_row), dtype=torch.uint8, device=dev) if plan.scales_dtype else None
+        return {
+            "count": kernels.load(kernels.select(self.arch, "grouped_count.i32")),
+            "place": kernels.load(kernels.select(self.arch, "grouped_place.i32")),
+            "reduce": kernels.load(kernels.select(self.arch, f"grouped_reduce.{comb}")),
+            "x": x, "scales": scales,
+            "x_view": x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x,
+            "scales_view": None if scales is None else
+            (scales.view(plan.scales_dtype) if plan.scales_dtype != torch.uint8 else scales),
+            "offs": torch.zeros(E, **i32), "counts": torch.zeros(E, **i32), "raw_counts": torch.zeros(E, **i32),
+            "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
+            "weights": torch.zeros(P, dtype=torch.float32, device=dev), "dropped": torch.zeros(1, **i32),
+            "pair_rel": torch.zeros(Rk, **i32), "pair_pos": torch.full((Rk,), -1, **i32),
+        }
+
+    def grouped_layout(self) -> grouped.GroupedLayout:
+        """Two launches on the current stream, sized by the device's total_recv (no host sync)."""
+        g, cfg, plan = self._grp, self.config, self.plan
+        k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
+        kernels.launch_args(g["count"], cfg.num_experts_per_rank, BLOCK, self.recv_idx, self.total_recv, g["pair_rel"],
+                            g["raw_counts"], k, first)
+        kernels.launch_args(g["place"], 2 * self.num_sms, BLOCK, self.recv_x, self.recv_scales, self.recv_w,
+                            self.recv_idx, self.total_recv, g["pair_rel"], g["raw_counts"], g["pair_pos"], g["x"],
+                            g["scales"], g["offs"], g["counts"], g["src"], g["m_indices"], g["weights"], g["dropped"],
+                            k, first, cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity,
+                            plan.wire_row, plan.scale_row if plan.scales_dtype else 0, int(self._had_weights))
+        return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
+                                     src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
+                                     dropped=g["dropped"][0], pair_pos=g["pair_pos"])
+
+    def grouped_reduce(self, expert_out, apply_weights: bool) -> torch.Tensor:
+        """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
+        g, cfg = self._grp, self.config
+        dst = self._combine_dst(g)
+        kernels.launch_args(g["reduce"], self._rows_grid(), BLOCK, expert_out, g["pair_pos"], self.recv_w,
+                            self.total_recv, dst, cfg.num_experts_per_token, cfg.hidden_dim,
+                            int(apply_weights and self._had_weights))
         return dst
 
     def std_moe_dropped(self) -> torch.Tensor:
@@ -470,9 +530,10 @@ class NativeBackend:
         extra = {"state": self.state.numel() * 4, "total_recv": 4}
         if self.plan.scatter:
             extra["combine_in_view"] = self.comb_x.numel() * self.comb_x.element_size()
-        for name, t in (self._std or {}).items():
-            if isinstance(t, torch.Tensor):
-                extra[f"std_moe_{name}"] = t.numel() * t.element_size()
+        for prefix, bufs in (("std_moe", self._std), ("grouped", self._grp)):
+            for name, t in (bufs or {}).items():
+                if isinstance(t, torch.Tensor) and not name.endswith("_view"):
+                    extra[f"{prefix}_{name}"] = t.numel() * t.element_size()
         return {"symmetric_workspace": lay["total"], "regions": regions, "other_device_buffers": extra,
                 "total_device_bytes": lay["total"] + sum(extra.values()),
                 "pinned_host_bytes": self.error.numel() * 4}
@@ -528,10 +589,11 @@ class NativeBackend:
         """Unload the kernels, free the op's device buffers and give the workspace back to the pool."""
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
         for kern in (self._dispatch, self._combine, *self._ll, *self._numbering,
-                     *((self._std["pack"], self._std["unpack"]) if self._std else ())):
+                     *((self._std["pack"], self._std["unpack"]) if self._std else ()),
+                     *((self._grp["count"], self._grp["place"], self._grp["reduce"]) if self._grp else ())):
             kern.close()
         workspace.release(self._ws)
-        self._ws = self._std = self.dargs = self.cargs = None
+        self._ws = self._std = self._grp = self.dargs = self.cargs = None
         self._numbering = self._ll = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self._error_words = None
