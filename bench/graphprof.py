@@ -60,7 +60,8 @@ def split_replays(events: list[tuple[str, float, float]], per_replay: int) -> li
 def graph_kernel_events(graph: "torch.cuda.CUDAGraph", replays: int, sync=lambda: None) -> list[tuple[str, float, float]]:
     """Device events (name, start_us, duration_us) of `replays` replays of `graph`, profiled by kineto (CUPTI),
     in start order. sync(): called before each replay (e.g. a barrier lining the ranks up); the replays are
-    separated by a device synchronize so that none overlaps the next."""
+    separated by a device synchronize so that none overlaps the next. NCCL's kernels (an NCCL barrier's
+    between replays) are left out: they are no part of the graph."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -71,7 +72,8 @@ def graph_kernel_events(graph: "torch.cuda.CUDAGraph", replays: int, sync=lambda
             torch.cuda.synchronize()
     out = []
     for e in p.profiler.kineto_results.events():
-        if str(e.device_type()).endswith("CUDA") and str(e.activity_type()) in DEVICE_ACTIVITIES:
+        if (str(e.device_type()).endswith("CUDA") and str(e.activity_type()) in DEVICE_ACTIVITIES
+                and "nccl" not in e.name().lower()):
             out.append((e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3))
     return sorted(out, key=lambda e: e[1])
 
