@@ -57,6 +57,33 @@ def split_replays(events: list[tuple[str, float, float]], per_replay: int) -> li
     return [evs[i:i + per_replay] for i in range(0, len(evs) - per_replay + 1, per_replay)]
 
 
+def _call(e, name: str, default=None):
+    fn = getattr(e, name, None)
+    return fn() if callable(fn) else default
+
+
+def device_events(raw) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of the device-side events among kineto's (torch.autograd's _KinetoEvent:
+    kernels, memcpy, memset), in start order; NCCL's kernels left out. Works with the event API of several torch
+    releases: activity_type() where it exists (else every CUDA-device event that is not a user annotation),
+    start_ns() / duration_ns() or start_us() / duration_us()."""
+    out = []
+    for e in raw:
+        if not str(_call(e, "device_type", "")).endswith("CUDA") or "nccl" in e.name().lower():
+            continue
+        kind = _call(e, "activity_type")
+        if kind is not None and str(kind) not in DEVICE_ACTIVITIES:
+            continue
+        if kind is None and _call(e, "is_user_annotation", False):
+            continue
+        start = _call(e, "start_ns")
+        start = start / 1e3 if start is not None else float(_call(e, "start_us", 0))
+        dur = _call(e, "duration_ns")
+        dur = dur / 1e3 if dur is not None else float(_call(e, "duration_us", 0))
+        out.append((e.name(), start, dur))
+    return sorted(out, key=lambda e: e[1])
+
+
 def graph_kernel_events(graph: "torch.cuda.CUDAGraph", replays: int, sync=lambda: None) -> list[tuple[str, float, float]]:
     """Device events (name, start_us, duration_us) of `replays` replays of `graph`, profiled by kineto (CUPTI),
     in start order. sync(): called before each replay (e.g. a barrier lining the ranks up); the replays are
@@ -70,12 +97,8 @@ def graph_kernel_events(graph: "torch.cuda.CUDAGraph", replays: int, sync=lambda
             sync()
             graph.replay()
             torch.cuda.synchronize()
-    out = []
-    for e in p.profiler.kineto_results.events():
-        if (str(e.device_type()).endswith("CUDA") and str(e.activity_type()) in DEVICE_ACTIVITIES
-                and "nccl" not in e.name().lower()):
-            out.append((e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3))
-    return sorted(out, key=lambda e: e[1])
+    out = device_events(p.profiler.kineto_results.events())
+    return out
 
 
 def replay_ms(graph: "torch.cuda.CUDAGraph", reps: int, warmup: int = 1) -> list[float]:

@@ -46,6 +46,58 @@ def test_split_replays_cuts_whole_replays_in_start_order():
         graphprof.split_replays(evs, 0)
 
 
+class _NewEvent:  # torch >= 2.13's _KinetoEvent: activity_type(), start_ns()
+    def __init__(self, name, dev, kind, start_us, dur_us):
+        self._n, self._d, self._k, self._s, self._u = name, dev, kind, start_us, dur_us
+
+    def name(self):
+        return self._n
+
+    def device_type(self):
+        return f"DeviceType.{self._d}"
+
+    def activity_type(self):
+        return self._k
+
+    def start_ns(self):
+        return int(self._s * 1000)
+
+    def duration_ns(self):
+        return int(self._u * 1000)
+
+
+class _OldEvent:  # older releases: no activity_type(), times in us, user annotations flagged
+    def __init__(self, name, dev, start_us, dur_us, annotation=False):
+        self._n, self._d, self._s, self._u, self._a = name, dev, start_us, dur_us, annotation
+
+    def name(self):
+        return self._n
+
+    def device_type(self):
+        return f"DeviceType.{self._d}"
+
+    def start_us(self):
+        return self._s
+
+    def duration_us(self):
+        return self._u
+
+    def is_user_annotation(self):
+        return self._a
+
+
+def test_device_events_across_torch_event_apis():
+    new = [_NewEvent("epg_b", "CUDA", "kernel", 5.0, 1.0), _NewEvent("cudaLaunchKernel", "CPU", "cuda_runtime", 0.0, 2.0),
+           _NewEvent("Memcpy DtoD", "CUDA", "gpu_memcpy", 7.0, 0.5), _NewEvent("ncclDevKernel_AllReduce", "CUDA", "kernel",
+                                                                             1.0, 9.0),
+           _NewEvent("annot", "CUDA", "gpu_user_annotation", 4.0, 3.0), _NewEvent("epg_a", "CUDA", "kernel", 2.0, 1.5)]
+    assert graphprof.device_events(new) == [("epg_a", 2.0, 1.5), ("epg_b", 5.0, 1.0), ("Memcpy DtoD", 7.0, 0.5)]
+    old = [_OldEvent("epg_b", "CUDA", 5.0, 1.0), _OldEvent("aten::copy_", "CPU", 0.0, 2.0),
+           _OldEvent("annot", "CUDA", 4.0, 3.0, annotation=True), _OldEvent("ncclKernel", "CUDA", 1.0, 1.0),
+           _OldEvent("epg_a", "CUDA", 2.0, 1.5)]
+    assert graphprof.device_events(old) == [("epg_a", 2.0, 1.5), ("epg_b", 5.0, 1.0)]
+
+
 # --- floor: plan, records, table -------------------------------------------------------------------------
 def test_floor_plan_and_partners():
     args = _args(["--floor", "--floor-rounds", "50", "--layers", "4", "--floor-blocks", "1", "0"])
