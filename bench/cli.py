@@ -1,5 +1,6 @@
-"""The benchmark's command line: ``python -m bench`` (the sweep, bench/core.py's module docstring) and its
-layer modes (--layer-loop / --layer / --ceiling: bench/layer.py, docs/LAYER.md)."""
+"""The benchmark's command line: ``python -m bench`` (the sweep, bench/core.py's module docstring), its
+layer modes (--layer-loop / --layer / --ceiling: bench/layer.py, docs/LAYER.md), the floor (--floor:
+bench/floor.py) and kernel durations inside graph replays (--profile-graph: bench/profile_graph.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from generator.abi import LL_MAX_TOKENS
 from runtime.config import EMULATE_NODES_ENV
 
-from . import core, layer as bench_layer
+from . import core, floor as bench_floor, layer as bench_layer, profile_graph as bench_profile
 from .core import (MAX_INPUT_SETS, ROUTINGS, _commit, collective_try, dtype_name, format_profile, format_table,
                    run_lowprec, run_point)
 
@@ -72,8 +73,58 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--ceiling", action="store_true", help="copy-kernel push / pull, copy engine and NCCL GB/s")
     layer.add_argument("--ceiling-sms", type=int, nargs="+", default=[8, 16, 32, 64, 132])
     layer.add_argument("--ceiling-mib", type=int, default=64, help="--ceiling: MiB moved per copy")
+    fl = p.add_argument_group("the floor (bench/floor.py); replaces the sweep")
+    fl.add_argument("--floor", action="store_true",
+                    help="flag ping-pong in one kernel, L one-signal kernels and L empty kernels in a graph (kind floor)")
+    fl.add_argument("--floor-rounds", type=int, default=1000, help="--floor: timed ping-pong round trips per launch")
+    fl.add_argument("--floor-blocks", type=int, nargs="+", default=[1, 0],
+                    help="--floor: grids of the graph methods (0: one block per SM)")
+    fl.add_argument("--floor-timeout-s", type=float, default=10.0, help="--floor: bound of every wait in the kernels")
+    p.add_argument("--profile-graph", action="store_true",
+                   help="per-kernel durations inside a graph replay of --layers layers of dispatch -> copy -> combine "
+                        "(kineto), per --tokens (default 1 8 32 128) and --protocol (kind kernel_profile); replaces the sweep")
     p.add_argument("--out")
     return p
+
+
+def check_graph_args(args) -> None:
+    """--floor's and --profile-graph's numbers, validated where they enter (one clear message, no traceback)."""
+    if args.layers < 1 or args.reps < 1:
+        raise SystemExit(f"--layers and --reps must be >= 1, got {args.layers} and {args.reps}")
+    if not args.floor:
+        return
+    if args.floor_rounds < 1:
+        raise SystemExit(f"--floor-rounds must be >= 1, got {args.floor_rounds}")
+    if any(b < 0 for b in args.floor_blocks):
+        raise SystemExit(f"--floor-blocks must be >= 0 (0: one block per SM), got {args.floor_blocks}")
+    if not 0 < args.floor_timeout_s <= 600:
+        raise SystemExit(f"--floor-timeout-s must be in (0, 600], got {args.floor_timeout_s}")
+
+
+def _emitter(args):
+    """A function writing records to --out (rank 0), each as soon as it exists."""
+    def emit(recs):
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "a") as f:
+                for r in recs:
+                    f.write(json.dumps(r, sort_keys=True) + "\n")
+    return emit
+
+
+def floor_main(args) -> int:
+    """--floor: records to --out, the table printed by rank 0; exit 1 when a method failed."""
+    records = bench_floor.run(args, _emitter(args))
+    if dist.get_rank() == 0:
+        print("\n".join(bench_floor.floor_table(records)) + "\n")
+    return 1 if any(r.get("error") for r in records) else 0
+
+
+def profile_graph_main(args) -> int:
+    """--profile-graph: records to --out, the table printed by rank 0; exit 1 when a point failed."""
+    records = bench_profile.run(args, _emitter(args))
+    if dist.get_rank() == 0:
+        print("\n".join(bench_profile.profile_table(records)) + "\n")
+    return 1 if any(r.get("error") for r in records) else 0
 
 
 def layer_main(args) -> int:
@@ -88,13 +139,7 @@ def layer_main(args) -> int:
             symm_mem.set_backend("NVSHMEM")
         except Exception as e:  # noqa: BLE001 - the vdev2d records say why
             print(f"NVSHMEM backend not set: {type(e).__name__}: {e}", file=sys.stderr)
-    def emit(recs):
-        if dist.get_rank() == 0 and args.out:
-            with open(args.out, "a") as f:
-                for r in recs:
-                    f.write(json.dumps(r, sort_keys=True) + "\n")
-
-    records = bench_layer.run(args, emit)
+    records = bench_layer.run(args, _emitter(args))
     if dist.get_rank() == 0:
         for table in (bench_layer.loop_table, bench_layer.layer_table, bench_layer.ceiling_table):
             lines = table(records)
@@ -148,7 +193,15 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"
+    if args.floor or args.profile_graph:
+        check_graph_args(args)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if args.floor or args.profile_graph:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        try:
+            return max(floor_main(args) if args.floor else 0, profile_graph_main(args) if args.profile_graph else 0)
+        finally:
+            dist.destroy_process_group()
     if args.layer or args.layer_loop or args.ceiling:
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         try:

@@ -13,7 +13,7 @@ With --internode every point also runs internode (gpu_per_node G, default half t
 kernel named, gated and timed the same way (records: topology, gpu_per_node, internode_kernel,
 internode_route); --emulate-nodes sets EPGEN_EMULATE_NODES=1 so one host can stand for the nodes.
 --protocol runs every intranode point with each intranode wire protocol named (config intranode_protocol:
-"bw" bandwidth, the default; "ll" low latency; "auto" picks by the token count; "ll" points above its token
+"bw" bandwidth, the bench default; "ll" low latency; "auto" one per op by the point's token bound; "ll" points above its token
 limit are skipped); the records say which one ran (field protocol) and what was asked (intranode_protocol).
 
 --launch-blocks / --launch-threads override the tuning table for every point (config launch_blocks /
@@ -733,7 +733,7 @@ def run_point(T: int, hidden: int, k: int, num_experts: int, dtype, inner: int, 
                      "nc": _stats(_graph_time([a2a_c], g_inner, reps)[0])}
         prof = _profile([disp, expert, comb]) if profile and _on_gpu() else None
         route = op.last_internode_kernel
-        ran = op.last_intranode_protocol  # the protocol of the timed calls (auto: by the token count)
+        ran = op.last_intranode_protocol  # the protocol of the timed calls (auto: by the config's token bound)
         geo = getattr(op._backend, "_geometry", None)
         suffix = "_ll" if ran == "ll" else ""
         launched = {role: geo(role + suffix, T, T * world if role == "dispatch" else T) if geo else (None, None)

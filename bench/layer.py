@@ -527,9 +527,9 @@ extern "C" __global__ void __launch_bounds__(1024) epg_copy16(const int4* __rest
 """
 
 
-def compile_copy_kernel(arch: str) -> bytes:
-    """The copy kernel's code object for `arch`, built with the target's own toolchain and flags
-    (specs/targets.toml; sm_90: nvcc ... sm_90a -cubin)."""
+def compile_source(arch: str, source: str, name: str = "kernel") -> bytes:
+    """A bench-only kernel's code object for `arch`, built from `source` with the target's own toolchain and
+    flags (specs/targets.toml; sm_90: nvcc ... sm_90a -cubin)."""
     from generator import toolchain
 
     from runtime.config import load_specs
@@ -538,12 +538,17 @@ def compile_copy_kernel(arch: str) -> bytes:
     target = specs.targets[arch]
     tools = toolchain.find(specs.toolchains[target.toolchain])
     with tempfile.TemporaryDirectory() as d:
-        src, out = Path(d) / "copy.cu", Path(d) / "copy.cubin"
-        src.write_text(COPY_KERNEL)
+        src, out = Path(d) / f"{name}.cu", Path(d) / f"{name}.cubin"
+        src.write_text(source)
         res = toolchain.run(toolchain.compile_command(target, tools, src, out), tools)
         if res.returncode:
             raise RuntimeError(f"{Path(tools.compiler).name} failed: {res.stderr[-2000:]}")
         return out.read_bytes()
+
+
+def compile_copy_kernel(arch: str) -> bytes:
+    """The copy kernel's code object for `arch` (compile_source)."""
+    return compile_source(arch, COPY_KERNEL, "copy")
 
 
 def _time_launches(fn, iters: int, reps: int) -> tuple[float, float]:

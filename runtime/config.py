@@ -43,11 +43,12 @@ around NCCL/RCCL all_to_all_single (runtime/backends/internode.py).
 Intranode wire protocol (``intranode_protocol``, native backend): "bw" (bandwidth: claimed slots, one
 completion barrier per leg), "ll" (low latency: rows carry per-16-byte epoch flags the receiver polls, no
 fence or barrier on the critical path; verbatim payloads, gather arithmetic, at most ``LL_MAX_TOKENS``
-tokens per rank; docs/GUARANTEES.md) or "auto" (per call: "ll" for calls of at most the target's
-``intranode_ll_max_tokens`` tokens per rank in specs/tuning.toml when the config can run it, else "bw";
-every rank of a call must fall on the same side of the threshold: nothing exchanges the counts, so ranks
-whose counts straddle it run different protocols and time out; hence "bw" is the default). Both give the
-same results; the torch backend has one protocol and ignores the field.
+tokens per rank; docs/GUARANTEES.md) or "auto", the default: "ll" when the config can run it and its token
+bound ``max_num_inp_token_per_rank`` is at most the target's ``intranode_ll_max_tokens`` in
+specs/tuning.toml, else "bw". The op decides once, at construction, from the config (checked equal on every
+rank) and the target, never from a call's token count (ranks' counts may differ), so every rank takes the
+same protocol for every call (the native backend checks it across ranks). Both give the same results; the
+torch backend has one protocol and ignores the field.
 
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
@@ -160,7 +161,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     gpu_per_node: int = attrs.field(default=0, converter=aliases.gpu_per_node)  # 0 (or None): world_size (one node)
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
-    intranode_protocol: str = "bw"  # "bw" (bandwidth) | "ll" (low latency) | "auto"; see the module docstring
+    intranode_protocol: str = "auto"  # "auto" | "ll" (low latency) | "bw" (bandwidth); see the module docstring
     kernel_backend: str | None = attrs.field(default=None, converter=aliases.kernel_backend)  # None: see the module docstring
     timeout_s: float = 30.0  # seconds a device-side wait may last before the kernel gives up
     expert_capacity: int = 0  # std-MoE packed rows per local expert; 0: max_recv_tokens
@@ -581,7 +582,9 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
 
     @property
     def intranode_protocols(self) -> tuple[str, ...]:
-        """The intranode wire protocols this config's calls may take ("ll", "bw"; none internode)."""
+        """The intranode wire protocols this config may take ("ll", "bw"; none internode): under "auto" both when
+        it can run "ll"; which one an op takes is decided at its construction (runtime.ll.resolve, by the token
+        bound and the target's threshold), one for all its calls."""
         if self.is_internode:
             return ()
         if self.intranode_protocol == "auto":

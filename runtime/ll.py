@@ -47,20 +47,22 @@ def regions(world: int, tokens: int, ll_row: int, ll_cell: int) -> list[tuple[st
             ("ll_map", 4 * (world * tokens + world))]
 
 
-def buffer_tokens(protocols: tuple[str, ...], forced: bool, max_tokens: int, threshold: int) -> int:
-    """Tokens per rank the low-latency buffers are sized for: every call's when "ll" is forced, the auto
-    threshold's (capped at max_tokens) otherwise; 0 when the op never takes "ll"."""
-    if "ll" not in protocols:
-        return 0
-    return max_tokens if forced else min(max_tokens, threshold)
-
-
-def choose(protocols: tuple[str, ...], ll_tokens: int, num_tokens: int) -> str:
-    """The protocol of a call of num_tokens tokens on this rank: "ll" when the op may take it and the call
-    fits its buffers (forced "ll" sizes them for every call; "auto" for the target's threshold), else "bw"."""
-    if "ll" in protocols and num_tokens <= ll_tokens:
+def resolve(asked: str, available: bool, max_tokens: int, threshold: int) -> str:
+    """The one protocol of every call of an op, decided at construction from what every rank knows alike
+    (the config, which the op checks equal across ranks, and the target's threshold), never from a call's
+    own token count, which ranks need not share: "ll" when asked, or under "auto" when the config can run it
+    (available) and its token bound max_tokens is at most the target's threshold (0: never); else "bw"."""
+    if asked == "ll":
+        return "ll"
+    if asked == "auto" and available and 0 < max_tokens <= threshold:
         return "ll"
     return "bw"
+
+
+def buffer_tokens(protocol: str, max_tokens: int) -> int:
+    """Tokens per rank the low-latency buffers are sized for: the config's bound when the op's protocol is
+    "ll", else 0 (no buffers)."""
+    return max_tokens if protocol == "ll" else 0
 
 
 def epoch(calls: int) -> int:

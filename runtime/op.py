@@ -225,7 +225,7 @@ class EpDispatchCombineOp:
     @property
     def last_intranode_protocol(self) -> str | None:
         """The intranode wire protocol ("ll" low latency or "bw" bandwidth) the last dispatch or combine of
-        the native intranode backend took (intranode_protocol="auto" picks by the call's token count); None
+        the native intranode backend took (one per op: "auto" decides by the config's token bound); None
         on other backends or before the first call."""
         return getattr(self._backend, "last_protocol", None)
 

@@ -15,7 +15,10 @@
 # SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks, combine at 512/768/1024 threads, gather and scatter, $OUT/bench_sms.jsonl,
 # and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
 # $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (bench.tune
-# --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT).
+# --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT), FLOOR=1 (bench
+# --floor: flag ping-pong in one kernel, one-signal and empty kernels in a graph, $OUT/floor.jsonl), PROFILE=1 (bench
+# --profile-graph: kernel durations inside a graph replay of 16 layers, tokens 1 8 32 128, protocols ll bw,
+# $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,7 +38,7 @@ fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
   # oversubscribed runs name each test as it ends and dump every rank's Python stacks when one outlasts FH_TIMEOUT s
   EP_PYTEST=${EP_PYTEST:-$([ -n "$OVERSUB" ] && echo "-v -o faulthandler_timeout=${FH_TIMEOUT:-150}" || echo -q)}
-  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_grouped.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_grouped.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py tests/gpu/test_floor.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
@@ -71,6 +74,15 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
     timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --tokens 1 8 32 128 --dtypes bfloat16 \
       --protocol ll bw --eager-iters 20 --out "$OUT/bench_ll.jsonl" 2>&1 | tee "$OUT/bench_ll.log" | grep -vE "^(W|\*)" | tail -12
     status[ll_bench]=${PIPESTATUS[0]}
+  fi
+  if [ -n "${FLOOR:-}" ]; then  # the link's floor: what every small-batch leg is read against (docs/PERF.md)
+    timeout 150 torchrun --nproc-per-node "$NPROC" -m bench --floor --out "$OUT/floor.jsonl" 2>&1 \
+      | tee "$OUT/floor.log" | grep -vE "^(W|\*)" | tail -10; status[floor]=${PIPESTATUS[0]}
+  fi
+  if [ -n "${PROFILE:-}" ]; then  # kernel durations inside graph replays of the layer loop (kineto)
+    timeout 240 torchrun --nproc-per-node "$NPROC" -m bench --profile-graph --tokens 1 8 32 128 --protocol ll bw \
+      --out "$OUT/kernel_profile.jsonl" 2>&1 | tee "$OUT/kernel_profile.log" | grep -vE "^(W|\*)" | tail -14
+    status[profile]=${PIPESTATUS[0]}
   fi
   if [ -n "${SMS:-}" ]; then  # equal SMs (docs/BENCH.md): 4096 tokens, bf16, grids of 24/32/128 blocks, dispatch 512
     # threads, combine 512/768/1024 threads (as many as its registers allow), gather and scatter; then the link's
@@ -108,4 +120,4 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -52,15 +52,33 @@ def test_epochs_never_zero_and_wrap():
 
 
 # --- selection -----------------------------------------------------------------------------------------
-def test_choose_by_token_count():
-    assert ll.choose(("ll", "bw"), 128, 1) == "ll" and ll.choose(("ll", "bw"), 128, 128) == "ll"
-    assert ll.choose(("ll", "bw"), 128, 129) == "bw"
-    assert ll.choose(("bw",), 128, 1) == "bw"
-    assert ll.choose(("ll",), 512, 512) == "ll"
-    assert ll.buffer_tokens(("ll", "bw"), False, 4096, 128) == 128
-    assert ll.buffer_tokens(("ll", "bw"), False, 64, 128) == 64
-    assert ll.buffer_tokens(("ll",), True, 512, 128) == 512
-    assert ll.buffer_tokens(("bw",), False, 4096, 128) == 0
+def test_resolve_by_the_config_bound_only():
+    # auto: the config's token bound against the target's threshold; never a call's count (there is none here)
+    assert ll.resolve("auto", True, 8, 8) == "ll" and ll.resolve("auto", True, 1, 8) == "ll"
+    assert ll.resolve("auto", True, 9, 8) == "bw" and ll.resolve("auto", True, 4096, 128) == "bw"
+    assert ll.resolve("auto", False, 1, 128) == "bw"  # the config cannot run ll
+    assert ll.resolve("auto", True, 1, 0) == "bw"  # threshold 0: never
+    assert ll.resolve("ll", True, 512, 8) == "ll" and ll.resolve("bw", True, 1, 128) == "bw"
+    assert ll.buffer_tokens("ll", 512) == 512 and ll.buffer_tokens("bw", 4096) == 0
+
+
+def _scn_resolve(rank, world, bound, thresholds):
+    """What each rank's op would take: every rank passes its own (different) call sizes, none of which enters."""
+    from runtime import ll as L
+    return L.resolve("auto", True, bound, thresholds[rank])
+
+
+@pytest.mark.parametrize("bound", [1, 8, 64, 4096])
+def test_every_rank_resolves_alike_whatever_its_token_counts(bound):
+    """The decision function across ranks: ranks whose calls carry different token counts (rank r: r + 1 tokens,
+    up to the bound) still decide alike, since only the shared config bound and the target's threshold enter;
+    a rank whose target threshold differs is what the native backend's cross-rank check catches."""
+    from ep_dist import get_world
+
+    got = get_world(2).run(_scn_resolve, bound, [8, 8])
+    assert got[0] == got[1] == ("ll" if bound <= 8 else "bw")
+    split = get_world(2).run(_scn_resolve, 8, [8, 4])
+    assert split == ["ll", "bw"]  # hence check_same_protocol (runtime/backends/native.py)
 
 
 def test_tuning_threshold_per_target():
@@ -78,7 +96,7 @@ def test_tuning_threshold_checked(tmp_path, value):
     root = tmp_path / "specs"
     shutil.copytree(S.default_root(), root)
     p = root / "tuning.toml"
-    p.write_text(p.read_text().replace("intranode_ll_max_tokens = 128", f"intranode_ll_max_tokens = {value}"))
+    p.write_text(p.read_text().replace("intranode_ll_max_tokens = 8 ", f"intranode_ll_max_tokens = {value} "))
     with pytest.raises(S.SpecError, match=r"tuning.toml:\d+: \[tuning.sm_90\] intranode_ll_max_tokens"):
         S.load(root)
 
@@ -99,7 +117,7 @@ def test_tuner_rewrite_keeps_the_thresholds(tmp_path):
 
 def test_config_protocol_field():
     c = EpDispatchCombineConfig(**BASE)
-    assert c.intranode_protocol == "bw" and c.intranode_protocols == ("bw",)  # the default: ranks may differ in T
+    assert c.intranode_protocol == "auto" and c.intranode_protocols == ("ll", "bw")  # the default: decided per op
     assert EpDispatchCombineConfig(**BASE, intranode_protocol="auto").intranode_protocols == ("ll", "bw")
     assert EpDispatchCombineConfig(**BASE, intranode_protocol="ll").intranode_protocols == ("ll",)
     with pytest.raises(ConfigError, match=r"^intranode_protocol='fast': must be one of 'auto', 'll', 'bw'$"):

@@ -39,6 +39,9 @@ EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
 EPG_DEVICE int epg_nblocks() { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
 EPG_DEVICE int epg_bcast0(int v) { return __builtin_amdgcn_ds_bpermute(0, v); }
+EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) {  // lane src's v
+  return (epg_u32)__builtin_amdgcn_ds_bpermute(src << 2, (int)v);
+}
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
@@ -440,6 +443,26 @@ EPG_DEVICE epg_vec16 epg_ll_vec(epg_u32 w0, epg_u32 w1, epg_u32 w2, epg_u32 epoc
   return v;
 }
 EPG_DEVICE epg_u32 epg_ll_word(epg_vec16 v, int c) { return c == 0 ? v.x : (c == 1 ? v.y : v.z); }
+// A wave's chunk: EPG_WAVE consecutive vectors of one message, lane l holding the chunk's words 3l..3l+2 in
+// w0..w2, stored to dst (16-byte aligned: the chunk's first word) as 16-byte stores instead of three 4-byte
+// stores per lane: lane l < 3/4 of the wave stores words 4l..4l+3, fetched from their lanes by shuffles. Every
+// lane of the wave calls it (uniform control flow).
+EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
+  const int lane = epg_lane();
+  epg_u32 o[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int word = 4 * lane + c, src = (word / 3) & (EPG_WAVE - 1), comp = word % 3;
+    const epg_u32 x = epg_shfl(w0, src), y = epg_shfl(w1, src), z = epg_shfl(w2, src);
+    o[c] = comp == 0 ? x : (comp == 1 ? y : z);
+  }
+  if (lane < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * lane, epg_ll_vec(o[0], o[1], o[2], o[3]));
+}
+// Is chunk ch of a message a chunk of payload words alone (the first P words), stored 16 bytes at a time?
+// wide: the payload row is a whole number of 16-byte vectors (its chunks' stores stay 16-byte aligned).
+EPG_DEVICE bool epg_ll_payload_chunk(epg_i64 ch, int P, bool wide) {
+  return wide && 3 * EPG_WAVE * (ch + 1) <= (epg_i64)P;
+}
 // Wait until the vector at p carries `epoch` (`v` holds a first load of it); false after a timeout.
 EPG_DEVICE bool epg_ll_poll(const EpArgs& a, const char* p, epg_u32 epoch, epg_vec16& v, int phase, int peer) {
   if (v.w == epoch) return true;
@@ -482,9 +505,10 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
 // dispatch goes back to its origin as a message (expert row, then its k weights) in the origin's cell
 // [token][this rank] of ll_c, flagged 16-byte vectors with this call's epoch; rows past the receive cap
 // (or past expert_out's rows) send zeros, which add nothing. The origin polls the cells its slots name,
-// one thread per (token, vector), and sums them in fp32 in k order, as the gather combine does, then
-// zeroes them. No barrier: a combine right after a combine starts with the entry barrier (the origins
-// are done with the cells); otherwise the dispatch in between was the handshake.
+// one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
+// combine does (payload chunks stored 16 bytes at a time), then zeroes them. No barrier: a combine right
+// after a combine starts with the entry barrier (the origins are done with the cells); otherwise the
+// dispatch in between was the handshake.
 constexpr int EPG_PER_WORD = 2;
 EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) {
   acc[0] += epg_bf16_to_f32((epg_u16)(w & 0xffffu));
@@ -546,12 +570,16 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
     }
   }
 
-  // reduce at the origin: one thread per (token, vector); cells in k order (one per destination rank)
-  const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
+  // reduce at the origin: one wave per (token, chunk of EPG_WAVE vectors), a lane per vector; cells in k order
+  // (one per destination rank); a chunk of payload alone goes out as 16-byte stores (epg_ll_store_chunk16)
   const int* slots = (const int*)a.slots;
   const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
-  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + tid; i < a.num_tokens * nv && ok; i += gthreads) {
-    const epg_i64 t = i / nv, vv = i % nv;
+  const epg_i64 nch = (nv + EPG_WAVE - 1) / EPG_WAVE, units = a.num_tokens * nch;
+  const bool wide = (a.row_bytes & 15) == 0;
+  for (epg_i64 u = (epg_i64)epg_block() * waves + wave; u < units; u += nwaves) {
+    const epg_i64 t = u / nch, ch = u % nch, vv = ch * EPG_WAVE + lane;
+    const bool live = vv < nv;
+    bool good = true;
     float acc[3][2];
     for (int e = 0; e < 3; ++e) acc[e][0] = acc[e][1] = 0.f;
     for (int j0 = 0; j0 < K; j0 += 8) {
@@ -559,25 +587,32 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
       int from[8];
       epg_vec16 v[8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {  // first loads of up to 8 cells together
-        const int sr = j0 + u < K ? slots[t * K + j0 + u] : -1;  // position * world + rank, or -1
-        from[u] = sr < 0 ? -1 : sr % W;
-        src[u] = sr < 0 ? nullptr : mine + a.off_ll_c + (t * W + from[u]) * a.ll_cell_bytes + 16 * vv;
-        if (src[u]) v[u] = epg_ld16_sys(src[u]);
+      for (int q = 0; q < 8; ++q) {  // first loads of up to 8 cells together
+        const int sr = live && j0 + q < K ? slots[t * K + j0 + q] : -1;  // position * world + rank, or -1
+        from[q] = sr < 0 ? -1 : sr % W;
+        src[q] = sr < 0 ? nullptr : mine + a.off_ll_c + (t * W + from[q]) * a.ll_cell_bytes + 16 * vv;
+        if (src[q]) v[q] = epg_ld16_sys(src[q]);
       }
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (!src[u]) continue;
-        if (!epg_ll_poll(a, src[u], epoch, v[u], 7, from[u] == a.rank ? -1 : from[u])) { ok = 0; break; }
+      for (int q = 0; q < 8; ++q) {
+        if (!src[q] || !good) continue;
+        if (!epg_ll_poll(a, src[q], epoch, v[q], 7, from[q] == a.rank ? -1 : from[q])) { good = false; continue; }
         for (int e = 0; e < 3; ++e) {
           const epg_i64 word = 3 * vv + e;
-          if (word < P) epg_accw(acc[e], epg_ll_word(v[u], e));
-          else acc[e][0] += epg_bits_f32(epg_ll_word(v[u], e));  // a weight (or padding: zero)
+          if (word < P) epg_accw(acc[e], epg_ll_word(v[q], e));
+          else acc[e][0] += epg_bits_f32(epg_ll_word(v[q], e));  // a weight (or padding: zero)
         }
-        epg_st16((char*)src[u], zero);  // consumed
+        epg_st16((char*)src[q], zero);  // consumed
       }
     }
-    for (int e = 0; e < 3; ++e) {
+    if (!good) ok = 0;
+    if (epg_ballot(!ok)) break;  // a timeout (this wave's or another's): out is left unfinished
+    if (epg_ll_payload_chunk(ch, P, wide)) {  // uniform over the wave
+      epg_ll_store_chunk16((char*)a.out + t * a.row_bytes + 12 * EPG_WAVE * ch, epg_packw(acc[0]), epg_packw(acc[1]),
+                           epg_packw(acc[2]));
+      continue;
+    }
+    for (int e = 0; live && e < 3; ++e) {
       const epg_i64 word = 3 * vv + e;
       if (word < P) ((epg_u32*)((char*)a.out + t * a.row_bytes))[word] = epg_packw(acc[e]);
       else if (word < P + K && a.has_weights) ((float*)a.out_weights)[t * K + (word - P)] = acc[e][0];

@@ -39,6 +39,9 @@ EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
 EPG_DEVICE int epg_nblocks() { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
 EPG_DEVICE int epg_bcast0(int v) { return __builtin_amdgcn_ds_bpermute(0, v); }
+EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) {  // lane src's v
+  return (epg_u32)__builtin_amdgcn_ds_bpermute(src << 2, (int)v);
+}
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
@@ -436,6 +439,26 @@ EPG_DEVICE epg_vec16 epg_ll_vec(epg_u32 w0, epg_u32 w1, epg_u32 w2, epg_u32 epoc
   return v;
 }
 EPG_DEVICE epg_u32 epg_ll_word(epg_vec16 v, int c) { return c == 0 ? v.x : (c == 1 ? v.y : v.z); }
+// A wave's chunk: EPG_WAVE consecutive vectors of one message, lane l holding the chunk's words 3l..3l+2 in
+// w0..w2, stored to dst (16-byte aligned: the chunk's first word) as 16-byte stores instead of three 4-byte
+// stores per lane: lane l < 3/4 of the wave stores words 4l..4l+3, fetched from their lanes by shuffles. Every
+// lane of the wave calls it (uniform control flow).
+EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
+  const int lane = epg_lane();
+  epg_u32 o[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int word = 4 * lane + c, src = (word / 3) & (EPG_WAVE - 1), comp = word % 3;
+    const epg_u32 x = epg_shfl(w0, src), y = epg_shfl(w1, src), z = epg_shfl(w2, src);
+    o[c] = comp == 0 ? x : (comp == 1 ? y : z);
+  }
+  if (lane < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * lane, epg_ll_vec(o[0], o[1], o[2], o[3]));
+}
+// Is chunk ch of a message a chunk of payload words alone (the first P words), stored 16 bytes at a time?
+// wide: the payload row is a whole number of 16-byte vectors (its chunks' stores stay 16-byte aligned).
+EPG_DEVICE bool epg_ll_payload_chunk(epg_i64 ch, int P, bool wide) {
+  return wide && 3 * EPG_WAVE * (ch + 1) <= (epg_i64)P;
+}
 // Wait until the vector at p carries `epoch` (`v` holds a first load of it); false after a timeout.
 EPG_DEVICE bool epg_ll_poll(const EpArgs& a, const char* p, epg_u32 epoch, epg_vec16& v, int phase, int peer) {
   if (v.w == epoch) return true;
@@ -482,9 +505,10 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
 //     one 64-bit release store (count word [parity][this rank] of that rank).
 //  2. One wave per (row, chunk of EPG_LL_UNIT vectors per lane) stores the row's message (payload,
 //     scales, ids, weights, source token) as flagged 16-byte vectors (ll_common.j2).
-//  3. Every block reads every source's count word (acquire), then one thread per received vector polls
-//     its flag, unpacks it into row base[s] + position of the receive buffers ((source rank, token) order;
-//     rows past max_recv are dropped and counted) and zeroes it.
+//  3. Every block reads every source's count word (acquire), then one wave per (received row, chunk of a
+//     wave's width of vectors) polls the flags, unpacks the chunk into row base[s] + position of the receive
+//     buffers ((source rank, token) order; rows past max_recv are dropped and counted; payload chunks as
+//     16-byte stores) and zeroes it.
 // The count words are the handshake that makes reuse safe: a rank finishes call n only after every peer
 // posted its count of call n, i.e. finished call n - 1 (its reads and zeroing of the parity buffers this
 // rank writes again in call n + 1). With a.replay the positions come from the routing handle's slots.
@@ -632,39 +656,50 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
   }
   if (epg_block() == 0)
     for (int s = tid; s < W; s += epg_block_dim()) ll_t[W * a.ll_tokens + s] = base[s + 1] - base[s];
-  const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
-  const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + tid;
+  // one wave per (received row, chunk of EPG_WAVE vectors), U chunks per wave polled at once: a chunk of
+  // payload alone goes to recv_x as 16-byte stores (epg_ll_store_chunk16), the others word by word
+  const epg_i64 nch = (nv + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;
+  const epg_i64 gwave = (epg_i64)epg_block() * waves + wave;
+  const bool wide = (a.row_bytes & 15) == 0;
   const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
-  constexpr int U = 4;  // vectors per thread polled at once
-  for (epg_i64 g0 = gtid; g0 < N * nv; g0 += U * gthreads) {
+  constexpr int U = 4;  // chunks per wave polled at once (vectors in flight per lane)
+  for (epg_i64 u0 = gwave; u0 < chunks_in; u0 += U * nwaves) {
     epg_vec16 v[U];
     const char* src[U];
 #pragma unroll
     for (int q = 0; q < U; ++q) {
-      const epg_i64 g = g0 + q * gthreads, row = g / nv;
+      const epg_i64 u = u0 + q * nwaves, row = u / nch, vv = (u % nch) * EPG_WAVE + lane;
       src[q] = nullptr;
-      if (g >= N * nv) continue;
+      if (u >= chunks_in || vv >= nv) continue;
       const int s = epg_ll_source(base, W, row);
-      src[q] = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes + 16 * (g % nv);
+      src[q] = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes + 16 * vv;
       v[q] = epg_ld16_sys(src[q]);
     }
+    bool good = true;
 #pragma unroll
     for (int q = 0; q < U; ++q) {
-      if (!src[q]) continue;
-      const epg_i64 g = g0 + q * gthreads, row = g / nv, vv = g % nv;
+      const epg_i64 u = u0 + q * nwaves;
+      if (u >= chunks_in) break;  // uniform over the wave
+      const epg_i64 row = u / nch, ch = u % nch, vv = ch * EPG_WAVE + lane;
       const int s = epg_ll_source(base, W, row);
-      if (!epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) { ok = 0; break; }
+      if (src[q] && !epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) good = false;
+      if (epg_ballot(!good)) break;  // a timeout in the wave: every lane leaves together
       const bool keep = row < a.max_recv;
-      if (keep && 3 * vv + 2 < P) {  // payload
-        epg_u32* dx = (epg_u32*)(mine + a.off_recv_x + row * a.row_bytes) + 3 * vv;
-        dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
-      } else {
-        for (int e = 0; e < 3; ++e)
-          epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v[q], e), P, S, s, (int)(row - base[s]), ll_t);
+      if (keep && epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
+        epg_ll_store_chunk16(mine + a.off_recv_x + row * a.row_bytes + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
+      } else if (src[q]) {
+        if (keep && 3 * vv + 2 < P) {  // payload
+          epg_u32* dx = (epg_u32*)(mine + a.off_recv_x + row * a.row_bytes) + 3 * vv;
+          dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
+        } else {
+          for (int e = 0; e < 3; ++e)
+            epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v[q], e), P, S, s, (int)(row - base[s]), ll_t);
+        }
       }
-      epg_st16((char*)src[q], zero);  // consumed
+      if (src[q]) epg_st16((char*)src[q], zero);  // consumed
     }
-    if (!ok) break;  // a timeout (this thread's or another's): outputs undefined, the host raises
+    if (!good) ok = 0;
+    if (epg_ballot(!ok)) break;  // a timeout (this wave's or another's): outputs undefined, the host raises
   }
   epg_syncthreads();
   if (!ok) return;

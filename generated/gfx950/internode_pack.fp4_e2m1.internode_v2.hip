@@ -39,6 +39,9 @@ EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
 EPG_DEVICE int epg_nblocks() { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
 EPG_DEVICE int epg_bcast0(int v) { return __builtin_amdgcn_ds_bpermute(0, v); }
+EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) {  // lane src's v
+  return (epg_u32)__builtin_amdgcn_ds_bpermute(src << 2, (int)v);
+}
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");

@@ -27,6 +27,7 @@ EPG_DEVICE epg_vec16 epg_ld16(const void* p) { return *(const epg_vec16*)p; }
 EPG_DEVICE void epg_st16(void* p, epg_vec16 v) { *(epg_vec16*)p = v; }
 EPG_DEVICE int epg_nblocks() { return gridDim.x; }
 EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }

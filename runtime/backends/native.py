@@ -6,9 +6,10 @@ construction; dispatch/combine only pack arguments and launch on torch's current
 sync, no allocation beyond the outputs; under a receive cap dispatch first numbers the slots: route_count,
 one all-gather of the counts on the op's group, route_slots), so they can be graph-captured.
 
-The intranode wire protocol of a call is "bw" (bandwidth: dispatch / combine_gather / combine_scatter) or
-"ll" (low latency: dispatch_ll / combine_ll, runtime/ll.py), chosen per call (config intranode_protocol);
-a combine takes its routing handle's protocol.
+The intranode wire protocol of an op is "bw" (bandwidth: dispatch / combine_gather / combine_scatter) or
+"ll" (low latency: dispatch_ll / combine_ll, runtime/ll.py), one for all its calls, decided at construction
+from the config and the target alone (ll.resolve: config intranode_protocol; "auto" by the config's token
+bound) and checked equal on every rank; a combine takes its routing handle's protocol.
 
 Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
   signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | low latency (when the op may take it):
@@ -32,7 +33,7 @@ from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
 from .. import errors, grouped, kernels, ll, workspace
 from ..config import EpDispatchCombineConfig, load_specs, spec_dtype
-from ..errors import EpgenError, InputError
+from ..errors import ConfigError, EpgenError, InputError
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped, route_kernels)
@@ -158,6 +159,19 @@ def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
                              f"(hidden_dim={cfg.hidden_dim})")
 
 
+def check_same_protocol(protocol: str, arch: str, group) -> None:
+    """Collective: every rank's op resolved the same intranode protocol (their configs are checked equal; their
+    targets' thresholds could still differ), or ConfigError on every rank naming each rank's."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, (protocol, arch), group=group)
+    if len({p for p, _ in everyone}) > 1:
+        raise ConfigError("intranode_protocol resolved differently across ranks (every rank must take the same "
+                          "protocol): " + ", ".join(f"rank {r}: {p!r} on {a}" for r, (p, a) in enumerate(everyone)))
+
+
 def ep_kernels(backend) -> tuple:
     """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded)."""
     return (("dispatch", backend._dispatch), ("combine", backend._combine),
@@ -181,13 +195,14 @@ class NativeBackend:
         self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
         self._dispatch = kernels.load(dvariant)
         self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
-        # the low-latency protocol: its kernels and buffer size (calls of at most ll_tokens tokens take it)
-        self.protocols = cfg.intranode_protocols
-        self.ll_tokens = ll.buffer_tokens(self.protocols, cfg.intranode_protocol == "ll",
-                                          cfg.max_num_inp_token_per_rank, load_specs().ll_max_tokens[self.arch])
+        # the op's protocol, the same on every rank (never a rank-local token count), and the low-latency
+        # kernels and buffers when it is "ll"
+        self.protocol = ll.resolve(cfg.intranode_protocol, "ll" in cfg.intranode_protocols,
+                                   cfg.max_num_inp_token_per_rank, load_specs().ll_max_tokens[self.arch])
+        check_same_protocol(self.protocol, self.arch, self.group)
+        self.ll_tokens = ll.buffer_tokens(self.protocol, cfg.max_num_inp_token_per_rank)
         self._ll = tuple(kernels.load(kernels.select(self.arch, n)) for n in plan.ll_variants) if self.ll_tokens else ()
-        if not self._ll:
-            self.protocols = ("bw",)
+        self.protocols = (self.protocol,)
         self.last_protocol: str | None = None  # the protocol of the last dispatch or combine
         self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
         self._numbering = route_kernels(self.arch) if self.capped else ()  # the deterministic slot numbering
@@ -359,7 +374,7 @@ class NativeBackend:
         T, k = x.shape[0], cfg.num_experts_per_token
         if self.id_check == "sync" and routing is None and not torch.cuda.is_current_stream_capturing():
             check_expert_ids(cfg, indices)
-        protocol = routing.extra["protocol"] if routing is not None else ll.choose(self.protocols, self.ll_tokens, T)
+        protocol = routing.extra["protocol"] if routing is not None else self.protocol
         if routing is not None:  # replay: the handle's slots and row count, no claims
             slots, total = routing.extra["slots"], routing.extra["total"]
         elif self.capped and protocol == "bw":  # below the worst case: (source rank, token) order decides who is dropped

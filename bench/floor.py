@@ -1,0 +1,270 @@
+"""The floor of a small-batch EP leg, measured: ``python -m bench --floor`` (records kind "floor").
+
+torchrun --nproc-per-node 2 -m bench --floor [--floor-rounds 1000] [--layers 16] [--floor-blocks 1 0] [--reps 30]
+
+Three methods, each a record (``method``), with the metadata of the other records (commit, date, gpu, driver,
+cuda_driver_api, torch, world_size, target, sms):
+
+  pingpong      one thread per rank bounces a flag with its partner (ranks 2i and 2i + 1) inside one kernel:
+                store the peer's flag (release, system scope), wait for its own (acquire); after one untimed
+                handshake round, `rounds` round trips timed by the device's global timer in the kernel. Fields:
+                rounds, round_trip_us (slowest rank's median over --reps launches), one_way_us (half of it). The
+                link's latency without any launch cost.
+  signal_graph  L one-signal kernels captured in one CUDA graph per rank: each stores its number to the
+                partner's flag and waits until its own flag carries it (the shape of a 1-token leg: one
+                store to the peer, one wait for the peer). Fields: layers, blocks (the grid: block 0's
+                thread 0 signals, the other blocks exit; 0 asks one block per SM), per_kernel_us (replay / L,
+                slowest rank's median, bench's eager timing of the replay), kernel_us (the kernel's duration
+                inside the replay, kineto, slowest rank's median), gap_us (the idle time between consecutive
+                kernels of the replay, kineto median, slowest rank).
+  empty_graph   L empty kernels in one graph: the same fields; the launch and the gap alone.
+
+The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.layer.compile_source,
+like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
+wait is bounded (--floor-timeout-s): a method that times out, or cannot run (an odd world size, a target
+without these kernels), is a record with its reason (``error``) and the run goes on. ``floor_table`` prints the
+table (docs/PERF.md reads every small-batch target against it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from . import core as B, graphprof
+from .core import collective_try
+from .layer import _c as _cell, _latest
+
+FLOOR_KERNELS = r"""
+// bench-only floor kernels (bench/floor.py): flags between partner GPUs, relaxed system-scope stores and
+// loads (the flags carry no data, so nothing needs ordering before them: no fence, the floor)
+__device__ __forceinline__ void st_flag(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_flag(const unsigned* p) {
+  unsigned v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}
+// wait until *p reaches v (flags only grow; wrapping compare); false past the deadline
+__device__ __forceinline__ bool reach(const unsigned* p, unsigned v, unsigned long long deadline) {
+  for (unsigned n = 1; (int)(ld_flag(p) - v) < 0; ++n)
+    if ((n & 255u) == 0 && now_ns() > deadline) return false;
+  return true;
+}
+// out[0]: ns of `rounds` timed round trips (after one untimed handshake round); out[1]: 0, or the round
+// that timed out
+extern "C" __global__ void epg_floor_pingpong(unsigned* mine, unsigned* peer, int rounds, int starter, unsigned base,
+                                              long long timeout_ns, unsigned long long* out) {
+  if (threadIdx.x || blockIdx.x) return;
+  const unsigned long long deadline = now_ns() + (unsigned long long)timeout_ns;
+  unsigned long long t0 = 0;
+  for (int i = 0; i <= rounds; ++i) {
+    const unsigned v = base + 1u + (unsigned)i;
+    if (starter) st_flag(peer, v);
+    if (!reach(mine, v, deadline)) { out[0] = 0; out[1] = (unsigned long long)i + 1; return; }
+    if (!starter) st_flag(peer, v);
+    if (i == 0) t0 = now_ns();
+  }
+  out[0] = now_ns() - t0;
+  out[1] = 0;
+}
+// one signal: this kernel's number (counter + 1, kept in *counter: stream order makes the last kernel's
+// store visible) to the partner's flag, then wait for the partner's; status[0] = 1 on a timeout
+extern "C" __global__ void epg_floor_signal(unsigned* mine, unsigned* peer, unsigned* counter, long long timeout_ns,
+                                            unsigned* status) {
+  if (threadIdx.x || blockIdx.x) return;
+  const unsigned e = *counter + 1u;
+  *counter = e;
+  st_flag(peer, e);
+  if (!reach(mine, e, now_ns() + (unsigned long long)timeout_ns)) status[0] = 1u;
+}
+extern "C" __global__ void epg_floor_empty() {}
+"""
+SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty")
+METHODS = ("pingpong", "signal_graph", "empty_graph")
+THREADS = 32
+# workspace words (u32): [PING] the ping-pong flag and [SIGNAL] the signal flag, both written by the partner
+PING, SIGNAL = 0, 64
+
+
+def partner(rank: int, world: int) -> int | None:
+    """The rank a rank exchanges flags with: 2i <-> 2i + 1; None for the last rank of an odd world."""
+    p = rank ^ 1
+    return p if p < world else None
+
+
+def plan(args) -> list[dict]:
+    """The floor's measurements in order: the ping-pong, then per grid of --floor-blocks the signal and the
+    empty graph."""
+    out = [{"method": "pingpong", "rounds": args.floor_rounds}]
+    for blocks in args.floor_blocks:
+        out += [{"method": "signal_graph", "blocks": blocks, "layers": args.layers},
+                {"method": "empty_graph", "blocks": blocks, "layers": args.layers}]
+    return out
+
+
+def record(meta: dict, pt: dict, **fields) -> dict:
+    """A floor record: the metadata, the planned point and its measured fields (None where not measured),
+    error None unless given."""
+    empty = {"round_trip_us": None, "one_way_us": None, "per_kernel_us": None, "per_kernel_p99_us": None,
+             "kernel_us": None, "gap_us": None, "blocks_launched": None, "error": None}
+    return {**meta, "kind": "floor", **{"rounds": None, "blocks": None, "layers": None}, **pt, **empty, **fields}
+
+
+class Kernels:
+    """The floor kernels of this device, loaded once (a failure to build raises: the caller records it)."""
+
+    def __init__(self, dev):
+        from runtime.kernels import CudaKernel, device_arch
+
+        from .layer import compile_source
+
+        arch = device_arch(dev)
+        if not arch.startswith("sm_"):
+            raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
+        image = compile_source(arch, FLOOR_KERNELS, "floor")
+        self.pingpong, self.signal, self.empty = (CudaKernel(image, s) for s in SYMBOLS)
+
+    def close(self):
+        for k in (self.pingpong, self.signal, self.empty):
+            k.close()
+
+
+def _max_over_ranks(v: float | None) -> float | None:
+    """The largest of every rank's value; collective. None (on every rank) when any rank has none (kineto saw
+    no kernel there)."""
+    t = torch.tensor([0.0 if v is None else v, float(v is None)], dtype=torch.float64,
+                     device="cuda" if B._on_gpu() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return None if float(t[1]) else float(t[0])
+
+
+class Flags:
+    """This rank's flag words and its partner's, in the runtime's IPC workspace; local counter and status."""
+
+    def __init__(self, dev):
+        from runtime import ipc
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.peer = partner(rank, world)
+        self.buf, self.handle = ipc.allocate(4096, dev, dist.group.WORLD)
+        self.mine = int(self.handle.buffer_ptrs[rank])
+        self.theirs = int(self.handle.buffer_ptrs[self.peer if self.peer is not None else rank])
+        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.status = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.launches = 0
+
+    def close(self):
+        torch.cuda.synchronize()
+        dist.barrier()  # the partner writes this rank's flags no more
+        self.buf = None
+        self.handle.close()
+
+
+def measure_pingpong(kern: Kernels, flags: Flags, rounds: int, reps: int, timeout_ns: int) -> dict:
+    """--reps ping-pong launches (after a barrier each); the slowest rank's median round trip."""
+    rank = dist.get_rank()
+    samples = []
+    for _ in range(reps + 1):  # the first launch warms up
+        base = flags.launches * (rounds + 2)
+        flags.launches += 1
+        torch.cuda.synchronize()
+        dist.barrier()
+        kern.pingpong.launch(1, THREADS, ctypes.c_uint64(flags.mine + 4 * PING), ctypes.c_uint64(flags.theirs + 4 * PING),
+                             ctypes.c_int32(rounds), ctypes.c_int32(int(rank % 2 == 0)), ctypes.c_uint32(base),
+                             ctypes.c_int64(timeout_ns), ctypes.c_uint64(flags.out.data_ptr()))
+        ns, failed = (int(v) for v in flags.out.tolist())
+        if failed:
+            raise RuntimeError(f"ping-pong timed out at round {failed} of {rounds + 1} on rank {rank}")
+        samples.append(ns / 1e3 / rounds)
+    rt = _max_over_ranks(statistics.median(samples[1:]))
+    return {"round_trip_us": rt, "one_way_us": rt / 2}
+
+
+def measure_graph(kern: Kernels, flags: Flags, method: str, blocks: int, layers: int, reps: int,
+                  timeout_ns: int) -> dict:
+    """L signal (or empty) kernels captured in one graph: replay time / L and the kineto duration of the kernel
+    and gap inside the replays (each the slowest rank's median)."""
+    grid = blocks or torch.cuda.get_device_properties(flags.buf.device).multi_processor_count
+    if method == "signal_graph":
+        args = (ctypes.c_uint64(flags.mine + 4 * SIGNAL), ctypes.c_uint64(flags.theirs + 4 * SIGNAL),
+                ctypes.c_uint64(flags.counter.data_ptr()), ctypes.c_int64(timeout_ns),
+                ctypes.c_uint64(flags.status.data_ptr()))
+        fn = lambda: kern.signal.launch(grid, THREADS, *args)  # noqa: E731
+    else:
+        fn = lambda: kern.empty.launch(grid, THREADS)  # noqa: E731
+    B.warm_on_side_stream(fn)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(layers):
+            fn()
+    per_kernel = B._stats([ms / layers for ms in graphprof.replay_ms(g, reps)])
+    events = [e for e in graphprof.graph_kernel_events(g, max(3, reps // 3), sync=dist.barrier) if "epg_floor" in e[0]]
+    del g
+    if int(flags.status.item()):
+        raise RuntimeError(f"a signal kernel timed out on rank {dist.get_rank()}")
+    summary = graphprof.summarize(graphprof.split_replays(events, layers))
+    k = next(iter(summary["roles"].values()), None)
+    return {"per_kernel_us": per_kernel[0] * 1e3, "per_kernel_p99_us": per_kernel[1] * 1e3,
+            "kernel_us": _max_over_ranks(k["median_us"] if k else None),
+            "gap_us": _max_over_ranks(summary["gap_us"]), "blocks_launched": grid}
+
+
+def run(args, emit=lambda recs: None) -> list[dict]:
+    """The floor (module docstring); collective; each record handed to emit() as it is made."""
+    from .layer import _meta
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    meta = {**_meta(dev), "partner": "rank ^ 1 (ranks 2i and 2i + 1)", "threads": THREADS,
+            "buffers": "runtime.ipc workspace (cudaMalloc + CUDA IPC, peer pointers)"}
+    timeout_ns = int(args.floor_timeout_s * 1e9)
+    records: list[dict] = []
+
+    def add(rec):
+        records.append(rec)
+        emit([rec])
+
+    points = plan(args)
+    if dist.get_world_size() % 2:
+        for pt in points:
+            add(record(meta, pt, error=f"world_size={dist.get_world_size()}: the floor pairs ranks 2i and 2i + 1"))
+        return records
+    kern, why = collective_try(lambda: Kernels(dev))
+    if kern is None:
+        for pt in points:
+            add(record(meta, pt, error=why))
+        return records
+    flags = Flags(dev)
+    try:
+        for pt in points:
+            if pt["method"] == "pingpong":
+                got, why = collective_try(lambda: measure_pingpong(kern, flags, pt["rounds"], args.reps, timeout_ns))
+            else:
+                got, why = collective_try(lambda: measure_graph(kern, flags, pt["method"], pt["blocks"], pt["layers"],
+                                                                args.reps, timeout_ns))
+            add(record(meta, pt, **(got or {}), error=why))
+    finally:
+        flags.close()
+        kern.close()
+    return records
+
+
+def floor_table(records: list[dict]) -> list[str]:
+    """The floor's table: one line per method (and grid), the latest record of each."""
+    out = ["| method | blocks | round trip µs | one way µs | per kernel (replay / L) µs | kernel in graph µs "
+           "| gap µs |", "|---|---|---|---|---|---|---|"]
+    key = lambda r: (METHODS.index(r["method"]) if r["method"] in METHODS else 9, r.get("blocks") or 0)  # noqa: E731
+    for r in _latest(records, "floor", key):
+        if r.get("error"):
+            out.append(f"| {r['method']} | {_cell(r.get('blocks'), 'd')} | failed: {r['error']} | – | – | – | – |")
+            continue
+        out.append(f"| {r['method']} | {_cell(r.get('blocks_launched') or r.get('blocks'), 'd')} "
+                   f"| {_cell(r['round_trip_us'], '.2f')} | {_cell(r['one_way_us'], '.2f')} | {_cell(r['per_kernel_us'], '.2f')} "
+                   f"| {_cell(r['kernel_us'], '.2f')} | {_cell(r['gap_us'], '.2f')} |")
+    return out
