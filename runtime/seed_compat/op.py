@@ -124,7 +124,7 @@ class EpDispatchCombineOp:
     (``epgen_backend`` says which; EPGEN_KERNEL_BACKEND overrides).
     """
 
-    def __init__(self, cfg, comm=None):
+    def __init__(self, cfg, comm):
         if not isinstance(cfg, EpDispatchCombineConfig):
             raise ConfigError(f"cfg must be runtime.seed_compat.EpDispatchCombineConfig (the seed's config), got "
                               f"{type(cfg).__name__}; epgen's own config goes with runtime.EpDispatchCombineOp")
