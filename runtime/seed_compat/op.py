@@ -95,7 +95,7 @@ class EpDispatchRoutingHandle:
             self._dest = self._dest_fn()
             op = self._op() if self._op is not None else None
             if op is not None:
-                op._made[self._dest] = self._epgen  # from_tensors(handle.tensors()) finds this dispatch again
+                op._remember(self._dest, self._epgen)  # from_tensors(handle.tensors()) finds this dispatch again
         return self._dest
 
     @property
@@ -137,7 +137,7 @@ class EpDispatchCombineOp:
         group = comm.group if self._comm is not None else comm
         self._core = EpgenOp(plan.config, group, combine_weights="fold")
         self._closed = False
-        self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dest map -> epgen handle
+        self._made: dict[int, tuple] = {}  # id(dest map) -> (weakref to it, epgen handle)
         self._last = None  # the last dispatch's outputs (recv_tokens() ...) and its epgen handle
         self._packed = None  # (packed_x, epgen handle) of the last convert_dispatch_output
         self._staged = None  # (epgen handle, rows) of the last convert_combine_input
@@ -486,11 +486,17 @@ class EpDispatchCombineOp:
         if routing._epgen is not None:
             return routing._epgen
         dest = routing.disp_dest_tok_id_map
-        found = self._made.get(dest) if isinstance(dest, torch.Tensor) else None
+        ref, found = self._made.get(id(dest), (None, None))
+        if ref is None or ref() is not dest:
+            found = None
         if found is None:
             found = self._rebuild(routing)
         routing._epgen = found
         return found
+
+    def _remember(self, dest: torch.Tensor, eh: RoutingHandle) -> None:
+        self._made = {key: (ref, h) for key, (ref, h) in self._made.items() if ref() is not None}
+        self._made[id(dest)] = (weakref.ref(dest), eh)
 
     def _rebuild(self, routing: EpDispatchRoutingHandle) -> RoutingHandle:
         """An epgen handle from the seed handle's tensors alone (from_tensors of tensors this op did not make)."""
