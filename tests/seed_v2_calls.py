@@ -18,6 +18,38 @@ from runtime.seed_compat.cco import Communicator
 
 FP4 = torch.float4_e2m1fn_x2
 
+# the seed's matrix (its ids), at a small hidden size and token sweep; fp4 runs everywhere here (the seed skips it
+# off gfx950: its kernels need the conversion instructions, epgen's torch backend does not)
+MATRIX = {
+    "bf16-gather": {"DTYPE": "bf16", "COMBINE": "gather"},
+    "bf16-scatter": {"DTYPE": "bf16", "COMBINE": "scatter"},
+    "f32-gather": {"DTYPE": "f32", "COMBINE": "gather"},
+    "f32-scatter": {"DTYPE": "f32", "COMBINE": "scatter"},
+    "fp4-gather": {"DTYPE": "fp4", "COMBINE": "gather", "TUNED": 1},
+    "fp8-gather": {"DTYPE": "fp8", "COMBINE": "gather"},
+    "fp8-gather-tuned": {"DTYPE": "fp8", "COMBINE": "gather", "TUNED": 1},
+    "bf16-scatter-fp8direct": {"DTYPE": "bf16", "COMBINE": "scatter", "QUANT": "fp8_direct_cast"},
+    "bf16-scatter-fp8blockwise": {"DTYPE": "bf16", "COMBINE": "scatter", "QUANT": "fp8_blockwise"},
+    "bf16-scatter-fp8blockwise-scaled": {"DTYPE": "bf16", "COMBINE": "scatter", "QUANT": "fp8_blockwise",
+                                         "INSCALE": 200},
+    "bf16-gather-scales": {"DTYPE": "bf16", "COMBINE": "gather", "SCALE_DIM": 32},
+    "bf16-scatter-scales": {"DTYPE": "bf16", "COMBINE": "scatter", "SCALE_DIM": 32},
+    "bf16-gather-topk4": {"DTYPE": "bf16", "COMBINE": "gather", "TOPK": 4},
+    "bf16-gather-topk9": {"DTYPE": "bf16", "COMBINE": "gather", "TOPK": 9},
+    "bf16-gather-tuned": {"DTYPE": "bf16", "COMBINE": "gather", "TUNED": 1},
+    "bf16-gather-replay": {"DTYPE": "bf16", "COMBINE": "gather", "REPLAY": 1},
+    "bf16-stdmoe": {"DTYPE": "bf16", "COMBINE": "gather", "STDMOE": 1},
+}
+# test_op.py's other switches: a receive cap (MAXRECV), reset between calls (RESET), the quant types given with
+# combine_mode="gather" (the seed switches them to scatter), scales not a multiple of 4 bytes, scales on fp8
+EXTRA = {
+    "bf16-gather-cap": {"MAXRECV": 20},
+    "bf16-gather-reset": {"RESET": 1},
+    "bf16-gather-fp8direct-switches": {"COMBINE": "gather", "QUANT": "fp8_direct_cast"},
+    "f32-scatter-scales6": {"DTYPE": "f32", "COMBINE": "scatter", "SCALE_DIM": 6},
+    "fp8-gather-scales": {"DTYPE": "fp8", "SCALE_DIM": 8},
+}
+
 
 def _fp8():
     """The seed test's pick: OCP e4m3 on gfx950 / gfx1250 (gfx_target_version 90500 / 120500), else fnuz."""
@@ -25,7 +57,8 @@ def _fp8():
 
 
 def _sum(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=on)
     dist.all_reduce(t)
     return int(t.item())
 

@@ -215,7 +215,7 @@ class EpDispatchCombineOp:
                                                                  routing=ehandle)
         recv_x, recv_s = self._split_received(out, out_s)
         self._last = {"x": recv_x, "w": out_w if out_w is not None else self._zeros["w"], "s": recv_s,
-                      "i": out_i, "handle": eh, "n": n, "indices": indices}
+                      "i": out_i, "handle": eh, "total": total}
         self._packed = self._staged = None
         base = (recv_x, self._last["w"], recv_s, out_i, total)
         if not return_routing:
@@ -295,7 +295,7 @@ class EpDispatchCombineOp:
         packed_x, count, src, _ = self._core.convert_dispatch_output()
         last = self._last
         k = self._cfg.num_experts_per_token
-        origin = self._reverse_map(last["handle"], last["n"])
+        origin = self._reverse_map(last["handle"], last["total"])
         seed_src = torch.where(src >= 0, origin[(src // k).clamp(min=0).long()], -1).to(torch.int32)
         self._packed = (packed_x, last["handle"])
         return packed_x, count, seed_src.reshape(-1)
@@ -437,7 +437,7 @@ class EpDispatchCombineOp:
         empty = torch.empty(0, dtype=torch.int32, device=self.dev)
         return EpDispatchRoutingHandle(None, empty, empty, total, None, n,
                                        _dest_map=lambda: self._dest_map(eh, indices, n),
-                                       _reverse=lambda: self._reverse_map(eh, n), _epgen=eh,
+                                       _reverse=lambda: self._reverse_map(eh, total), _epgen=eh,
                                        _op=weakref.ref(self))
 
     def _null(self) -> int:
@@ -463,7 +463,7 @@ class EpDispatchCombineOp:
         flat[:n * k] = entry.reshape(-1).to(torch.int32)
         return flat
 
-    def _reverse_map(self, eh: RoutingHandle, n: int) -> torch.Tensor:
+    def _reverse_map(self, eh: RoutingHandle, total: torch.Tensor) -> torch.Tensor:
         """Receive slot -> source rank * max_num_inp_token_per_rank + token, [effective_max_recv], -1 past total."""
         cfg = self._cfg
         M, R = cfg.max_num_inp_token_per_rank, cfg.effective_max_recv
@@ -476,7 +476,7 @@ class EpDispatchCombineOp:
         if live is None:
             raise InputError("this routing handle's dispatch kept no receive origins (the reverse map)")
         rows = torch.arange(R, device=self.dev)
-        return torch.where(rows < eh.extra["total"].long(), live[:R], -1).to(torch.int32)
+        return torch.where(rows < total.long(), live[:R], -1).to(torch.int32)
 
     def _epgen_handle(self, routing, what: str) -> RoutingHandle:
         """The epgen handle behind a seed handle: the one dispatch made, else the dispatch its tensors came

@@ -1,0 +1,68 @@
+"""The seed's EPv2 test call sequences (tests/seed_v2_calls.py: its op test matrix, asymmetric dtypes,
+lifecycle, backend parity, bench gate) through runtime.seed_compat on the native backend, on GPUs.
+
+Run (2 ranks; ranks sharing one GPU are fine, correctness only):
+  torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_seed_v2_native.py
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import seed_v2_calls as calls
+from tests.gpu.dist_util import run_collective
+
+pytestmark = pytest.mark.multigpu
+
+if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+    pytest.skip("needs torchrun and GPUs", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _native(monkeypatch):
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    monkeypatch.delenv("MORI_V2_KERNEL_BACKEND", raising=False)
+
+
+def _run(fn, *args):
+    def check():
+        lines = fn(dist.get_rank(), dist.get_world_size(), *args, dev="cuda")
+        assert lines and all(line.endswith("PASS") for line in lines), lines
+    run_collective(check)
+
+
+@pytest.mark.parametrize("case", list(calls.MATRIX) + list(calls.EXTRA))
+def test_seed_op_matrix_native(case):
+    _run(calls.op_matrix_case, {**calls.MATRIX, **calls.EXTRA}[case])
+
+
+@pytest.mark.parametrize("disp", ["fp8", "fp4"])
+def test_seed_asym_dtype_native(disp):
+    _run(calls.asym_case, disp)
+
+
+def test_seed_lifecycle_native():
+    _run(calls.lifecycle_case)
+
+
+def test_seed_backend_parity_native():
+    _run(calls.parity_case)
+
+
+@pytest.mark.parametrize("disp, combine_in", [("bf16", "inplace"), ("bf16", "staged"), ("fp8", "inplace")])
+def test_seed_bench_gate_native(disp, combine_in):
+    _run(calls.bench_gate_case, disp, combine_in)
+
+
+def test_the_seed_names_run_on_the_native_backend():
+    from runtime.seed_compat import EpDispatchCombineConfig, EpDispatchCombineOp
+
+    def check():
+        cfg = EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=256,
+                                      max_num_inp_token_per_rank=8, num_experts_per_rank=2, num_experts_per_token=2,
+                                      kernel_backend="hip")
+        with EpDispatchCombineOp(cfg, None) as op:
+            assert (op.backend_name, op.epgen_backend) == ("hip", "native")
+    run_collective(check)
