@@ -66,3 +66,51 @@ def test_the_seed_names_run_on_the_native_backend():
         with EpDispatchCombineOp(cfg, None) as op:
             assert (op.backend_name, op.epgen_backend) == ("hip", "native")
     run_collective(check)
+
+
+def test_seed_bench_graph_mode_native():
+    """bench_ep.py's graph mode: one CUDA graph for dispatch (return_routing=True) and one for the combine captured
+    against that handle, replayed in alternation; after a replay of both the output is U * input."""
+    from runtime.seed_compat import EpDispatchCombineConfig, EpDispatchCombineOp
+
+    def check():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        H, K, EPR, ct = 256, 4, 4, 32
+        g = torch.Generator().manual_seed(1234 + rank)
+        inp = torch.randn(ct, H, generator=g).to(torch.bfloat16).cuda()
+        wts = torch.rand(ct, K, generator=g).cuda()
+        idx = torch.stack([torch.randperm(world * EPR, generator=g)[:K] for _ in range(ct)]).to(torch.int32).cuda()
+        U = torch.zeros(ct, world, dtype=torch.bool).scatter_(1, idx.cpu().long() // EPR, True).sum(1)
+        cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=ct,
+                                      num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="hip")
+        with EpDispatchCombineOp(cfg, None) as op:
+            *_, total_t, r = op.dispatch(inp, wts, None, idx, return_routing=True)
+            torch.cuda.synchronize()
+            dist.barrier()
+            total = int(total_t.cpu().item())
+            buf = op.combine_in_view()[:total]
+            buf.copy_(op.recv_tokens()[:total])
+            op.combine(buf, routing=r)
+            torch.cuda.synchronize()
+            dist.barrier()
+            gd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gd):
+                *_, r_cap = op.dispatch(inp, wts, None, idx, return_routing=True)
+            torch.cuda.synchronize()
+            dist.barrier()
+            gc = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gc):
+                out, _ = op.combine(buf, routing=r_cap)
+            torch.cuda.synchronize()
+            dist.barrier()
+            for _ in range(3):
+                gd.replay()
+                torch.cuda.synchronize()
+                dist.barrier()
+                buf.copy_(op.recv_tokens()[:total])  # the identity expert, between the legs
+                gc.replay()
+                torch.cuda.synchronize()
+                dist.barrier()
+            exp = (U.view(ct, 1).float() * inp.float().cpu()).to(torch.bfloat16)
+            assert torch.allclose(out.float().cpu(), exp.float(), atol=2e-2, rtol=2e-2), "graph replay: out != U * input"
+    run_collective(check)
