@@ -114,3 +114,54 @@ def test_seed_bench_graph_mode_native():
             exp = (U.view(ct, 1).float() * inp.float().cpu()).to(torch.bfloat16)
             assert torch.allclose(out.float().cpu(), exp.float(), atol=2e-2, rtol=2e-2), "graph replay: out != U * input"
     run_collective(check)
+
+
+def test_seed_graph_capture_native():
+    """test_graph_capture.py: a whole dispatch -> identity expert -> combine step captured in one CUDA graph (after
+    warm-up on a side stream); every replay reproduces U * input."""
+    from runtime.seed_compat import EpDispatchCombineConfig, EpDispatchCombineOp
+    from runtime.seed_compat.cco import Communicator
+
+    def check():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        H, K, EPR, ct = 256, 8, 16, 64
+        g = torch.Generator().manual_seed(1234 + rank)
+        inp = torch.randn(ct, H, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.randint(0, world * EPR, (ct, K), generator=g, dtype=torch.int32).cuda()
+        wts = torch.rand(ct, K, generator=g).cuda()
+        obj = [Communicator.get_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(obj, src=0)
+        with Communicator.init(world, rank, obj[0], per_rank_vmm=1 << 28) as comm:
+            cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=ct,
+                                          num_experts_per_rank=EPR, num_experts_per_token=K)
+            op = EpDispatchCombineOp(cfg, comm)
+            comm.barrier()
+
+            def step():
+                recv_x, _w, _s, _i, _total, routing = op.dispatch(inp, wts, None, idx, return_routing=True)
+                return op.combine(recv_x, routing=routing)[0]
+
+            U = torch.tensor([len({int(i) // EPR for i in row}) for row in idx.cpu()], dtype=torch.float32)
+            exp = (U.view(ct, 1) * inp.float().cpu()).to(torch.bfloat16).float()
+            assert torch.allclose(step().float().cpu(), exp, atol=1e-2, rtol=1e-2), "eager step"
+            torch.cuda.synchronize()
+            comm.barrier()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            comm.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            for i in range(3):
+                comm.barrier()
+                graph.replay()
+                torch.cuda.synchronize()
+                comm.barrier()
+                assert torch.allclose(captured.float().cpu(), exp, atol=1e-2, rtol=1e-2), f"replay {i}"
+            op.close()
+    run_collective(check)
