@@ -145,6 +145,7 @@ class EpDispatchCombineOp:
         R, k = cfg.effective_max_recv, cfg.num_experts_per_token
         dev = self._core.device
         self._zeros = {"w": torch.zeros(R, k, dtype=torch.float32, device=dev)}
+        self._empty = torch.empty(0, dtype=torch.int32, device=dev)  # the handles' inter-node placeholders
         if plan.extra_cols or plan.combine_codec is not None:
             self._view = torch.zeros(R, self._cols(cfg.combine_dtype), dtype=cfg.combine_dtype, device=dev)
         else:
@@ -434,8 +435,7 @@ class EpDispatchCombineOp:
 
     # --- routing handles -----------------------------------------------------------------------------------
     def _seed_handle(self, eh: RoutingHandle, indices, total, n: int) -> EpDispatchRoutingHandle:
-        empty = torch.empty(0, dtype=torch.int32, device=self.dev)
-        return EpDispatchRoutingHandle(None, empty, empty, total, None, n,
+        return EpDispatchRoutingHandle(None, self._empty, self._empty, total, None, n,
                                        _dest_map=lambda: self._dest_map(eh, indices, n),
                                        _reverse=lambda: self._reverse_map(eh, total), _epgen=eh,
                                        _op=weakref.ref(self))
