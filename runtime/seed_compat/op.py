@@ -221,7 +221,8 @@ class EpDispatchCombineOp:
         base = (recv_x, self._last["w"], recv_s, out_i, total)
         if not return_routing:
             return base
-        return base + (self._seed_handle(eh, indices, total, n),)
+        ids = indices.clone() if eh.send_plan is not None else None  # the torch backend's map needs the columns
+        return base + (self._seed_handle(eh, ids, total, n),)
 
     def combine(self, input, weights=None, indices=None, *, routing):
         """-> (out [tokens, hidden] combine dtype, out_weights [tokens, k] float32 or None).
