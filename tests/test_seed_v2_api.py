@@ -201,7 +201,7 @@ def handle_maps(rank: int, world: int, cap: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("cap", [0, 10])
 def test_routing_handle_maps_and_round_trips(world, cap):
-    get_world(world).run(handle_maps, cap * world // 2)
+    get_world(world).run(handle_maps, cap * world // 2, timeout=180)
 
 
 def profiles_and_lifecycle(rank: int, world: int) -> None:
@@ -245,7 +245,7 @@ def profiles_and_lifecycle(rank: int, world: int) -> None:
 
 
 def test_profiles_communicator_and_lifecycle():
-    get_world(2).run(profiles_and_lifecycle)
+    get_world(2).run(profiles_and_lifecycle, timeout=180)
 
 
 def test_op_refuses_epgens_config():

@@ -30,7 +30,7 @@ def test_seed_asym_dtype(world, disp):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_seed_op_lifecycle(world):
-    assert get_world(world).run(calls.lifecycle_case) == [["LIFECYCLE: PASS"]] * world
+    assert get_world(world).run(calls.lifecycle_case, timeout=180) == [["LIFECYCLE: PASS"]] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
