@@ -2,7 +2,7 @@
 follow the seed's EPv2 config): the seed's config fields and what each maps to (``SEED_FIELDS``), their
 converters and checks, the launch-geometry aliases, the seed's config properties (``SeedConfigMembers``) and
 the op's seed-style arguments. Part of the core: config.py and op.py import it; it imports only errors. The
-drop-in module for seed code is runtime/seed_compat.py, which sits on top of the core."""
+drop-in package for seed code is runtime/seed_compat/, which sits on top of the core."""
 
 
 from __future__ import annotations

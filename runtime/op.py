@@ -167,7 +167,7 @@ class EpDispatchCombineOp:
 
     def __init__(self, config: EpDispatchCombineConfig, group=None, *, combine_weights: str = "values"):
         """combine_weights: what combine's ``weights`` means. "values" (epgen): the rows passed are summed per
-        token like the expert output. "fold" (the seed library's; runtime.seed_compat's op): any non-None
+        token like the expert output. "fold" (the seed library's; runtime.seed_compat's op uses it): any non-None
         ``weights`` asks for the sum of the last dispatch's forwarded weights; the values passed, and
         ``indices``, are unused."""
         if not isinstance(config, EpDispatchCombineConfig):

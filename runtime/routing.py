@@ -14,8 +14,9 @@ class RoutingHandle:
     """Returned by ``dispatch(..., return_routing=True)``; only the op that made it accepts it.
 
     op_uid / config_key identify the op; num_tokens is the dispatching rank's token count.
-    The torch backend fills total_recv, send_plan, recv_src and dest_order; the native backend keeps its
-    own payload in ``extra``.
+    The torch backend fills total_recv, send_plan, recv_src and dest_order; the native backends keep their
+    own payload in ``extra`` (its "recv_src": a live view of the receive buffer's origins, source rank *
+    max_num_inp_token_per_rank + token per received row, valid until the next dispatch).
     """
 
     op_uid: int

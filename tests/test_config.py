@@ -21,7 +21,7 @@ FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "intranode_protocol", "kernel_backend",
                "timeout_s", "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows",
                "enable_grouped_layout", "expert_alignment", "grouped_capacity",
-               # the seed library's fields (runtime/seed_compat.py)
+               # the seed library's fields (runtime/aliases.py)
                "dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block",
                "schedule", "num_qp_per_pe", "dispatch_rdma_block_num", "combine_rdma_block_num",
                "max_token_type_size")

@@ -50,13 +50,20 @@ SEED_OP_METHODS = {
     "close": "()",
     "reset": "()",
     "convert_dispatch_output": "()",
+    "convert_combine_input": "(routing)",
+    "combine_in_view": "()",
+    "local_expert_count": "()",
+    "recv_tokens": "()",
+    "recv_weights": "()",
+    "recv_indices": "()",
+    "recv_scales": "()",
 }
 SEED_OP_ATTRIBUTES = ("cfg", "capabilities", "backend_name")
-# seed names epgen has with another meaning or shape (docs/SEED_COMPAT.md says how they differ)
-SEED_DIFFERENT = {
-    "convert_combine_input": "seed: (routing), reduces in place in its arena; epgen: (expert_out, routing) -> rows",
-    "EpDispatchRoutingHandle": "seed: tensors of its arena; epgen: RoutingHandle, opaque (no tensors())",
-}
+# the seed's routing handle: its constructor, attributes and methods
+SEED_HANDLE_INIT = ("(disp_dest_tok_id_map, inter_node_disp_dest_tok_id_map, inter_node_disp_send_map, "
+                    "total_recv_token_num, disp_tok_id_to_src_tok_id_local=None, cur_rank_num_token=0)")
+SEED_HANDLE_ATTRIBUTES = ("disp_dest_tok_id_map", "inter_node_disp_dest_tok_id_map", "inter_node_disp_send_map",
+                          "total_recv_token_num", "disp_tok_id_to_src_tok_id_local", "cur_rank_num_token")
 
 BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=2,
             num_experts_per_token=3, kernel_backend="torch")
@@ -107,9 +114,10 @@ def _binds(fn, call: str):
     inspect.signature(fn).bind(*args, **kwargs)
 
 
-@pytest.mark.parametrize("cls", [EpDispatchCombineOp, seed_compat.EpDispatchCombineOp])
-def test_op_takes_every_seed_call_form(cls):
-    for name in SEED_OP_METHODS:
+def test_epgen_op_takes_the_seed_call_forms():
+    cls = EpDispatchCombineOp
+    for name in ("dispatch", "combine", "available_backends", "scale_stride_bytes", "close", "reset",
+                 "convert_dispatch_output", "combine_in_view", "local_expert_count"):
         assert hasattr(cls, name), name
     for name in SEED_OP_ATTRIBUTES:
         assert isinstance(inspect.getattr_static(cls, name), property), name
@@ -128,12 +136,51 @@ def test_op_takes_every_seed_call_form(cls):
     _binds(op.combine, "(expert_out='y', weights='w', indices='i', routing='h')")
 
 
+def test_seed_op_has_the_seed_signatures():
+    cls = seed_compat.EpDispatchCombineOp
+    for name, sig in SEED_OP_METHODS.items():
+        fn = inspect.getattr_static(cls, name)
+        fn = fn.__func__ if isinstance(fn, classmethod) else fn
+        params = list(inspect.signature(fn).parameters.values())
+        got = str(inspect.Signature(params[1:]))  # self / cls omitted
+        assert got == sig, f"{name}{got} != the seed's {name}{sig}"
+    for name in SEED_OP_ATTRIBUTES:
+        assert isinstance(inspect.getattr_static(cls, name), property), name
+    assert isinstance(inspect.getattr_static(cls, "available_backends"), classmethod)
+    assert cls.available_backends() == ["flydsl", "hip"]
+    handle = seed_compat.EpDispatchRoutingHandle
+    params = list(inspect.signature(handle.__init__).parameters.values())[1:]
+    assert str(inspect.Signature([p for p in params if not p.name.startswith("_")])) == SEED_HANDLE_INIT
+    h = handle(*range(5), cur_rank_num_token=3)
+    assert [getattr(h, a) for a in SEED_HANDLE_ATTRIBUTES] == [0, 1, 2, 3, 4, 3]
+    assert h.tensors() == (0, 1, 2, 3, 4)
+    again = handle.from_tensors(h.tensors(), cur_rank_num_token=3)
+    assert again.tensors() == h.tensors() and again.cur_rank_num_token == 3
+
+
+def test_seed_config_has_the_seed_fields_defaults_and_order():
+    import dataclasses
+
+    cls = seed_compat.EpDispatchCombineConfig
+    fields = dataclasses.fields(cls)
+    assert [f.name for f in fields] == list(SEED_CONFIG_FIELDS)
+    for f in fields:
+        want = SEED_CONFIG_FIELDS[f.name]
+        assert (f.default is dataclasses.MISSING) if want == "required" else f.default == want, f.name
+    cfg = cls(0, 2, 256, 8, 2, 3)  # positional, as the seed's dataclass
+    cfg.schedule = ((None, 1, 1, 1, 1),)  # mutable, as the seed's (the op snapshots it)
+    for name in SEED_CONFIG_PROPERTIES:
+        assert hasattr(cfg, name), name
+
+
 def test_seed_module_exports_the_seed_names():
-    assert seed_compat.EpDispatchCombineConfig is EpDispatchCombineConfig
-    assert issubclass(seed_compat.EpDispatchCombineOp, EpDispatchCombineOp)
-    assert seed_compat.EpDispatchRoutingHandle.__name__ == "RoutingHandle"
-    assert set(seed_compat.__all__) == {"EpDispatchCombineConfig", "EpDispatchCombineOp", "EpDispatchRoutingHandle"}
-    assert set(SEED_DIFFERENT) <= {"convert_combine_input", "EpDispatchRoutingHandle"}
+    assert seed_compat.EpDispatchCombineConfig is not EpDispatchCombineConfig  # the seed's own class
+    assert not issubclass(seed_compat.EpDispatchCombineOp, EpDispatchCombineOp)  # it wraps epgen's op
+    assert {"EpDispatchCombineConfig", "EpDispatchCombineOp", "EpDispatchRoutingHandle"} <= set(seed_compat.__all__)
+    from runtime.seed_compat import cco, hip_tuning_configs, tuning_configs  # the seed's module layout
+
+    assert callable(tuning_configs.lookup) and callable(tuning_configs._topology)
+    assert callable(hip_tuning_configs.lookup) and callable(cco.Communicator.init)
 
 
 # --- field decisions ------------------------------------------------------------------------------
@@ -234,7 +281,11 @@ def seed_round(rank: int, world: int, seed: int, counts) -> None:
     _, again = op.combine(recv_x, torch.zeros_like(wts), idx, routing=routing)  # values passed are unused
     assert torch.equal(again, u * wts)
     # epgen's own op: weights are values, summed per token (dispatch's out_weights give the same fold)
-    mine = EpDispatchCombineOp(cfg)
+    mine = EpDispatchCombineOp(EpDispatchCombineConfig(
+        rank=rank, world_size=world, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=2,
+        num_experts_per_token=3, data_type=torch.bfloat16, gpu_per_node=None, dispatch_block_num=64,
+        combine_block_num=80, warp_num_per_block=16, combine_warp_num_per_block=4, num_qp_per_pe=1,
+        kernel_backend="torch"))
     recv_x, out_w, _, _, _, h = mine.dispatch(inp, wts, None, idx, return_routing=True)
     _, summed = mine.combine(recv_x, out_w, routing=h)
     assert torch.equal(summed, u * wts)

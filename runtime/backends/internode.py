@@ -282,7 +282,8 @@ class NativeInternodeBackend:
             raise_if_dropped(cfg, self.dropped)
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"slots": slots, "total": total, "route": route, "counts": tuple(counts)}}
+            {"extra": {"slots": slots, "total": total, "route": route, "counts": tuple(counts),
+                       "recv_src": self.recv_src}}
 
     def combine(self, expert_out, weights, indices, routing):
         cfg = self.config

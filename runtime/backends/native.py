@@ -401,7 +401,7 @@ class NativeBackend:
             raise_if_dropped(cfg, self.dropped_count())
         out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"slots": slots, "total": total, "protocol": protocol}}
+            {"extra": {"slots": slots, "total": total, "protocol": protocol, "recv_src": self.recv_src}}
 
     def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots under a receive cap: rows numbered in (source rank, token) order (routing.ordered_slots),
