@@ -67,3 +67,13 @@ def test_wheel_ships_specs_and_templates():
     assert {f"generator.data.templates.{d}" for d in subdirs} <= set(tool["packages"])  # every template folder
     assert all(p.suffix == ".j2" for p in (ROOT / "templates").rglob("*") if p.is_file())
     assert all(p.suffix == ".toml" for p in (ROOT / "specs").iterdir())
+
+
+def test_wheel_ships_every_python_package():
+    """Every folder of the project's packages that holds an __init__.py is declared, so a new subpackage
+    cannot be left out of the wheel (it imports in a checkout and fails installed)."""
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("generator", "runtime", "bench")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found and "runtime.backends" in found
+    assert found - declared == set(), f"packages missing from pyproject.toml: {sorted(found - declared)}"
