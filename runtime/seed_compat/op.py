@@ -28,6 +28,19 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of each e2m1 code 
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+def _zeros(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros of any token dtype: 1-byte types (fp8, fp4) are made as bytes and viewed, since some torch builds
+    have no CUDA fill for float4_e2m1fn_x2."""
+    if dtype.itemsize == 1:
+        return torch.zeros(rows, cols, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(rows, cols, dtype=dtype, device=device)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte tensor as uint8 (copies of fp4 tensors are not implemented on every device), else itself."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def decode_fp4(x: torch.Tensor) -> torch.Tensor:
     """float4_e2m1fn_x2 [rows, H/2] (element 2i in the low nibble) -> its exact float32 values [rows, H]."""
     b = x.view(torch.uint8)
@@ -147,7 +160,7 @@ class EpDispatchCombineOp:
         self._zeros = {"w": torch.zeros(R, k, dtype=torch.float32, device=dev)}
         self._empty = torch.empty(0, dtype=torch.int32, device=dev)  # the handles' inter-node placeholders
         if plan.extra_cols or plan.combine_codec is not None:
-            self._view = torch.zeros(R, self._cols(cfg.combine_dtype), dtype=cfg.combine_dtype, device=dev)
+            self._view = _zeros(R, self._cols(cfg.combine_dtype), cfg.combine_dtype, dev)
         else:
             self._core.combine_in_view().zero_()  # the seed zeroes its arena at construction
         if self._comm is not None:
@@ -251,8 +264,7 @@ class EpDispatchCombineOp:
         self._check_open("recv_tokens")
         if self._last is None:
             cfg = self._cfg
-            return torch.zeros(cfg.effective_max_recv, self._cols(cfg.dispatch_dtype), dtype=cfg.dispatch_dtype,
-                               device=self.dev)
+            return _zeros(cfg.effective_max_recv, self._cols(cfg.dispatch_dtype), cfg.dispatch_dtype, self.dev)
         return self._last["x"]
 
     def recv_weights(self) -> torch.Tensor:
@@ -361,8 +373,8 @@ class EpDispatchCombineOp:
             x = x.view(plan.wire_dtype)  # the same e4m3 bytes in the native target's flavour
         if not plan.extra_cols:
             return x
-        wide = torch.zeros(x.shape[0], cfg.hidden_dim + plan.extra_cols, dtype=x.dtype, device=x.device)
-        wide[:, :cfg.hidden_dim] = x
+        wide = _zeros(x.shape[0], cfg.hidden_dim + plan.extra_cols, x.dtype, x.device)
+        _bytes(wide)[:, :cfg.hidden_dim] = _bytes(x)
         if scales is not None:
             wide[:, cfg.hidden_dim:].view(torch.uint8)[:, :cfg.scale_wire_bytes] = self._scale_bytes(scales, x.shape[0])
         return wide
@@ -421,8 +433,8 @@ class EpDispatchCombineOp:
         if plan.combine_codec is not None:
             return decode_rows(y, plan.combine_codec).contiguous()
         if plan.extra_cols:
-            wide = torch.zeros(y.shape[0], cfg.hidden_dim + plan.extra_cols, dtype=y.dtype, device=y.device)
-            wide[:, :cfg.hidden_dim] = y
+            wide = _zeros(y.shape[0], cfg.hidden_dim + plan.extra_cols, y.dtype, y.device)
+            _bytes(wide)[:, :cfg.hidden_dim] = _bytes(y)
             return wide
         return y.contiguous()
 
