@@ -182,7 +182,7 @@ def test_fused_grouped_combine_is_bit_exact(mode, recv_cap, gcap, tokens):
                 if attempt:
                     idx = idx0
                 _, hf, fused, staged, unweighted = _round_fused(fop, x, w, s, idx, mode, handles[0])
-                _, hn, want, _, want_u = _round(op, x, w, s, idx, mode, handles[1])
+                _, hn, want, want_u = _round(op, x, w, s, idx, mode, handles[1])
                 torch.cuda.synchronize()
                 cpu = (None if t is None else t.to(ref.device) for t in (x, w, s, idx))
                 _, hr, rcomb, rcomb_u = _round(ref, *cpu, mode, handles[2])
