@@ -246,3 +246,12 @@ def test_grouped_combine_field(monkeypatch):
     assert (nat["grp_y"], nat["grp_pos"], nat["grouped_meta"]) == \
         (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR + 4))
     assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"), torch.bfloat16)["regions"]
+    from runtime.backends.native import Plan
+    from runtime.config import load_specs
+
+    plan = Plan.of(cfg, load_specs().targets["sm_90"])
+    lay = plan.layout(cfg)  # the native workspace holds both regions, sized as the formula says
+    names = sorted((n for n in lay if n != "total"), key=lambda n: lay[n])
+    ends = dict(zip(names, [lay[n] for n in names[1:]] + [lay["total"]]))
+    assert (ends["grp_y"] - lay["grp_y"], ends["grp_pos"] - lay["grp_pos"]) == (nat["grp_y"], nat["grp_pos"])
+    assert "grp_y" not in plan.layout(_cfg(0, 1, "bf16"))
