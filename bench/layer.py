@@ -264,17 +264,19 @@ def make_weights(epr, hidden, inter, device, seed=0):
 class EpgenPath:
     name, capturable = "epgen", True
 
-    def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw"):
+    def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw", grouped_combine: str = "reduce"):
         self.p = p
-        self.op = EpDispatchCombineOp(self.config(p, backend, protocol))
+        self.op = EpDispatchCombineOp(self.config(p, backend, protocol, grouped_combine))
 
     @staticmethod
-    def config(p: Problem, backend: str = "native", protocol: str = "bw") -> EpDispatchCombineConfig:
+    def config(p: Problem, backend: str = "native", protocol: str = "bw",
+               grouped_combine: str = "reduce") -> EpDispatchCombineConfig:
         return EpDispatchCombineConfig(rank=p.rank, world_size=p.world, hidden_dim=p.H, max_num_inp_token_per_rank=p.T,
                                        num_experts_per_rank=p.epr, num_experts_per_token=p.k, data_type=torch.bfloat16,
                                        kernel_backend=backend, intranode_protocol=protocol,
                                        dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none",
-                                       enable_grouped_layout=True, expert_alignment=GROUP_ALIGN)
+                                       enable_grouped_layout=True, expert_alignment=GROUP_ALIGN,
+                                       grouped_combine=grouped_combine)
 
     def __call__(self) -> torch.Tensor:
         p, op = self.p, self.op
@@ -418,10 +420,11 @@ def layer_iters(T: int, base: int) -> int:
 
 def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode: str, paths=("epgen", "a2a"),
                     graph_layers: int = 4, reps: int = 10, eager_iters: int = 20, backend: str = "native",
-                    weights=None, protocols=("bw",)) -> list[dict]:
+                    weights=None, protocols=("bw",), grouped_combines=("reduce",)) -> list[dict]:
     """One MoE-layer point, every path on the same problem; collective; one record per path, epgen once per
     intranode wire protocol in `protocols` (field intranode_protocol; "ll" only where the config allows it:
-    up to LL_MAX_TOKENS tokens per rank, verbatim payloads, so not the fp8 mode's in-kernel quantization);
+    up to LL_MAX_TOKENS tokens per rank, verbatim payloads, so not the fp8 mode's in-kernel quantization)
+    and combine_grouped form in `grouped_combines` (field grouped_combine; "fused" with "bw" only);
     the a2a reference runs first: it gates the others and places the tokens of expert_us."""
     if mode not in LAYER_DTYPES:
         raise ValueError(f"mode must be one of {LAYER_DTYPES}, got {mode!r}")
@@ -450,14 +453,16 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
                               "before the shuffle); experts in bf16, combine in bf16"}[mode]}
     records = []
     ll_ok = EpgenPath.config(p, backend).ll_unavailable() is None  # e.g. not above LL_MAX_TOKENS, not fp8_blockwise
-    runs = [(name, proto) for name in paths
-            for proto in ([q for q in protocols if q != "ll" or ll_ok] if name == "epgen" else [None])]
-    for name, proto in runs:
+    runs = [(name, proto, form) for name in paths
+            for proto in ([q for q in protocols if q != "ll" or ll_ok] if name == "epgen" else [None])
+            for form in ([f for f in grouped_combines if f == "reduce" or proto == "bw"] if name == "epgen" else [None])]
+    for name, proto, form in runs:
         rec = dict(base, path=name, backend=backend if name == "epgen" else "torch.distributed", error=None,
-                   intranode_protocol=proto, protocol=None)
+                   intranode_protocol=proto, protocol=None, grouped_combine=form)
         path = ref_path if name == "a2a" else None
         if path is None:
-            path, reason = collective_try(lambda: EpgenPath(p, backend, proto) if name == "epgen" else PATH_CLASSES[name](p))
+            path, reason = collective_try(lambda: EpgenPath(p, backend, proto, form) if name == "epgen"
+                                          else PATH_CLASSES[name](p))
             if reason:
                 records.append(_failed(rec, reason))
                 continue
@@ -687,8 +692,11 @@ def _protocol(r: dict) -> str:
 
 
 def layer_column(r: dict) -> str:
-    """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll"."""
-    return "epgen_ll" if r["path"] == "epgen" and _protocol(r) == "ll" else r["path"]
+    """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll",
+    with the fused grouped combine (grouped_combine "fused") "epgen_fused"."""
+    if r["path"] == "epgen" and _protocol(r) == "ll":
+        return "epgen_ll"
+    return "epgen_fused" if r["path"] == "epgen" and r.get("grouped_combine") == "fused" else r["path"]
 
 
 def loop_table(records: list[dict]) -> list[str]:
@@ -710,10 +718,12 @@ def layer_table(records: list[dict]) -> list[str]:
     points: dict = {}
     for r in recs:
         points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[layer_column(r)] = r
-    columns = list(LAYER_PATHS) + (["epgen_ll"] if any(layer_column(r) == "epgen_ll" for r in recs) else [])
+    extra = {"epgen_ll": " epgen, low-latency protocol, layer µs (comm) |",
+             "epgen_fused": " epgen, fused grouped combine, layer µs (comm) |"}
+    columns = list(LAYER_PATHS) + [c for c in extra if any(layer_column(r) == c for r in recs)]
     head = ("| dispatch | tokens/rank | expert GEMMs µs | epgen layer µs (comm) | all_to_all_single layer µs (comm) "
-            "| all_to_all_vdev_2d layer µs (comm) |" + (" epgen, low-latency protocol, layer µs (comm) |"
-                                                       if "epgen_ll" in columns else "") + " a2a / epgen (layer) |")
+            "| all_to_all_vdev_2d layer µs (comm) |" + "".join(extra[c] for c in columns if c in extra)
+            + " a2a / epgen (layer) |")
     out, notes = [head, "|---" * (len(columns) + 4) + "|"], {}
     for (dtype, T) in sorted(points, key=lambda key: (LAYER_DTYPES.index(key[0]) if key[0] in LAYER_DTYPES else 9,
                                                       key[1])):
@@ -780,7 +790,8 @@ def run(args, emit=lambda recs: None) -> list[dict]:
                 for T in args.tokens or LAYER_TOKENS:
                     add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
                                         graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights,
-                                        protocols=protocols))
+                                        protocols=protocols, grouped_combines=getattr(args, "grouped_combine", None)
+                                        or ["reduce"]))
                     if dev.type == "cuda":  # the point's graph pools back to the device: no growth across points,
                         torch.cuda.empty_cache()  # and room for the next op's workspace (cudaMalloc, outside torch)
         except B.GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs

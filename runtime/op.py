@@ -183,6 +183,7 @@ class EpDispatchCombineOp:
         self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
         self._grouped: grouped.GroupedLayout | None = None  # the last grouped layout of that dispatch
+        self._grouped_out: torch.Tensor | None = None  # grouped_out_view's buffer where the backend has none
         self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -512,6 +513,8 @@ class EpDispatchCombineOp:
         expert_j(x), as with convert_combine_input; 1.0 when dispatch had no weights) or as they are
         (apply_weights=False: the expert already applied them), rounded once to the combine dtype (written
         straight into the combine buffer by the native backend); then combine(that, routing=routing).
+        With config grouped_combine="fused" the native backend does both in one kernel (the combine reads
+        the peers' grouped rows itself; same bits); expert_out written into grouped_out_view() is not staged.
         -> combine's (combined [num_tokens, hidden_dim], None).
         """
         self._check_open("combine_grouped")
@@ -529,6 +532,9 @@ class EpDispatchCombineOp:
         cfg = self.config
         shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
         self._check_tensor("combine_grouped", "expert_out", expert_out, cfg.combine_dtype, shape=shape)
+        fused = getattr(self._backend, "grouped_fused", None)
+        if fused is not None and fused(routing):  # config grouped_combine="fused", a bandwidth-protocol call
+            return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
         own = getattr(self._backend, "grouped_reduce", None)
         if own is not None:
             rows = own(expert_out, apply_weights)
@@ -536,6 +542,23 @@ class EpDispatchCombineOp:
             rows = grouped.reduce(expert_out, layout, self._last["out_w"], cfg.max_recv_tokens,
                                   cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
         return self.combine(rows, routing=routing)
+
+    def grouped_out_view(self) -> torch.Tensor:
+        """A [resolved_grouped_capacity, hidden_dim] combine-dtype tensor the grouped GEMMs may write their
+        output into for combine_grouped: with grouped_combine="fused" (native backend) it lies in the
+        peer-mapped workspace and the fused combine reads it in place (no staging copy); otherwise a buffer
+        of the op's own. Write it between a dispatch and the combine that follows (as combine_in_view)."""
+        self._check_open("grouped_out_view")
+        self._need_grouped("grouped_out_view")
+        own = getattr(self._backend, "grouped_out_view", None)
+        view = own() if own is not None else None
+        if view is None:
+            if self._grouped_out is None:
+                cfg = self.config
+                self._grouped_out = torch.empty((cfg.resolved_grouped_capacity, cfg.hidden_dim),
+                                                dtype=cfg.combine_dtype, device=self.device)
+            view = self._grouped_out
+        return view
 
     def memory_report(self) -> dict:
         """Bytes per buffer of this op, and a "formula" string: the backend's own report when it has one,
@@ -647,7 +670,8 @@ class EpDispatchCombineOp:
 NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
     "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) + "
-    "(12P + 8Rk + 12E_local + 4), every region rounded up to 256 bytes "
+    "(12P + 8Rk + 12E_local + 4) (+ with grouped_combine='fused': grp_y P*H*c, grp_pos 16 + 4Rk in the workspace, "
+    "grouped_meta's 8Rk then 4Rk), every region rounded up to 256 bytes "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
     "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
     "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
@@ -697,8 +721,11 @@ def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.
                         * dispatch_out_dtype.itemsize))
     if cfg.enable_grouped_layout:
         P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+        fused = cfg.grouped_combine == "fused"  # the pair map in the workspace, with the expert rows: the peers read them
         regions += [("grouped_x", P * wire_row), ("grouped_scales", P * scale_row),
-                    ("grouped_meta", 12 * P + 8 * R * k + 12 * E + 4)]  # src, m_indices, weights; pair maps; offs, counts
+                    ("grouped_meta", 12 * P + (4 if fused else 8) * R * k + 12 * E + 4)]  # src, m_indices, weights; pair maps; offs, counts
+        if fused:
+            regions += [("grp_y", P * H * c), ("grp_pos", 16 + 4 * R * k)]
     sized = {name: -(-n // _REGION_ALIGN) * _REGION_ALIGN for name, n in regions}
     return {"backend": "native (formula)", "regions": sized, "total_bytes": sum(sized.values()),
             "formula": NATIVE_WORKSPACE_FORMULA}

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench.core import read_records, sweep_points  # noqa: E402
 from bench.layer import LAYER_PATHS, _latest, _protocol, layer_column  # noqa: E402
 
-COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple"}
+COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple",
+          "epgen_fused": "tab:red"}
 
 
 def _finish(fig, title: str, dst: str) -> int:
@@ -91,7 +92,7 @@ def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
         if pts:
             a1.plot([r["tokens_per_rank"] for r in pts], [r[key] for r in pts], style, label=label)
     a1.set_title("layer loop (bf16; per layer, graph)", fontsize=9)
-    for path in (*LAYER_PATHS, "epgen_ll"):
+    for path in (*LAYER_PATHS, "epgen_ll", "epgen_fused"):
         for dtype, style in (("bf16", "-"), ("fp8", "--")):
             pts = [r for r in layer if (r["path"], r["dtype"]) == (path, dtype)]
             if pts:

@@ -38,6 +38,10 @@ def test_every_variant_compiles_and_verifies(all_results, specs):
     ("sm_90/grouped_place.i32", "STG.E.128"), ("sm_90/grouped_reduce.bf16", "LDG.E.128"),
     ("gfx942/grouped_place.i32", "global_load_dwordx4"), ("gfx950/grouped_reduce.fp32", "global_store_dwordx4"),
     ("gfx1250/grouped_place.i32", "global_store_b128"), ("gfx1250/grouped_reduce.bf16", "global_load_b128"),
+    # the fused grouped combine: peer rows read in 16-byte vectors, ordered at system scope, every target
+    ("sm_90/combine_grouped.bf16.intranode", "MEMBAR.SC.SYS"), ("gfx942/combine_grouped.bf16.intranode", "flat_load_dwordx4"),
+    ("gfx950/combine_grouped.fp32.intranode", "buffer_inv sc0 sc1"),
+    ("gfx1250/combine_grouped.bf16.intranode", "global_inv scope:SCOPE_SYS"),
 ])
 def test_spec_expectations_hold(all_results, key, mnemonic):
     """The spec-driven checks cover the instructions the issue names (the spec is the source)."""

@@ -141,12 +141,19 @@ class Plan:
             sizes += [("scat_x", cells * self.scat_row), ("scat_s", cells * self.scat_scale_row), ("scat_w", cells * k * 4)]
         else:
             sizes += [("comb_x", R * self.comb_row), ("comb_w", R * k * 4)]
+        if fused_grouped(cfg):  # the fused grouped combine reads the peers' grouped expert rows and pair maps
+            sizes += [("grp_y", cfg.resolved_grouped_capacity * self.comb_row), ("grp_pos", 16 + R * k * 4)]
         out, off = {}, 0
         for name, n in sizes:
             out[name] = off
             off += _align(n)
         out["total"] = off
         return out
+
+
+def fused_grouped(cfg: EpDispatchCombineConfig) -> bool:
+    """Does this op's combine_grouped take the fused form on bandwidth-protocol calls (config grouped_combine)?"""
+    return cfg.enable_grouped_layout and cfg.grouped_combine == "fused"
 
 
 def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
@@ -278,14 +285,14 @@ class NativeBackend:
                 "ll_max_tokens": self.ll_tokens,
                 "kernels": tuple(k.symbol for k in (self._dispatch, self._combine, *self._ll))}
 
-    def _check_geometry(self) -> None:
-        """Every thread count this op can launch with (tuning table or config) fits its kernels: raise now,
-        before any memory is allocated, rather than at a launch."""
+    def _check_geometry(self, roles=None) -> None:
+        """Every thread count this op can launch with (tuning table or config) fits its kernels (roles: (role,
+        kernel) pairs, default ep_kernels): raise now, before any memory is allocated, rather than at a launch."""
         cfg = self.config
         if cfg.launch_threads % self.wave:
             raise EpgenError(f"launch_threads: {cfg.launch_threads} threads per block is not a whole number of "
                              f"{self.wave}-lane waves on {self.arch}")
-        for role, kern in ep_kernels(self):
+        for role, kern in roles or ep_kernels(self):
             pinned = cfg.launch_thread_overrides(role, self.wave)
             counts = pinned or {b.threads for b in gspecs.buckets_for(load_specs(), self.arch, role, cfg.world_size)}
             too_many = sorted(t for t in counts if t > kern.max_threads)
@@ -294,7 +301,7 @@ class NativeBackend:
                 raise EpgenError(f"{where}: {too_many[-1]} threads per block, but {kern.symbol} launches with at "
                                  f"most {kern.max_threads} on this device (its registers per thread decide)")
 
-    def _geometry(self, role: str, tokens: int, work_items: int) -> tuple[int, int]:
+    def _geometry(self, role: str, tokens: int, work_items: int, kern=None) -> tuple[int, int]:
         """(blocks, threads) from specs/tuning.toml for this call's token count, or the config's override.
 
         Grids are capped at what the device keeps resident at once (multiprocessors x the kernel's
@@ -306,7 +313,8 @@ class NativeBackend:
         blocks, threads = cfg.launch_override(role, tokens, self.wave)
         threads = threads or b.threads
         blocks = blocks or b.blocks or self.num_sms
-        kern = getattr(self, f"_{role}") if role in ("dispatch", "combine") else self._ll[role == "combine_ll"]
+        if kern is None:
+            kern = getattr(self, f"_{role}") if role in ("dispatch", "combine") else self._ll[role == "combine_ll"]
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role != "dispatch":
             return blocks, threads
@@ -496,8 +504,28 @@ class NativeBackend:
             "offs": torch.zeros(E, **i32), "counts": torch.zeros(E, **i32), "raw_counts": torch.zeros(E, **i32),
             "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
             "weights": torch.zeros(P, dtype=torch.float32, device=dev), "dropped": torch.zeros(1, **i32),
-            "pair_rel": torch.zeros(Rk, **i32), "pair_pos": torch.full((Rk,), -1, **i32),
+            "pair_rel": torch.zeros(Rk, **i32), **self._grouped_fused_setup(),
         }
+
+    def _grouped_fused_setup(self) -> dict:
+        """The pair map (in the workspace when the fused combine reads it from the peers), and the fused
+        combine's kernel, argument block and expert-output view [P, H] (grouped_out_view)."""
+        cfg, lay = self.config, self.layout
+        Rk = cfg.max_recv_tokens * cfg.num_experts_per_token
+        if not fused_grouped(cfg):
+            return {"pair_pos": torch.full((Rk,), -1, dtype=torch.int32, device=self.device)}
+        pos = self.buf[lay["grp_pos"]:lay["grp_pos"] + 16 + 4 * Rk].view(torch.int32)
+        pos.fill_(-1)
+        P, H = cfg.resolved_grouped_capacity, cfg.hidden_dim
+        y = self.buf[lay["grp_y"]:lay["grp_y"] + P * self.plan.comb_row].view(cfg.combine_dtype).view(P, H)
+        comb = spec_dtype(cfg.combine_dtype).name
+        args = kernels.EpArgs()
+        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.cargs), ctypes.sizeof(args))
+        args.off_comb_x, args.off_comb_w, args.expert_rows = lay["grp_y"], lay["grp_pos"], P
+        args.expert_weights = args.out_weights = 0
+        fused = kernels.load(kernels.select(self.arch, f"combine_grouped.{comb}.intranode"))
+        self._check_geometry((("combine", fused),))  # the combine role's geometry, capped at its own occupancy
+        return {"pair_pos": pos[4:], "out_view": y, "fargs": args, "fused": fused, "geo": {}}
 
     def grouped_layout(self) -> grouped.GroupedLayout:
         """Two launches on the current stream, sized by the device's total_recv (no host sync)."""
@@ -523,6 +551,31 @@ class NativeBackend:
                             int(apply_weights and self._had_weights))
         return dst
 
+    def grouped_out_view(self) -> torch.Tensor | None:
+        """[P, H] in the workspace when the fused combine reads the expert rows from there (None otherwise)."""
+        return self._grp.get("out_view")
+
+    def grouped_fused(self, routing) -> bool:
+        """Does combine_grouped take the fused form for this routing? (config grouped_combine = "fused", and
+        the dispatch took the bandwidth protocol: the same on every rank of a call)."""
+        return "fused" in self._grp and routing.extra.get("protocol", "bw") == "bw"
+
+    def combine_grouped_fused(self, expert_out, routing, apply_weights: bool):
+        """Grouped expert outputs [P, H] -> combined rows, one launch (templates/kernels/combine_grouped.j2)."""
+        self.check(ids="warn")
+        cfg, g = self.config, self._grp
+        slots = routing.extra["slots"]
+        T = slots.shape[0]
+        out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
+        a = g["fargs"]
+        a.slots, a.num_tokens, a.out = slots.data_ptr(), T, out.data_ptr()
+        a.expert_out, a.has_weights = expert_out.data_ptr(), int(apply_weights and self._had_weights)
+        geo = g["geo"].get(T) or g["geo"].setdefault(T, self._geometry("combine", T, T, g["fused"]))
+        self._stream = g["fused"].launch(*geo, a)
+        self._last, self.last_protocol = "combine", "bw"
+        self.check(ids="skip")
+        return out, None
+
     def std_moe_dropped(self) -> torch.Tensor:
         """(row, k) pairs past an expert's capacity in the last conversion (device int32 scalar)."""
         return self._std["dropped"].sum(dtype=torch.int32)
@@ -547,7 +600,8 @@ class NativeBackend:
             extra["combine_in_view"] = self.comb_x.numel() * self.comb_x.element_size()
         for prefix, bufs in (("std_moe", self._std), ("grouped", self._grp)):
             for name, t in (bufs or {}).items():
-                if isinstance(t, torch.Tensor) and not name.endswith("_view"):
+                in_ws = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
+                if isinstance(t, torch.Tensor) and not name.endswith("_view") and not in_ws:
                     extra[f"{prefix}_{name}"] = t.numel() * t.element_size()
         return {"symmetric_workspace": lay["total"], "regions": regions, "other_device_buffers": extra,
                 "total_device_bytes": lay["total"] + sum(extra.values()),
@@ -605,7 +659,8 @@ class NativeBackend:
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
         for kern in (self._dispatch, self._combine, *self._ll, *self._numbering,
                      *((self._std["pack"], self._std["unpack"]) if self._std else ()),
-                     *((self._grp["count"], self._grp["place"], self._grp["reduce"]) if self._grp else ())):
+                     *((self._grp["count"], self._grp["place"], self._grp["reduce"]) if self._grp else ()),
+                     *((self._grp["fused"],) if self._grp and "fused" in self._grp else ())):
             kern.close()
         workspace.release(self._ws)
         self._ws = self._std = self._grp = self.dargs = self.cargs = None

@@ -80,6 +80,21 @@ def _round(op, x, w, s, idx, mode, routing=None):
     return layout, h, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
 
 
+def _captured(round_fn):
+    """round_fn warmed up once on a side stream, then captured: -> (graph, what the captured call returned)."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        round_fn()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = round_fn()
+    return g, res
+
+
 @pytest.mark.parametrize("mode,protocol,recv_cap,gcap,tokens", [
     ("bf16", "bw", 0, 0, T), ("bf16", "ll", 0, 0, T), ("fp32", "bw", 0, 0, T), ("fp8", "bw", 0, 0, T),
     ("fp8_blockwise", "bw", 0, 0, T),
@@ -121,16 +136,7 @@ def test_grouped_round_in_a_cuda_graph():
         with EpDispatchCombineOp(_cfg("native", mode)) as op:
             x, w, s, idx = _inputs(5, mode, "cuda")
             sx, sw, sidx = x.clone(), w.clone(), idx.clone()
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                _round(op, sx, sw, None, sidx, mode)
-            torch.cuda.current_stream().wait_stream(st)
-            torch.cuda.synchronize()
-            dist.barrier()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                _, _, res, _ = _round(op, sx, sw, None, sidx, mode)
+            g, (_, _, res, _) = _captured(lambda: _round(op, sx, sw, None, sidx, mode))
             for rep in range(3):
                 x, w, _, idx = _inputs(40 + rep, mode, "cuda")
                 sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
@@ -141,5 +147,75 @@ def test_grouped_round_in_a_cuda_graph():
                 want = _round(op, x, w, None, idx, mode)[2]
                 torch.cuda.synchronize()
                 assert torch.equal(got, want), f"replay {rep}: {(got.float() - want.float()).abs().max()}"
+                dist.barrier()
+    run_collective(check)  # its all-gather is the closing barrier
+
+
+# --- the fused grouped combine (config grouped_combine="fused", templates/kernels/combine_grouped.j2) ---------
+def _round_fused(op, x, w, s, idx, mode, routing=None):
+    """The fused form three ways: expert rows written into grouped_out_view (read in place), then the
+    same rows from a tensor of their own (staged after the entry barrier), weighted and unweighted."""
+    layout, h = op.dispatch_grouped(x, w, s, idx, routing=routing)
+    y = expert_rows(layout, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+    view = op.grouped_out_view()
+    view.copy_(y)
+    in_place = op.combine_grouped(view, h)[0]
+    return layout, h, in_place, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
+
+
+@pytest.mark.parametrize("mode,recv_cap,gcap,tokens", [
+    ("bf16", 0, 0, T), ("fp32", 0, 0, T), ("fp8", 0, 0, T), ("fp8_blockwise", 0, 0, T),
+    ("bf16", 120, 128, T),       # receive cap and a small grouped buffer: dropped pairs never combined
+    ("bf16", 2000, 0, 1024),
+])
+def test_fused_grouped_combine_is_bit_exact(mode, recv_cap, gcap, tokens):
+    """Fused == the reduce form (native) == the torch backend, bit for bit, eager, with routing replay."""
+    def check():
+        kw = dict(max_total_recv_tokens=recv_cap, grouped_capacity=gcap, tokens=tokens)
+        with EpDispatchCombineOp(_cfg("native", mode, grouped_combine="fused", **kw)) as fop, \
+                EpDispatchCombineOp(_cfg("native", mode, **kw)) as op, \
+                EpDispatchCombineOp(_cfg("torch", mode, **kw)) as ref:
+            assert fop._backend.grouped_out_view() is not None and op._backend.grouped_out_view() is None
+            handles = (None, None, None)
+            for attempt, seed in enumerate((1, 2)):
+                x, w, s, idx = _inputs(seed, mode, "cuda", tokens)
+                if attempt:
+                    idx = idx0
+                _, hf, fused, staged, unweighted = _round_fused(fop, x, w, s, idx, mode, handles[0])
+                _, hn, want, want_u = _round(op, x, w, s, idx, mode, handles[1])
+                torch.cuda.synchronize()
+                cpu = (None if t is None else t.to(ref.device) for t in (x, w, s, idx))
+                _, hr, rcomb, rcomb_u = _round(ref, *cpu, mode, handles[2])
+                if not attempt:
+                    handles, idx0 = (hf, hn, hr), idx
+                for got in (fused, staged):
+                    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+                    assert torch.equal(got.cpu(), rcomb.cpu())
+                assert torch.equal(unweighted, want_u) and torch.equal(unweighted.cpu(), rcomb_u.cpu())
+                assert fop._backend.last_protocol == "bw"
+    run_collective(check)  # its all-gather is the closing barrier
+
+
+def test_fused_grouped_combine_in_a_cuda_graph():
+    """The fused round captured (the expert rows written into grouped_out_view inside the graph) replays
+    to the reduce form's eager bits."""
+    def check():
+        mode = "bf16"
+        with EpDispatchCombineOp(_cfg("native", mode, grouped_combine="fused")) as fop, \
+                EpDispatchCombineOp(_cfg("native", mode)) as op:
+            x, w, _, idx = _inputs(7, mode, "cuda")
+            sx, sw, sidx = x.clone(), w.clone(), idx.clone()
+            g, (_, _, res, res_staged, _) = _captured(lambda: _round_fused(fop, sx, sw, None, sidx, mode))
+            for rep in range(3):
+                x, w, _, idx = _inputs(60 + rep, mode, "cuda")
+                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
+                g.replay()
+                torch.cuda.synchronize()
+                got, got_staged = res.clone(), res_staged.clone()
+                dist.barrier()
+                want = _round(op, x, w, None, idx, mode)[2]
+                torch.cuda.synchronize()
+                assert torch.equal(got, want), f"replay {rep}: {(got.float() - want.float()).abs().max()}"
+                assert torch.equal(got_staged, want)
                 dist.barrier()
     run_collective(check)  # its all-gather is the closing barrier
