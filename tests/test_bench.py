@@ -546,6 +546,7 @@ def scn_main(rank, world, argv):
     from unittest import mock
 
     with mock.patch.object(torch.cuda, "set_device", lambda *a: None), \
+            mock.patch.object(cli.core, "require_gpus", lambda prog: None), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(cli.dist, "init_process_group", lambda *a, **kw: None), \
             mock.patch.object(cli.dist, "destroy_process_group", lambda *a, **kw: None):
