@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 GENERATOR_COMMANDS = ("build", "list", "explain", "check")
 BENCH_COMMANDS = {"bench": "bench.cli", "tune": "bench.tune"}
@@ -78,7 +79,8 @@ def doctor() -> int:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         print(f"torch      {torch.__version__}: {gpus} GPU(s)" + ("" if gpus else
               " (the torch backend runs on CPU / gloo; bench and tune need GPUs)"))
-    print(f"torchrun   {shutil.which('torchrun') or 'not on PATH'}")
+    beside = Path(sys.executable).with_name("torchrun")  # this interpreter's (a venv's), else PATH's
+    print(f"torchrun   {beside if beside.is_file() else shutil.which('torchrun') or 'not found'}")
     return 1 if bad else 0
 
 

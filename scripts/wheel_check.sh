@@ -48,6 +48,15 @@ mkdir -p "$work/shadow/runtime" && touch "$work/shadow/runtime/__init__.py"
 if (cd "$work/shadow" && "$py" -m epgen bench > "$work/shadow.txt" 2>&1); then echo "shadowed runtime not detected"; exit 1; fi
 grep -q "is not epgen's" "$work/shadow.txt"
 
+if command -v nvcc > /dev/null; then
+  step "the nvidia extra brings the sm_90 disassemblers"
+  "$py" -m pip install -q "$whl[nvidia]"
+  "$work/venv/bin/epgen" build --arch sm_90 --only 'quantize_fp8*' | tail -1 | tee "$work/sm90.txt"
+  grep -q " 0 failed" "$work/sm90.txt"
+else
+  echo "== wheel: no nvcc here: the sm_90 build from the wheel is not checked"
+fi
+
 step "2-rank gloo round trip"
 cp "$repo/scripts/wheel_roundtrip.py" "$work/cwd/"
 "$py" wheel_roundtrip.py

@@ -26,11 +26,12 @@ def run_usage(tmp_path: Path, nproc: int = 2, env: dict | None = None, timeout: 
     the checkout (epgen found as installed: the checkout on PYTHONPATH); its output, AssertionError on failure."""
     script = tmp_path / "ep_example.py"
     script.write_text(usage_block())
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    torchrun = Path(sys.executable).with_name("torchrun")  # this interpreter's (a venv's), else the one on PATH
+    torchrun = [str(torchrun)] if torchrun.is_file() else [shutil.which("torchrun") or "torchrun"]
     run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1", **(env or {})}
     run_env.pop("EPGEN_KERNEL_BACKEND", None)  # the block as a user runs it: the config's default backend
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(nproc), script.name], cwd=tmp_path,
+    r = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", str(nproc), script.name], cwd=tmp_path,
                        env=run_env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"torchrun exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r.stdout
