@@ -48,7 +48,7 @@ def doctor() -> int:
             why = __import__("generator").foreign(name)
         except Exception as e:  # noqa: BLE001 - a package that fails to import: say so, go on
             why = f"'{name}' fails to import: {type(e).__name__}: {e}"
-        if why and "No module named 'torch'" in why:
+        if why and "epgen[runtime]" in why:
             print(f"  {name:<10} needs torch: pip install 'epgen[runtime]' (README: Install)")
             continue
         bad += why is not None

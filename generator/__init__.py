@@ -15,7 +15,8 @@ def foreign(name: str) -> str | None:
     try:
         mod = importlib.import_module(name)
     except ImportError as e:
-        return f"'{name}' cannot be imported: {e}"
+        extra = " (the runtime and bench need it: pip install 'epgen[runtime]')" if e.name in ("torch", "numpy") else ""
+        return f"'{name}' cannot be imported: {e}{extra}"
     if getattr(mod, "__epgen__", None) == name:
         return None
     where = getattr(mod, "__file__", None) or ", ".join(getattr(mod, "__path__", [])) or "a namespace package"

@@ -169,3 +169,21 @@ def test_a_foreign_package_named_like_epgens_is_named(tmp_path):
     assert r.returncode == 1 and "ImportError: epgen's runtime needs epgen's 'generator' package, but Python imports " \
                                  f"another one ({where / 'generator' / '__init__.py'})" in r.stderr, r.stderr
     assert epgen._clash(("generator", "runtime", "bench")) is None  # here: epgen's own
+
+
+def test_a_generator_only_install_is_told_to_add_the_runtime_extra(monkeypatch):
+    import importlib
+
+    import generator
+
+    real = importlib.import_module
+
+    def no_torch(name, *args):
+        if name == "runtime":
+            raise ImportError("No module named 'torch'", name="torch")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_torch)
+    rc, _, err = run_cli(["bench"], epgen.main)
+    assert rc == 2 and err.strip().endswith("pip install 'epgen[runtime]')"), err
+    assert generator.foreign("generator") is None
