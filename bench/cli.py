@@ -22,8 +22,9 @@ from .core import (MAX_INPUT_SETS, ROUTINGS, _commit, collective_try, dtype_name
                    run_lowprec, run_point)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=core.__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=core.__doc__.splitlines()[0] + " Needs GPUs, one process "
+                                "per GPU: torchrun --nproc-per-node N -m bench ... (or -m epgen bench ...).")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens per rank (default: 128 4096; --layer / --layer-loop: their own lists)")
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
@@ -191,9 +192,10 @@ def run_planned(pt: dict, args) -> dict:
             "world_size": dist.get_world_size()}
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m bench") -> int:
+    args = build_parser(prog).parse_args(argv)
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
+    core.require_gpus(prog)
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"
     if args.floor or args.profile_graph:

@@ -607,6 +607,20 @@ def _a2a(send_rows: list[int], recv_rows: list[int], nbytes: int, device):
     return lambda: dist.all_to_all_single(dst, src, output_split_sizes=recv_rows, input_split_sizes=send_rows)
 
 
+def require_gpus(prog: str) -> None:
+    """Exit with one line, not a traceback, where the GPU tools cannot run: no GPU, or not started by torchrun."""
+    module = prog.removeprefix("python -m ")  # "bench", "bench.tune", or "epgen bench" / "epgen tune"
+    launch = f"launch one process per GPU: torchrun --nproc-per-node N -m {module} ... (README: Performance)"
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None and torch.version.hip is None
+               else "this torch sees no GPU")
+        raise SystemExit(f"{prog}: needs GPUs (NVIDIA sm_90; the torch backend alone runs on CPU, in the tests), but "
+                         f"{why}; {launch}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if v not in os.environ]
+    if missing:
+        raise SystemExit(f"{prog}: not started by torchrun (no {', '.join(missing)} in the environment); {launch}")
+
+
 def _commit() -> str:
     """EPGEN_COMMIT when set (a copied working tree may carry stale git metadata), else git's HEAD,
     marked "+dirty" when tracked files differ from it."""

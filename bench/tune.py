@@ -1,15 +1,18 @@
-"""Tuner: measure launch geometries of the EP kernels on this machine and rewrite specs/tuning.toml.
+"""Tuner: measure the EP kernels' launch geometries on this machine's GPUs and keep the fastest.
 
 torchrun --nproc-per-node N -m bench.tune [--tokens 128 4096] [--hidden 7168] [--topk 8] [--experts 256]
                                             [--blocks B ...] [--threads 256 512] [--rows wave [block]]
-                                            [--write [--fallback]]
+                                            [--write | --write-specs] [--fallback]
 torchrun --nproc-per-node N -m bench.tune --ll-threshold [--tokens 1 8 32 64 128 256 512] [--write]
+(or: torchrun --nproc-per-node N $(which epgen) tune ...)
 
 For each token count (a bucket edge) it times dispatch and combine (graph replay, slowest-rank
 median, correctness-gated like the benchmark) for every candidate (blocks, threads, dispatch rows)
-and keeps the fastest; with --write, rank 0 rewrites this target's buckets for this run's world size
-(`world = N` in specs/tuning.toml; --fallback: the buckets any world size without its own falls back
-to). Other world sizes' and other targets' entries are kept as they are.
+and keeps the fastest. --write: rank 0 writes this target's buckets for this run's world size (`world =
+N`; --fallback: the buckets any world size without its own falls back to) into the user tuning file
+($EPGEN_TUNING_FILE, else ~/.config/epgen/tuning.toml), which the runtime lays over the specs'
+tuning.toml; --write-specs: into the checkout's specs/tuning.toml instead (to commit; refused for the copy
+installed with the package). Other world sizes' and other targets' entries are kept as they are.
 
 --ll-threshold times one round (dispatch + combine, graph replay, slowest rank's median, identity-gated)
 with the low-latency and the bandwidth intranode protocols at each token count (each protocol with its
@@ -36,22 +39,23 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpgenError
 from runtime.kernels import device_arch
 
-from .core import _graph_time, _stats
+from .core import _graph_time, _stats, require_gpus
 
-TUNING = gspecs.default_root() / "tuning.toml"
 HEADER_END = "# `python -m bench.tune`"
+USER_HEADER = ("# Launch geometry tuned on this machine by `python -m bench.tune --write` (epgen tune): laid over the\n"
+               "# specs' tuning.toml by the runtime, table by table and world size by world size. Delete it to go\n"
+               "# back to the shipped tables.\n")
 
 
 def render(tuning: dict[tuple[str, str], list[gspecs.Bucket]], header: str, ll_max: dict[str, int] | None = None) -> str:
-    """specs/tuning.toml text for these buckets (targets and roles in a stable order), each target's
-    low-latency threshold (ll_max) first."""
+    """Tuning-file text for these buckets (targets and roles in a stable order), the low-latency threshold of
+    each target ll_max names first."""
     out = [header.rstrip("\n"), ""]
-    done = set()
-    for (target, role) in sorted(tuning, key=lambda tr: (tr[0], gspecs.TUNING_ROLES.index(tr[1]))):
-        if ll_max and target not in done:
-            done.add(target)
-            out += [f"[tuning.{target}]", f"{gspecs.LL_THRESHOLD_KEY} = {ll_max.get(target, 0)}", ""]
-        for b in tuning[(target, role)]:
+    ll_max = ll_max or {}
+    for target in sorted({t for t, _ in tuning} | set(ll_max)):
+        if target in ll_max:
+            out += [f"[tuning.{target}]", f"{gspecs.LL_THRESHOLD_KEY} = {ll_max[target]}", ""]
+        for role, b in ((role, b) for role in gspecs.TUNING_ROLES for b in tuning.get((target, role), ())):
             out += ([f"[[tuning.{target}.{role}]]"] + ([f"world = {b.world}"] if b.world else []) +
                     [f"max_tokens = {b.max_tokens}", f"blocks = {b.blocks}", f"threads = {b.threads}"] +
                     ([f'rows = "{b.rows}"'] if b.rows != "wave" else []) + [""])
@@ -62,7 +66,7 @@ def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]], ll_max
     """Replace `target`'s buckets of the world size the new ones carry (their `world`; 0: the fallback)
     in the tuning file at `path`, keeping every other world's, and its low-latency threshold when
     `ll_max` is given; returns the new text."""
-    specs = gspecs.load(path.parent)
+    specs = gspecs.load(path.parent, tuning_overlay=False)
     text = path.read_text()
     header = text[: re.search(r"^\[\[?tuning\.", text, re.M).start()]
     tuning = {key: list(b) for key, b in specs.tuning.items()}
@@ -73,6 +77,29 @@ def rewrite(path: Path, target: str, new: dict[str, list[gspecs.Bucket]], ll_max
     if ll_max is not None:
         thresholds[target] = ll_max
     return render(tuning, header, thresholds)
+
+
+def rewrite_user(path: Path, target: str, new: dict[str, list[gspecs.Bucket]], ll_max: int | None = None) -> str:
+    """The user tuning file at `path` (absent: empty) with `target`'s new buckets and threshold laid over it
+    (as rewrite), holding only what was tuned; returns the new text."""
+    targets = gspecs.load(tuning_overlay=False).targets
+    tuning, thresholds = gspecs.read_tuning_overlay(path, targets) if path.exists() else ({}, {})
+    tuning = gspecs.merge_tuning(tuning, {(target, role): buckets for role, buckets in new.items()})
+    if ll_max is not None:
+        thresholds = {**thresholds, target: ll_max}
+    return render(tuning, USER_HEADER, thresholds)
+
+
+def write_tables(args, target: str, new: dict[str, list[gspecs.Bucket]], ll_max: int | None = None) -> None:
+    """--write: the user tuning file; --write-specs: the checkout's specs/tuning.toml (rank 0)."""
+    if args.write_specs:
+        path = gspecs.default_root() / "tuning.toml"
+        path.write_text(rewrite(path, target, new, ll_max))
+    else:
+        path = gspecs.user_tuning_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rewrite_user(path, target, new, ll_max))
+    print(f"wrote {path}")
 
 
 def ll_threshold(rounds: dict[int, tuple[float, float]]) -> int:
@@ -127,16 +154,21 @@ def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int
         return _stats(d_ms)[0] * 1e3, _stats(c_ms)[0] * 1e3
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
+def build_parser(prog: str = "python -m bench.tune") -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(prog=prog, description=doc[0] + "\n\n" + "\n\n".join(doc[2:]),
+                                epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096],
+                   help="tokens per rank to time, each the upper edge of a bucket (the largest: no limit); "
+                        "default 128 4096 (--ll-threshold: 1 8 32 64 128 256 512)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size of the timed tokens (default 7168)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="experts in all, divided over the ranks (default 256)")
     p.add_argument("--blocks", type=int, nargs="+", default=None,
                    help="candidate grid sizes (0: one per multiprocessor); default 16 32 64 0 and twice the "
                         "multiprocessors (kept only where the kernel's occupancy lets them all stay resident)")
-    p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--threads", type=int, nargs="+", default=[256, 512],
+                   help="candidate threads per block (multiples of the wave size, at most 1024; default 256 512)")
     p.add_argument("--rows", nargs="+", default=["wave"], choices=["wave", "block"],
                    help="dispatch row modes to try (add block for whole-block rows: slower at every point "
                         "measured on 2xH200, results/tune_rows_and_host_2xH200.log); combine takes its best "
@@ -144,10 +176,24 @@ def main(argv=None) -> int:
     p.add_argument("--ll-threshold", action="store_true",
                    help="time the low-latency vs the bandwidth protocol per token count (tuning-table geometry) and "
                         "set intranode_ll_max_tokens; --tokens default 1 8 32 64 128 256 512")
-    p.add_argument("--write", action="store_true")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--write", action="store_true",
+                       help=f"write the tuned tables into the user tuning file (${gspecs.TUNING_ENV}, else "
+                            "~/.config/epgen/tuning.toml), which the runtime reads over the specs' tables; "
+                            "without --write nothing is written")
+    where.add_argument("--write-specs", action="store_true",
+                       help="write them into the checkout's specs/tuning.toml instead (to commit them)")
     p.add_argument("--fallback", action="store_true",
                    help="write the buckets every world size falls back to, not those of this run's world size")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None, prog: str = "python -m bench.tune") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if args.write_specs and gspecs.is_packaged(gspecs.default_root()):
+        raise SystemExit(f"{prog}: error: --write-specs: the specs in use are the copy installed with the package "
+                         f"({gspecs.default_root()}); use --write (the user tuning file) instead")
+    require_gpus(prog)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     if args.ll_threshold:
@@ -176,9 +222,8 @@ def main(argv=None) -> int:
         for role, bs in new.items():
             print(f"{arch} {role}: " + ", ".join(f"<= {b.max_tokens or 'any'}: {b.blocks or 'SMs'} x {b.threads}"
                                                  f"{' (block rows)' if b.rows == 'block' else ''}" for b in bs))
-        if args.write:
-            TUNING.write_text(rewrite(TUNING, arch, new))
-            print(f"rewrote {TUNING}")
+        if args.write or args.write_specs:
+            write_tables(args, arch, new)
     dist.destroy_process_group()
     return 0
 
@@ -195,9 +240,8 @@ def tune_ll_threshold(args) -> int:
     if dist.get_rank() == 0:
         arch, n = device_arch(torch.device("cuda")), ll_threshold(rounds)
         print(f"{arch} {gspecs.LL_THRESHOLD_KEY} = {n}")
-        if args.write:
-            TUNING.write_text(rewrite(TUNING, arch, {}, ll_max=n))
-            print(f"rewrote {TUNING}")
+        if args.write or args.write_specs:
+            write_tables(args, arch, {}, ll_max=n)
     dist.destroy_process_group()
     return 0
 

@@ -109,7 +109,22 @@ def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, 
     return MoEBlock(EpDispatchCombineOp(cfg), router_weight(experts, hidden, seed, device), w13, w2)
 
 
-def main() -> None:
+TOLERANCE = 1e-2  # largest per-token ||layer - dense|| / ||dense|| accepted (tests/test_moe_layer.py's bound)
+
+
+def dense_error(x: torch.Tensor, y: torch.Tensor, block: MoEBlock, hidden: int, inter: int, seed: int = 0) -> float:
+    """The largest per-token relative distance of y (the EP layer's output for x) from the same layer computed
+    densely on this rank: every expert a token routes to, rebuilt from its seed, weighted and summed."""
+    w, idx = route(x, block.gate, block.k)
+    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in idx.unique().tolist():
+        w13, w2 = expert_weights(e, hidden, inter, seed, x.device)
+        want += (w * (idx == e)).sum(1, keepdim=True) * expert_ffn(x, w13, w2).float()
+    want = want.to(torch.bfloat16).float()
+    return float(((y.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)).max())
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description="A DeepSeek-V3-shaped MoE block with epgen expert parallelism")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
@@ -137,10 +152,21 @@ def main() -> None:
             y = block(x)
         sync()
         ms = (time.perf_counter() - t0) * 1e3 / args.iters
-        print(f"rank {dist.get_rank()}: {args.tokens} tokens x hidden {args.hidden}, {args.experts} experts top-"
-              f"{args.topk}: {ms:.2f} ms per layer (eager), output rms {y.float().pow(2).mean().sqrt():.4f}")
+        err = dense_error(x, y, block, args.hidden, args.intermediate)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lines = [None] * world  # each rank's line, printed whole by rank 0
+    dist.all_gather_object(lines, (err, f"rank {rank}: {args.tokens} tokens x hidden {args.hidden}, {args.experts} "
+                                        f"experts top-{args.topk}: {ms:.2f} ms per layer (eager), largest per-token "
+                                        f"relative error vs the dense layer {err:.2e}"))
+    worst = max(e for e, _ in lines)
+    if rank == 0:
+        print("\n".join(line for _, line in lines))
+        print(f"{'OK' if worst <= TOLERANCE else 'MISMATCH'}: the EP layer on {world} rank(s) "
+              f"{'matches' if worst <= TOLERANCE else 'differs from'} its dense reference (largest per-token relative "
+              f"error {worst:.2e}, tolerance {TOLERANCE:g})")
     dist.destroy_process_group()
+    return 0 if worst <= TOLERANCE else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,8 +1,9 @@
-"""python -m generator {build,list,explain,check}"""
+"""python -m generator {build,list,explain,check} (also: epgen build / list / explain / check)"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import jinja2
 from . import build as B
 from . import render
 from . import specs as S
+from .cache import default_dir
 from .model import combination_facts, enumerate_variants, rejecting_rule
 
 STATUS = {"compiled": "compiled", "cached": "cached", "failed": "FAILED", "missing-toolchain": "NO TOOLCHAIN",
@@ -72,7 +74,8 @@ def cmd_build(specs: S.Specs, args) -> int:
     failed = [r for r in results if r.status != "rendered" and not r.ok]
     n_ok = len(results) - len(failed)
     print(f"\n{len(results)} variant(s) for {', '.join(archs)} (profile {args.profile}): {n_ok} ok, "
-          f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s; sources in {out_root}")
+          f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s; sources in {out_root}" +
+          ("" if args.no_compile else f"; code objects in {Path(args.cache_dir) if args.cache_dir else default_dir()}"))
     missing = sorted({r.message for r in failed if r.status == "missing-toolchain"})
     for m in missing:
         print(f"  toolchain: {m}")
@@ -89,7 +92,7 @@ def cmd_list(specs: S.Specs, args) -> int:
     rows = [[v.key, v.family.name, v.dtype.name, v.wire.name, v.quant.name, v.topology.name if v.topology else "-",
              " ".join(v.expected_isa) or "-"] for v in variants]
     print(_table(rows, ["variant", "family", "dtype", "wire", "quant", "topology", "expected isa"]))
-    print(f"\n{len(rows)} variant(s)")
+    print(f"\n{len(rows)} variant(s) (profile {args.profile}; build's default profile is 'default')")
     return 0
 
 
@@ -101,7 +104,7 @@ def cmd_explain(specs: S.Specs, args) -> int:
         variants, rejected = enumerate_variants(specs, [target], "all")
         for v in variants:
             if v.key == args.key:
-                return _explain_variant(v)
+                return _explain_variant(v, _out_root(specs, args))
         for r in rejected:
             if r.key == args.key:
                 print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}")
@@ -139,60 +142,96 @@ def cmd_explain(specs: S.Specs, args) -> int:
         print("no variant matches")
         return 1
     for v in match:
-        _explain_variant(v)
+        _explain_variant(v, _out_root(specs, args))
     return 0
 
 
-def _explain_variant(v) -> int:
-    print(f"{v.key}: variant\n  file     generated/{v.target.name}/{v.file}\n  symbol   {v.symbol}\n"
+def _out_root(specs: S.Specs, args) -> Path:
+    return Path(args.out) if getattr(args, "out", None) else B.generated_root(specs)
+
+
+def _explain_variant(v, out_root: Path) -> int:
+    source = out_root / v.target.name / v.file
+    built = "" if source.is_file() else f" (not rendered yet: python -m generator build --arch {v.target.name})"
+    print(f"{v.key}: variant\n  file     {source}{built}\n  symbol   {v.symbol}\n"
           f"  expects  {' '.join(v.expected_isa) or '-'}\n  forbids  {' '.join(v.forbidden_isa) or '-'}")
     return 0
 
 
 def cmd_check(specs: S.Specs, args) -> int:
-    out_root = Path(args.out) if args.out else None
-    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch, out_root)]
-    n = sum(len(enumerate_variants(specs, [a], "all")[0]) for a in _archs(specs, args.arch))
+    """Specs valid, and every target's rendered folder what the specs render. The checkout's committed
+    generated/ must hold every target; elsewhere (installed, --out, $EPGEN_GENERATED_DIR) a target never
+    built is named once, not counted stale."""
+    out_root = _out_root(specs, args)
+    committed = not (args.out or os.environ.get(B.GENERATED_ENV) or S.is_packaged(specs.root))
+    problems, unbuilt, fresh, stale = [], [], [], []
+    for arch in _archs(specs, args.arch):
+        if not (out_root / arch).is_dir() and not committed:
+            unbuilt.append(arch)
+            continue
+        found = B.freshness(specs, arch, out_root)
+        problems += found
+        (stale if found else fresh).append(arch)
     if problems:
-        print("\n".join(problems[:50]))
-        print(f"\ngenerated/ is not fresh ({len(problems)} problem(s)); run: python -m generator build --arch all --no-compile")
+        print("\n".join(problems[:50]) + (f"\n... {len(problems) - 50} more" if len(problems) > 50 else ""))
+        print(f"\n{out_root} is not fresh ({len(problems)} problem(s)); run: python -m generator build --arch "
+              f"{stale[0] if len(stale) == 1 else 'all'} --no-compile")
         return 1
-    print(f"specs valid; generated/ fresh ({n} variant(s), {len(specs.rules)} rule(s))")
+    n = sum(len(enumerate_variants(specs, [a], "all")[0]) for a in fresh)
+    print(f"specs valid ({len(specs.rules)} rule(s)); {out_root}: " +
+          (f"fresh for {', '.join(fresh)} ({n} variant(s))" if fresh else "nothing built yet") +
+          (f"; not built: {', '.join(unbuilt)} (python -m generator build --arch NAME)" if unbuilt else ""))
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m generator", description=__doc__)
+def _profile_help(profiles: dict[str, str] | None, default: str) -> str:
+    listed = ("; ".join(f"{n}: {d}" for n, d in profiles.items()) if profiles else
+              "names in specs/profiles.toml")
+    return f"variant filter of specs/profiles.toml (default: {default}). Profiles: {listed}"
+
+
+def parser(prog: str = "python -m generator", profiles: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The command line; `profiles` ({name: description}) lists the profiles in --help."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--specs", help="specs folder (default: $EPGEN_SPECS_DIR, else the checkout's specs/, else the "
                                    "copy installed with the package)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="render, compile and ISA-verify variants")
+    b = sub.add_parser("build", help="render, compile and ISA-verify variants (profile 'default' unless --profile)")
     b.add_argument("--arch", required=True, help="target name or 'all'")
-    b.add_argument("--profile", default="default")
+    b.add_argument("--profile", default="default", help=_profile_help(profiles, "default"))
     b.add_argument("--only", help="glob over variant names / keys")
     b.add_argument("--jobs", type=_jobs, default=None, help="parallel compilers (default: the CPU count)")
     b.add_argument("--no-compile", action="store_true", help="render and write the manifest only")
     b.add_argument("--cache-dir", help="code-object cache (default $EPGEN_CACHE_DIR or ~/.cache/epgen)")
     b.add_argument("--out", help="where rendered sources go (default $EPGEN_GENERATED_DIR, else generated/ beside "
                                  "the specs folder; installed package: <cache dir>/generated/<version>-<digest>)")
-    ls = sub.add_parser("list", help="list the variants of a target / profile")
-    ls.add_argument("--arch", default="all")
-    ls.add_argument("--profile", default="all")
-    ls.add_argument("--only")
+    ls = sub.add_parser("list", help="list the variants of a target / profile (profile 'all' unless --profile)")
+    ls.add_argument("--arch", default="all", help="target name or 'all' (default)")
+    ls.add_argument("--profile", default="all", help=_profile_help(profiles, "all"))
+    ls.add_argument("--only", help="glob over variant names / keys")
     e = sub.add_parser("explain", help="which variant a combination is, or which rule rejects it")
     e.add_argument("key", nargs="?", help="target/name, e.g. gfx942/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise")
     for opt in ("family", "dtype", "wire", "quant", "target", "topology"):
         e.add_argument(f"--{opt}")
+    e.add_argument("--out", help="the generated folder the file is named in (default: as build)")
     c = sub.add_parser("check", help="specs valid and generated/ fresh")
     c.add_argument("--arch", default="all")
     c.add_argument("--out", help="the generated folder to check (default: as build)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m generator") -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--specs")
+    specs_arg = pre.parse_known_args(argv)[0].specs
     try:
-        specs = S.load(args.specs)
+        specs: S.Specs | None = S.load(specs_arg)
+    except (S.SpecError, render.OutsideRoot, jinja2.TemplateError):
+        specs = None  # reported below, after the arguments are parsed (--help still works)
+    profiles = {n: pr.description for n, pr in specs.profiles.items()} if specs else None
+    args = parser(prog, profiles).parse_args(argv)
+    try:
+        specs = specs or S.load(args.specs)
         return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
     except (S.SpecError, render.OutsideRoot) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -200,4 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     except jinja2.TemplateError as e:
         where = f"templates/{e.name}:{e.lineno}: " if getattr(e, "lineno", None) else ""
         print(f"error: template: {where}{e.message}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an --out / --cache-dir that cannot be written, a full disk
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"error: {what}{e.strerror or e} (check --out / --cache-dir and their environment variables)",
+              file=sys.stderr)
         return 2

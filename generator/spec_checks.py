@@ -159,7 +159,10 @@ def _load_rules(src: _Source, data: dict) -> list[Rule]:
     return rules
 
 
-def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> tuple[dict, dict[str, int]]:
+def _load_tuning(src: _Source, data: dict, targets: dict[str, Target], complete: bool = True,
+                 fallback: bool = True) -> tuple[dict, dict[str, int]]:
+    """The tables of one tuning file. fallback: each (target, role) has buckets without `world` (a user file may
+    tune one world size only); complete: also every target's roles and the defaults (_complete_tuning)."""
     unknown = [k for k in data if k != "tuning"]
     if unknown:
         raise _fail(src, src.table_line((unknown[0],)),
@@ -205,10 +208,16 @@ def _load_tuning(src: _Source, data: dict, targets: dict[str, Target]) -> tuple[
                     raise _fail(src, line, f"[[{hdr}]] buckets{of} must ascend: max_tokens {rec.max_tokens} after "
                                            f"{group[-1].max_tokens}")
                 group.append(rec)
-            if 0 not in recs_of:
+            if 0 not in recs_of and fallback:
                 raise _fail(src, src.table_line(path), f"[[{hdr}]] needs buckets without `world` (the fallback for any "
                                                        f"world size)")
             out[(tname, role)] = tuple(recs)
+    return _complete_tuning(src, out, ll_max, targets) if complete else (out, ll_max)
+
+
+def _complete_tuning(src: _Source, out: dict, ll_max: dict[str, int], targets: dict[str, Target]) -> tuple[dict, dict]:
+    """Every target has its bandwidth kernels' buckets; the low-latency ones default to them; thresholds to 0."""
+    out, ll_max = dict(out), dict(ll_max)
     for tname in targets:
         for role in TUNING_ROLES[:2]:
             if (tname, role) not in out:

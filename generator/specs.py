@@ -1,7 +1,7 @@
 """Spec loader: TOML files under specs/ -> frozen attrs records.
 
-Every problem is reported as one ``file:line: message`` (SpecError) at the line of the value, never a
-traceback: TOML syntax errors, duplicate keys and text that is not UTF-8, unknown keys, missing keys,
+Every problem is reported as one ``file:line: message`` (SpecError) at the line of the value (a specs
+folder that does not exist: ``folder: no such folder``), never a traceback: TOML syntax errors, duplicate keys and text that is not UTF-8, unknown keys, missing keys,
 wrong types, values outside their field's declared domain, unknown references between files. Spec
 text is data only; nothing in it is evaluated. Every field has a domain (spec_schema): strings are
 printable text on one line (no character str.splitlines() breaks at), names whole C identifiers,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .spec_checks import (_check_dtype, _check_families, _check_quant, _load_rules, _load_targets,
+from .spec_checks import (_check_dtype, _check_families, _check_quant, _complete_tuning, _load_rules, _load_targets,
                           _load_tuning)
 from .spec_schema import (FACT_SOURCES, LL_THRESHOLD_KEY, TUNING_ROLES, Bucket, DType, Family, Profile, Quant, Rule,
                           Specs, Target, Toolchain, Topology, _named_tables, fact_paths, program_problem)
@@ -84,10 +84,50 @@ def templates_root(root: Path) -> Path:
 TEMPLATES = (checkout_root() or packaged_root()) / "templates"  # the default templates (the checkout's, else the packaged copy)
 
 
-def load(root: Path | str | None = None) -> Specs:
+TUNING_ENV = "EPGEN_TUNING_FILE"
+
+
+def user_tuning_file() -> Path | None:
+    """The tuned launch geometry of this machine: what ``python -m bench.tune --write`` writes and ``load`` lays
+    over the specs' tuning.toml when it exists. $EPGEN_TUNING_FILE (set but empty: none), else
+    $XDG_CONFIG_HOME/epgen/tuning.toml (~/.config/epgen/tuning.toml); never a file inside the package."""
+    if TUNING_ENV in os.environ:
+        return Path(os.environ[TUNING_ENV]) if os.environ[TUNING_ENV] else None
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "epgen" / "tuning.toml"
+
+
+def tuning_sources(root: Path) -> list[Path]:
+    """The tuning files a load of the specs at `root` reads, in order (the later one's tables win)."""
+    user = user_tuning_file()
+    return [root / "tuning.toml"] + ([user] if user is not None and user.exists() else [])
+
+
+def merge_tuning(base: dict, new: dict) -> dict:
+    """base's buckets with new's laid over: new's buckets of one (target, role) and world size replace base's of
+    that (target, role) and world size; every other world's are kept."""
+    out = {key: tuple(b) for key, b in base.items()}
+    for key, buckets in new.items():
+        worlds = {b.world for b in buckets}
+        out[key] = tuple(b for b in out.get(key, ()) if b.world not in worlds) + tuple(buckets)
+    return out
+
+
+def read_tuning_overlay(path: Path, targets: dict[str, Target]) -> tuple[dict, dict[str, int]]:
+    """A user tuning file's tables (any subset of targets, roles and world sizes), checked like tuning.toml."""
+    if not path.is_file():
+        raise SpecError(f"{path}:1: the tuning file (${TUNING_ENV}) is not a regular file")
+    src, data, _ = _read(path)
+    return _load_tuning(src, data, targets, complete=False, fallback=False)
+
+
+def load(root: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
+    """The specs at `root` (default: default_root()); tuning_overlay: lay the user tuning file over tuning.toml."""
     import hashlib
 
     root = Path(root) if root is not None else default_root()
+    if not root.is_dir():
+        raise SpecError(f"{root}: no such folder (the specs folder: --specs, ${SPECS_ENV})")
     srcs: dict[str, _Source] = {}
     data: dict[str, dict] = {}
     digest = hashlib.sha256()
@@ -118,7 +158,11 @@ def load(root: Path | str | None = None) -> Specs:
         if p not in profiles:
             raise _fail(srcs["profiles"], 1, f"profile {p!r} must be declared")
 
-    tuning, ll_max = _load_tuning(srcs["tuning"], data["tuning"], targets)
+    tuning, ll_max = _load_tuning(srcs["tuning"], data["tuning"], targets, complete=False)
+    for path in tuning_sources(root)[1:] if tuning_overlay else ():
+        more, more_ll = read_tuning_overlay(path, targets)
+        tuning, ll_max = merge_tuning(tuning, more), {**ll_max, **more_ll}
+    tuning, ll_max = _complete_tuning(srcs["tuning"], tuning, ll_max, targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
                  topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
                  tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest())

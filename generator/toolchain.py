@@ -30,6 +30,7 @@ class Tools:
     compiler_version: str  # first line of --version: part of every cache key
     disassembler: str | None
     env: tuple[tuple[str, str], ...] = ()  # extra environment (PATH for cuobjdump's nvdisasm)
+    missing: str = ""  # why there is no disassembler: the programs looked for, where, and what provides them
 
     @property
     def bare_clang(self) -> bool:
@@ -96,7 +97,10 @@ def find(tc: Toolchain) -> Tools:
     env: tuple[tuple[str, str], ...] = ()
     if dis is not None and extra:
         env = (("PATH", os.pathsep.join([os.environ.get("PATH", "")] + extra)),)
-    return Tools(compiler, _version(compiler), dis, env)
+    where = "PATH" + (" and pip's nvidia-*/bin folders" if extra else "")
+    missing = "" if dis else (f"{' / '.join(tc.disassemblers)} not found on {where} (the ISA check disassembles "
+                              f"every code object): install {tc.install_hint}")
+    return Tools(compiler, _version(compiler), dis, env, missing)
 
 
 def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[str]:
@@ -114,7 +118,7 @@ def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[
 
 def disassemble_command(target: Target, tools: Tools, artifact: Path) -> list[str]:
     if tools.disassembler is None:
-        raise ToolchainMissing(f"no disassembler for {target.name}")
+        raise ToolchainMissing(f"no disassembler for {target.name}: {tools.missing or 'none found'}")
     if target.vendor == "amd":
         return [tools.disassembler, "-d", f"--mcpu={target.name}", str(artifact)]
     return [tools.disassembler, "--dump-sass", str(artifact)]

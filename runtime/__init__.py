@@ -1,5 +1,14 @@
 """epgen runtime: EP dispatch/combine ops over generated kernels (native) or torch.distributed (torch)."""
 
+import generator as _generator
+
+__epgen__ = "runtime"
+if getattr(_generator, "__epgen__", None) != "generator":  # a foreign 'generator' shadows epgen's (README)
+    raise ImportError(f"epgen's runtime needs epgen's 'generator' package, but Python imports another one "
+                      f"({getattr(_generator, '__file__', None) or 'a namespace package'}): a package or folder "
+                      f"named 'generator' comes first on sys.path; run from another folder, or install epgen in a "
+                      f"venv of its own")
+
 from .config import EpDispatchCombineConfig
 from .errors import (CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, InputWarning,
                      VariantMissError)

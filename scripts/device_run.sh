@@ -15,7 +15,7 @@
 # SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks, combine at 512/768/1024 threads, gather and scatter, $OUT/bench_sms.jsonl,
 # and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
 # $OUT/bench_ll.jsonl; its GPU tests, tests/gpu/test_ep_ll.py, are in the default EP suite), TUNE_LL=1 (bench.tune
-# --ll-threshold --write: the low-latency threshold of this target, specs/tuning.toml copied to $OUT), FLOOR=1 (bench
+# --ll-threshold --write-specs: the low-latency threshold of this target, specs/tuning.toml copied to $OUT), FLOOR=1 (bench
 # --floor: flag ping-pong in one kernel, one-signal and empty kernels in a graph, $OUT/floor.jsonl), PROFILE=1 (bench
 # --profile-graph: kernel durations inside a graph replay of 16 layers, tokens 1 8 32 128, protocols ll bw,
 # $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite).
@@ -33,7 +33,7 @@ declare -A status
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
 tail -3 "$OUT/build.log"
 if [ -z "${NO_TESTS:-}" ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py tests/gpu/test_readme_gpu.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
   # oversubscribed runs name each test as it ends and dump every rank's Python stacks when one outlasts FH_TIMEOUT s
@@ -49,11 +49,11 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
     done
   fi
   if [ -n "${TUNE:-}" ]; then  # measure launch geometries, rewrite specs/tuning.toml (copied to $OUT)
-    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench.tune --write ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench.tune --write-specs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -vE "^(W|\*)" | tail -30; status[tune]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi
   if [ -n "${TUNE_LL:-}" ]; then  # the low-latency protocol's threshold (intranode_ll_max_tokens), rewritten in specs/tuning.toml
-    timeout 240 torchrun --nproc-per-node "$NPROC" -m bench.tune --ll-threshold --write 2>&1 | tee "$OUT/tune_ll.log" \
+    timeout 240 torchrun --nproc-per-node "$NPROC" -m bench.tune --ll-threshold --write-specs 2>&1 | tee "$OUT/tune_ll.log" \
       | grep -vE "^(W|\*)" | tail -12; status[tune_ll]=${PIPESTATUS[0]}
     cp specs/tuning.toml "$OUT/tuning.toml"
   fi

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("generator", "runtime", "bench")
+PACKAGES = ("epgen", "generator", "runtime", "bench")
 
 
 def module_name(path: Path) -> str:

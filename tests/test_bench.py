@@ -453,7 +453,7 @@ def test_run_point_record_on_cpu(dtype, tmp_path):
     assert len(lines) == 2 and dtype in lines[1]
 
     # scripts/plot_bench.py reads the record (graph fields filled in, as a GPU run has them)
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - the [test] extra installs it: these tests run, never skip
     rec = dict(recs[0])
     for key in ("dispatch_us", "combine_us", "dispatch_link_GBps", "combine_link_GBps"):
         rec[key] = rec[f"eager_{key}"]
@@ -546,6 +546,7 @@ def scn_main(rank, world, argv):
     from unittest import mock
 
     with mock.patch.object(torch.cuda, "set_device", lambda *a: None), \
+            mock.patch.object(cli.core, "require_gpus", lambda prog: None), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(cli.dist, "init_process_group", lambda *a, **kw: None), \
             mock.patch.object(cli.dist, "destroy_process_group", lambda *a, **kw: None):

@@ -317,7 +317,7 @@ def test_a_layer_gate_failure_still_runs_the_ceiling_then_raises():
 
 
 def test_plot_of_layer_records(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - the [test] extra installs it: these tests run, never skip
     recs = [_loop(1, 9.0, 8.5, 19.5), _loop(128, 34.8, 34.1, 43.7),
             _layer("epgen", 8, 120.0, 100.0), _layer("a2a", 8, 300.0, 100.0), _layer("epgen", 128, 220.0, 150.0),
             _layer("vdev2d", 8, None, 100.0, error="no NVSHMEM"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ep_dist import get_world
-from moe_layer_ref import REL_TOL, ROOT, check_block, load_example
+from moe_layer_ref import REL_TOL, ROOT, check_block, dense_reference, load_example
 
 
 def scn_block(rank, world, hidden, experts, topk, inter, tokens):
@@ -61,4 +61,19 @@ def test_example_command_runs_under_torchrun():
            "--intermediate", "64", "--tokens", "16", "--iters", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    assert res.stdout.count("ms per layer (eager)") == 2, res.stdout
+    lines = res.stdout.strip().splitlines()  # rank 0 prints every rank's line whole, then the verdict
+    assert [line.split(":")[0] for line in lines[-3:-1]] == ["rank 0", "rank 1"], res.stdout
+    assert all(line.count("ms per layer (eager)") == 1 for line in lines[-3:-1]), res.stdout
+    assert lines[-1].startswith("OK: the EP layer on 2 rank(s) matches its dense reference"), res.stdout
+
+
+def test_example_verdict_measures_the_distance_from_the_dense_layer():
+    import types
+
+    ex = load_example()
+    hidden, experts, inter = 64, 8, 32
+    x = torch.randn(6, hidden).to(torch.bfloat16)
+    block = types.SimpleNamespace(gate=ex.router_weight(experts, hidden), k=2)
+    want = dense_reference(ex, x, hidden, experts, 2, inter)
+    assert ex.dense_error(x, want, block, hidden, inter) == 0.0
+    assert ex.dense_error(x, torch.zeros_like(x), block, hidden, inter) == 1.0 > ex.TOLERANCE

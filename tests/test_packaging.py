@@ -73,7 +73,34 @@ def test_wheel_ships_every_python_package():
     """Every folder of the project's packages that holds an __init__.py is declared, so a new subpackage
     cannot be left out of the wheel (it imports in a checkout and fails installed)."""
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("generator", "runtime", "bench")
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("epgen", "generator", "runtime", "bench")
              for p in (ROOT / top).rglob("__init__.py")}
     assert found and "runtime.backends" in found
     assert found - declared == set(), f"packages missing from pyproject.toml: {sorted(found - declared)}"
+
+
+def _third_party_imports(paths) -> set[str]:
+    import ast
+    import sys
+
+    ours = {"generator", "runtime", "bench", "epgen", "tests"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    out = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            out |= {n.split(".")[0] for n in names} - ours - set(sys.stdlib_module_names)
+    return out
+
+
+def test_test_extra_installs_what_the_cpu_tests_import():
+    """`pip install -e '.[test]'` is enough for every CPU test and the scripts they run (none skips for a missing
+    module); the nvidia extra brings the sm_90 disassemblers."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    declared = {req.split(">")[0].split("=")[0].split("<")[0].split("[")[0].replace("-", "_")
+                for req in project["dependencies"] + extras["test"]}
+    imported = _third_party_imports([*(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")])
+    assert imported - declared == set(), f"imported by the tests but not in the [test] extra: {imported - declared}"
+    assert {"nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"} <= {r.split(">")[0] for r in extras["nvidia"]}
+    assert project["scripts"]["epgen"] == "epgen:main"
