@@ -195,11 +195,11 @@ def run_planned(pt: dict, args) -> dict:
 def main(argv=None, prog: str = "python -m bench") -> int:
     args = build_parser(prog).parse_args(argv)
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
+    if args.floor or args.profile_graph:
+        check_graph_args(args)  # a wrong flag is named before anything else is asked of the machine
     core.require_gpus(prog)
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"
-    if args.floor or args.profile_graph:
-        check_graph_args(args)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if args.floor or args.profile_graph:
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

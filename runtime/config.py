@@ -389,7 +389,8 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
                          self.max_recv_tokens * self.num_experts_per_token),
                         ("num_experts_per_rank x expert capacity (resolved)",
                          self.num_experts_per_rank * self.resolved_expert_capacity),
-                        ("grouped_capacity (resolved)", self.resolved_grouped_capacity)):
+                        ("grouped_capacity (resolved)",
+                         self.resolved_grouped_capacity if self.enable_grouped_layout else 0)):
             if n >= 2 ** 31:
                 raise self._fail("max_num_inp_token_per_rank", f"{what} = {n}: row numbers are int32 (must be < 2^31)")
         rows = max(self.max_recv_tokens, self.max_num_inp_token_per_rank)

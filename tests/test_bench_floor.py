@@ -213,6 +213,7 @@ def _stubbed_main(argv, patches):
         for obj, name, value in [(torch.cuda, "set_device", lambda *a: None), (torch.cuda, "current_device", lambda: 0),
                                  (cli.dist, "init_process_group", lambda *a, **kw: None),
                                  (cli.dist, "destroy_process_group", lambda *a, **kw: None),
+                                 (cli.core, "require_gpus", lambda prog: None),
                                  (layer, "_meta", lambda dev, **kw: dict(META)), *patches]:
             stack.enter_context(mock.patch.object(obj, name, value))
         out = io.StringIO()

@@ -391,7 +391,7 @@ def test_build_close_ten_times_then_closed(no_env):
         "convert_combine_input": lambda: op.convert_combine_input(y, h), "memory_report": op.memory_report,
         "scale_stride_bytes": op.scale_stride_bytes, "grouped_layout": op.grouped_layout,
         "dispatch_grouped": lambda: op.dispatch_grouped(x, w, None, idx),
-        "combine_grouped": lambda: op.combine_grouped(out, h),
+        "combine_grouped": lambda: op.combine_grouped(out, h), "grouped_out_view": op.grouped_out_view,
     }
     public = {n for n in dir(EpDispatchCombineOp) if not n.startswith("_") and callable(getattr(EpDispatchCombineOp, n))}
     # close is idempotent; available_backends is a classmethod (the machine's, no op state)

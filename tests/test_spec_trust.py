@@ -58,7 +58,7 @@ STRING_SITES = [
     ("rules.toml", 'message = "combine dtypes are bf16 or fp32"', 'message = "a{c}b"', "a{c}b"),
     ("targets.toml", 'fp8_encode = ["F2FP.SATFINITE.E4M3"]', 'fp8_encode = ["F2FP{c}.E4M3"]', "F2FP{c}"),
     ("targets.toml", 'install_hint = "the CUDA', 'install_hint = "x{c}the CUDA', "x{c}the"),
-    ("profiles.toml", '"route_*"]', '"route_*", "r{c}"]', "r{c}"),
+    ("profiles.toml", '"route_*",', '"route_*", "r{c}",', "r{c}"),
 ]
 
 
