@@ -43,6 +43,16 @@ def _jobs(text: str) -> int:
     return n
 
 
+def _templates(args) -> Path | None:
+    """--templates: a folder holding variant.j2, named explicitly; None: the project's templates/."""
+    if args.templates is None:
+        return None
+    root = Path(args.templates)
+    if not (root / "variant.j2").is_file():
+        raise SystemExit(f"error: --templates {args.templates!r}: no variant.j2 in that folder")
+    return root
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -62,7 +72,8 @@ def cmd_build(specs: S.Specs, args) -> int:
 
     out_root = Path(args.out) if args.out else B.generated_root(specs)
     results = B.build(specs, archs, args.profile, args.only, args.jobs, not args.no_compile,
-                      Path(args.cache_dir) if args.cache_dir else None, progress=progress, out_root=out_root)
+                      Path(args.cache_dir) if args.cache_dir else None, progress=progress, out_root=out_root,
+                      templates=_templates(args))
     if not results:
         print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
         return 1
@@ -151,7 +162,7 @@ def _explain_variant(v) -> int:
 
 def cmd_check(specs: S.Specs, args) -> int:
     out_root = Path(args.out) if args.out else None
-    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch, out_root)]
+    problems = [p for arch in _archs(specs, args.arch) for p in B.freshness(specs, arch, out_root, _templates(args))]
     n = sum(len(enumerate_variants(specs, [a], "all")[0]) for a in _archs(specs, args.arch))
     if problems:
         print("\n".join(problems[:50]))
@@ -165,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m generator", description=__doc__)
     p.add_argument("--specs", help="specs folder (default: $EPGEN_SPECS_DIR, else the checkout's specs/, else the "
                                    "copy installed with the package)")
+    p.add_argument("--templates", help="template folder (default: the project's templates/, the checkout's or the copy "
+                                       "installed with the package; never one found beside --specs)")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="render, compile and ISA-verify variants")
     b.add_argument("--arch", required=True, help="target name or 'all'")
@@ -194,10 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = S.load(args.specs)
         return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
-    except (S.SpecError, render.OutsideRoot) as e:
+    except (S.SpecError, render.OutsideRoot, render.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jinja2.TemplateError as e:
-        where = f"templates/{e.name}:{e.lineno}: " if getattr(e, "lineno", None) else ""
-        print(f"error: template: {where}{e.message}", file=sys.stderr)
+        print(f"error: template: {_template_where(e)}{e.message}", file=sys.stderr)
         return 2
+
+
+def _template_where(e: jinja2.TemplateError) -> str:
+    """`templates/<file>:<line>: ` of a template error: its own (syntax errors) or the innermost template
+    frame of its traceback (Jinja rewrites the frames of a render error to template lines)."""
+    if getattr(e, "lineno", None):
+        return f"templates/{e.name}:{e.lineno}: "
+    where, tb = "", e.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name.endswith(".j2"):
+            parts = Path(name).parts
+            rel = "/".join(parts[parts.index("templates") + 1:]) if "templates" in parts else Path(name).name
+            where = f"templates/{rel}:{tb.tb_lineno}: "
+        tb = tb.tb_next
+    return where
