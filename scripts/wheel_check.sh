@@ -15,7 +15,8 @@ python3 -m pip wheel -q --no-deps --no-build-isolation . -w "$work/dist"
 rm -rf build
 whl=$(ls "$work"/dist/epgen-*.whl)
 python3 -c 'import sys, zipfile; names = set(zipfile.ZipFile(sys.argv[1]).namelist()); missing = {
-    "generator/data/specs/targets.toml", "generator/data/templates/variant.j2"} - names; sys.exit(
+    "generator/data/specs/targets.toml", "generator/data/templates/variant.j2", "runtime/backends/native.py",
+    "bench/cli.py"} - names; sys.exit(
     f"wheel lacks {sorted(missing)}" if missing else 0)' "$whl"
 
 step "fresh venv"

@@ -26,11 +26,11 @@ def _worlds():
 
 
 class _NoBackend:
-    """Stands in for runtime.op._make_backend: records whether a backend was requested."""
+    """Stands in for runtime.backends.make: records whether a backend was requested."""
 
     def __init__(self):
         self.calls = 0
-        self.real = rop._make_backend
+        self.real = rop.backends.make
 
     def __call__(self, config, group):
         self.calls += 1
@@ -39,12 +39,12 @@ class _NoBackend:
 
 def _construct_expecting_error(cfg) -> tuple[str, int]:
     spy = _NoBackend()
-    rop._make_backend = spy
+    rop.backends.make = spy
     try:
         with pytest.raises(ConfigError) as err:
             EpDispatchCombineOp(cfg)
     finally:
-        rop._make_backend = spy.real
+        rop.backends.make = spy.real
     return str(err.value), spy.calls
 
 

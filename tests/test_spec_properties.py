@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from generator import render
+from generator import spec_schema as schema
 from generator import specs as S
 from generator.cache import Entry
 from generator.model import enumerate_variants
@@ -207,13 +208,13 @@ def _in_domain(cls, field, kind, value):
     for s in _strings(value):
         assert all(c.isprintable() for c in s) and len(f"a{s}a".splitlines()) == 1, s
     if kind == "name":
-        assert S._IDENT.fullmatch(value), value
-    form = S._PATTERNS.get((cls, field))
+        assert schema._IDENT.fullmatch(value), value
+    form = schema._PATTERNS.get((cls, field))
     for s in _strings(value) if kind != "map" else list(value):
         assert form is None or form[0].fullmatch(s), s
-        assert (cls, field) not in S._CHOICES or s in S._CHOICES[(cls, field)], s
+        assert (cls, field) not in schema._CHOICES or s in schema._CHOICES[(cls, field)], s
     if kind == "number":
-        rng, choices = S._RANGES.get((cls, field)), S._CHOICES.get((cls, field))
+        rng, choices = schema._RANGES.get((cls, field)), schema._CHOICES.get((cls, field))
         assert (rng and rng.admits(value)) or (choices and value in choices), value
 
 
@@ -260,7 +261,7 @@ def _check(work, cls, field, kind, value):
         mine = [v for v in variants if ns and getattr(v, ns) is not None and getattr(v, ns).name == name]
         for v in {v.key: v for v in mine[:1] + mine[-1:]}.values():
             text = render.render(v, env)
-            if kind == "text" and (cls, field) not in S._CHOICES and (cls, field) not in S._PATTERNS:
+            if kind == "text" and (cls, field) not in schema._CHOICES and (cls, field) not in schema._PATTERNS:
                 if v.key not in base_renders:
                     base_renders[v.key] = render.render(base[v.key], env)
                 _rendered_as_comment(text, base_renders[v.key], value)

@@ -7,6 +7,7 @@ import pytest
 
 from generator import build as B
 from generator import render, toolchain
+from generator import spec_schema as schema
 from generator import specs as S
 from generator.cli import main
 from generator.model import enumerate_variants
@@ -258,7 +259,7 @@ def test_every_numeric_field_has_a_declared_domain():
         attrs.resolve_types(cls)
         for f in attrs.fields(cls):
             if f.type in (int, float):
-                assert (cls, f.name) in S._RANGES or (cls, f.name) in S._CHOICES, (cls.__name__, f.name)
+                assert (cls, f.name) in schema._RANGES or (cls, f.name) in schema._CHOICES, (cls.__name__, f.name)
 
 
 def test_fp8_max_is_rendered_exactly(spec_copy):

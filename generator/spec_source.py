@@ -1,0 +1,124 @@
+"""Reading a spec file: TOML text with the line of every table and key, and the located error.
+
+tomllib keeps no positions, so a _Source keeps the text's lines and finds, when an error needs one,
+the line of a table header or a key (table_line, key_line); _fail makes the SpecError that names it
+as ``file:line: message``. _read reads one spec file into its _Source and its data, reporting an
+unreadable file, text that is not UTF-8 and every TOML syntax error at its line. Nothing here knows
+what a spec file may hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+class SpecError(Exception):
+    """A spec problem, located: str(err) is 'file:line: message'."""
+
+
+_Line = "int | Callable[[], int]"  # a line number, or a function that finds it (called on error only)
+
+
+_KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+_KEY_LINE = re.compile(rf"\s*({_KEY}(?:\s*\.\s*{_KEY})*)\s*=")
+
+
+def _key_path(toml: str) -> tuple[str, ...] | None:
+    """The key path a header (`[a."b"]`, `[[a.b]]`) or a `key = 0` line declares, parsed by tomllib itself."""
+    try:
+        node: Any = tomllib.loads(toml)
+    except tomllib.TOMLDecodeError:
+        return None
+    path: list[str] = []
+    while True:
+        if isinstance(node, list) and node:
+            node = node[-1]
+        if not (isinstance(node, dict) and len(node) == 1):
+            return tuple(path)
+        key, node = next(iter(node.items()))
+        path.append(key)
+
+
+def show(path: tuple[str, ...]) -> str:
+    """A key path as TOML writes it (ASCII, one line): target.gfx942, family."quantize_fp8\\n"."""
+    return ".".join(k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k) for k in path)
+
+
+class _Source:
+    def __init__(self, path: Path, text: str):
+        self.path = path
+        # TOML lines end at \n only (tomllib's line numbers count those), not at U+2028 & co
+        self.lines = text.split("\n")
+
+    @functools.cached_property
+    def entries(self) -> list[tuple[int, tuple[str, ...], bool]]:
+        """(line, full key path, is a header) of every table header and key line; found when first asked."""
+        entries = []
+        table: tuple[str, ...] = ()
+        for i, line in enumerate(self.lines, 1):
+            if line.lstrip().startswith("["):
+                path = _key_path(line)
+                if path:
+                    table = path
+                    entries.append((i, path, True))
+                    continue
+            m = _KEY_LINE.match(line)
+            key = _key_path(m.group(1) + " = 0") if m else None
+            if key:
+                entries.append((i, table + key, False))
+        return entries
+
+    def where(self, line: int) -> str:
+        rel = os.path.relpath(self.path)
+        return f"{rel if not rel.startswith('..') else self.path}:{line}"
+
+    def table_line(self, header: tuple[str, ...], occurrence: int = 0) -> int:
+        """Line of `[header]` (or `[[header]]`, the occurrence-th one), else where the table is first
+        defined implicitly (a sub-table or a dotted key); 1 if nowhere."""
+        heads = [i for i, p, is_head in self.entries if is_head and p == header]
+        if occurrence < len(heads):
+            return heads[occurrence]
+        return next((i for i, p, _ in self.entries if p[:len(header)] == header), 1)
+
+    def key_line(self, header: tuple[str, ...], key: str, occurrence: int = 0, start: int = 0) -> int:
+        """Line of `key =` inside table `header` (also `key.x = ` or a `[header.key]` sub-table), searched
+        from the occurrence-th `[header]` (or from line `start`); that line if not found."""
+        start = start or self.table_line(header, occurrence)
+        want = header + (key,)
+        after = [(i, p, h) for i, p, h in self.entries if i > start]
+        stop = next((i for i, p, h in after if h and p[:len(want)] != want), len(self.lines) + 1)
+        hits = [i for i, p, _ in after if i < stop and p[:len(want)] == want]
+        hits = hits or [i for i, p, h in self.entries if h and p[:len(want)] == want]
+        return hits[0] if hits else start
+
+
+def _fail(src: _Source, line: _Line, msg: str) -> SpecError:
+    """The located error."""
+    return SpecError(f"{src.where(line() if callable(line) else line)}: {msg}")
+
+
+def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path}:1: cannot read the spec file ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        src = _Source(path, "")
+        raise _fail(src, raw[:e.start].count(b"\n") + 1,
+                    f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    src = _Source(path, text)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+        line = int(m.group(1)) if m else 1
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
+        raise _fail(src, line, f"invalid TOML: {msg}") from None
+    return src, data, raw
