@@ -48,7 +48,7 @@ def render_target(specs: Specs, arch: str, templates: Path | None = None) -> tup
     """Render every variant of `arch` in memory: {file name: text} and the manifest dict. Templates come
     from `templates` when the user names a folder (`--templates`), else from the project's templates/
     (never from a folder found beside a spec folder)."""
-    env = render.environment(templates)
+    env = render.environment(templates or specs.templates)
     variants, _ = enumerate_variants(specs, [arch], "all")
     files: dict[str, str] = {}
     entries = {}

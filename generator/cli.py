@@ -205,7 +205,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        specs = S.load(args.specs)
+        specs = S.load(args.specs, _templates(args))
         return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
     except (S.SpecError, render.OutsideRoot, render.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)

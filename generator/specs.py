@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .spec_checks import (_check_dtype, _check_families, _check_quant, _load_rules, _load_targets,
+from .spec_checks import (_check_axis_names, _check_dtype, _check_families, _check_quant, _load_rules, _load_targets,
                           _load_tuning)
 from .spec_schema import (FACT_SOURCES, LL_THRESHOLD_KEY, TUNING_ROLES, Bucket, DType, Family, Profile, Quant, Rule,
                           Specs, Target, Toolchain, Topology, _named_tables, fact_paths, program_problem)
@@ -72,19 +72,19 @@ def is_packaged(root: Path) -> bool:
     return root.resolve() == (packaged_root() / "specs").resolve()
 
 
-def templates_root(root: Path) -> Path:
-    """The templates of a specs folder: templates/ beside it when there is one, else the default
-    (the checkout's, else the packaged copy)."""
-    beside = root.resolve().parent / "templates"
-    if beside.is_dir():
-        return beside
-    return (checkout_root() or packaged_root()) / "templates"
-
-
 TEMPLATES = (checkout_root() or packaged_root()) / "templates"  # the default templates (the checkout's, else the packaged copy)
 
 
-def load(root: Path | str | None = None) -> Specs:
+def templates_root(root: Path, templates: Path | str | None = None) -> Path:
+    """The templates used with the specs folder `root`: the folder the user names (`--templates`), else
+    the project's (the checkout's, else the packaged copy). A templates/ folder found beside a spec
+    folder is never used unless named: a spec folder is data, a template is code."""
+    return Path(templates) if templates is not None else TEMPLATES
+
+
+def load(root: Path | str | None = None, templates: Path | str | None = None) -> Specs:
+    """The specs of the folder `root` (default: default_root()), checked against the template folder
+    `templates` (default: the project's; see templates_root)."""
     import hashlib
 
     root = Path(root) if root is not None else default_root()
@@ -99,7 +99,7 @@ def load(root: Path | str | None = None) -> Specs:
         if name != "tuning":  # launch geometry is runtime data: it changes no generated source
             digest.update(name.encode() + b"\0" + raw + b"\0")
 
-    troot = templates_root(root)
+    troot = templates_root(root, templates)
     targets, toolchains = _load_targets(srcs["targets"], data["targets"], troot)
 
     dtypes = _named_tables(srcs["dtypes"], data["dtypes"], "dtype", DType)
@@ -109,6 +109,7 @@ def load(root: Path | str | None = None) -> Specs:
     for q in quants.values():
         _check_quant(srcs["quant"], q, dtypes, targets)
     topologies = _named_tables(srcs["topologies"], data["topologies"], "topology", Topology)
+    _check_axis_names(srcs, dtypes, quants, topologies)
     families = _named_tables(srcs["kernels"], data["kernels"], "family", Family)
     _check_families(srcs["kernels"], families, dtypes, quants, topologies, targets, troot)
 
@@ -121,7 +122,8 @@ def load(root: Path | str | None = None) -> Specs:
     tuning, ll_max = _load_tuning(srcs["tuning"], data["tuning"], targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
                  topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
-                 tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest())
+                 tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest(),
+                 templates=Path(templates) if templates is not None else None)
 
 
 def buckets_for(specs: Specs, target: str, role: str, world: int = 0) -> tuple[Bucket, ...]:

@@ -85,7 +85,7 @@ def test_spec_file_that_is_not_a_regular_file(spec_copy):
 
 @pytest.mark.parametrize("field", ["description", "message", "install_hint"])
 def test_long_string_is_refused_briefly(spec_copy, field):
-    big = "x" * (1 << 20)
+    big = "x" * 200_000  # under the file limit, far over the string limit
     site = {"description": ("targets.toml", 'description = "AMD gfx1250"'),
             "message": ("rules.toml", 'message = "combine dtypes are bf16 or fp32"'),
             "install_hint": ("targets.toml", 'install_hint = "the CUDA')}[field]
@@ -147,7 +147,7 @@ def test_variant_names_are_unique_even_past_the_loader(specs):
 # ---------------------------------------------------------------------------------------------
 # 4: numbers render exactly in the target's float type, or are refused
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value", ["1e-300", "1e-40", "0.1", "447.99999999"])
+@pytest.mark.parametrize("value", ["1e-300", "1e-40", "0.1", "239.99999999"])
 def test_fp8_max_that_does_not_render_exactly_is_refused(spec_copy, value):
     mutate(spec_copy / "targets.toml", "fp8_max = 240.0", f"fp8_max = {value}")
     msg = _located(spec_copy, "targets.toml", line_of(spec_copy / "targets.toml", f"fp8_max = {value}"))
