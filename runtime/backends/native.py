@@ -561,5 +561,5 @@ class NativeBackend:
         self._ws = self._std = self.dargs = self.cargs = None
         self._numbering = self._ll = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
-        self._error_words = None
+        self._error_words = self.group = None  # a closed op keeps no process group alive
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None
