@@ -147,6 +147,15 @@ class Plan:
         return out
 
 
+def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
+    """The report of `seen` expert ids >= num_experts a dispatch kernel noted (`bad`: the first, if known)."""
+    n = cfg.num_experts
+    first = f"expert id {bad}" if bad is not None else "an expert id"
+    return (f"dispatch: {first} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
+            f"found on rank {cfg.rank} by the dispatch kernel of an earlier call of this op ({seen} "
+            f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
+
+
 def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
     """The row shapes the native kernels handle: whole 16-byte vectors, 8 elements at a time."""
     if cfg.hidden_dim % 8:  # the kernels convert, scatter and reduce 8 elements at a time
@@ -340,14 +349,8 @@ class NativeBackend:
         if self.id_check == "off" or seen is None or bad <= seen:
             return
         self._late_words = bad - seen  # the words of these ids may still arrive: they are reported here, once
-        raise InputError(self._bad_id_message(None, bad - seen))
+        raise InputError(bad_id_message(self.config, None, bad - seen))
 
-    def _bad_id_message(self, bad: int | None, seen: int) -> str:
-        n = self.config.num_experts
-        first = f"expert id {bad}" if bad is not None else "an expert id"
-        return (f"dispatch: {first} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
-                f"found on rank {self.config.rank} by the dispatch kernel of an earlier call of this op ({seen} "
-                f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
 
     def check(self, ids: str = "raise") -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting; report an expert id >= num_experts
@@ -363,7 +366,7 @@ class NativeBackend:
             late, self._late_words = self._late_words, 0
             if self.id_check == "off" or 0 < seen <= late:  # synced_check reported these from the device count
                 return
-            msg = self._bad_id_message(bad, seen)
+            msg = bad_id_message(self.config, bad, seen)
             if ids == "warn":
                 self._bad_seen = None  # reported without reading the device count: synced_check re-bases
                 warnings.warn(msg, errors.InputWarning, stacklevel=4)
