@@ -14,7 +14,7 @@ import attrs
 from . import __version__, render, toolchain
 from .cache import Entry, UnsafePath, cache_key, default_dir, sweep_stale, usable_dir
 from .model import Variant, enumerate_variants
-from .specs import Specs, is_packaged, templates_root
+from .specs import Specs, is_packaged
 
 GENERATED_ENV = "EPGEN_GENERATED_DIR"
 
@@ -44,9 +44,11 @@ def manifest_entry(v: Variant, source_sha256: str) -> dict:
     }
 
 
-def render_target(specs: Specs, arch: str) -> tuple[dict[str, str], dict]:
-    """Render every variant of `arch` in memory: {file name: text} and the manifest dict."""
-    env = render.environment(templates_root(specs.root))
+def render_target(specs: Specs, arch: str, templates: Path | None = None) -> tuple[dict[str, str], dict]:
+    """Render every variant of `arch` in memory: {file name: text} and the manifest dict. Templates come
+    from `templates` when the user names a folder (`--templates`), else from the project's templates/
+    (never from a folder found beside a spec folder)."""
+    env = render.environment(templates or specs.templates)
     variants, _ = enumerate_variants(specs, [arch], "all")
     files: dict[str, str] = {}
     entries = {}
@@ -65,25 +67,33 @@ def _owned(specs: Specs, path: Path) -> bool:
 
 
 def stale_files(specs: Specs, arch: str, files: dict[str, str], out_root: Path) -> list[Path]:
+    """Files of generated/<arch>/ to remove: owned files the specs no longer render, and the temporary
+    files of writers that died mid-write."""
     d = out_root / arch
-    return sorted(p for p in d.iterdir() if p.is_file() and _owned(specs, p) and p.name not in files) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.is_file() and (render.leftover(p) or _owned(specs, p) and p.name not in files))
 
 
-def write_target(specs: Specs, arch: str, out_root: Path | None = None) -> tuple[int, int]:
+def write_target(specs: Specs, arch: str, out_root: Path | None = None,
+                 templates: Path | None = None) -> tuple[int, int]:
     """Render into generated/<arch>/, writing only changed files. Returns (written, removed)."""
     out_root = out_root or generated_root(specs)
-    files, _ = render_target(specs, arch)
+    files, _ = render_target(specs, arch, templates)
     written = sum(render.write_if_changed(out_root / arch / name, text, out_root) for name, text in sorted(files.items()))
     stale = stale_files(specs, arch, files, out_root)
     for p in stale:
-        render.inside(out_root, p).unlink()
+        try:
+            render.inside(out_root, p).unlink(missing_ok=True)
+        except OSError as e:
+            raise render.WriteError(f"cannot remove {str(p)!r}: {e.strerror or e}") from None
     return written, len(stale)
 
 
-def freshness(specs: Specs, arch: str, out_root: Path | None = None) -> list[str]:
+def freshness(specs: Specs, arch: str, out_root: Path | None = None, templates: Path | None = None) -> list[str]:
     """Problems that make generated/<arch>/ differ from what the specs and templates render."""
     out_root = out_root or generated_root(specs)
-    files, _ = render_target(specs, arch)
+    files, _ = render_target(specs, arch, templates)
     problems = []
     for name, text in sorted(files.items()):
         p = out_root / arch / name
@@ -113,11 +123,15 @@ class Result:
         return self.status in ("compiled", "cached") and self.verified is True
 
 
-def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool, str]:
-    """Disassemble and check the target's expected (and forbidden) mnemonics for this variant."""
+def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool | None, str]:
+    """Disassemble and check the target's expected (and forbidden) mnemonics for this variant: (True, why)
+    or (False, why) is a verdict on the code object; (None, why) says the disassembler itself failed
+    (killed, timed out, missing): no verdict, so nothing is recorded and the next build tries again."""
     r = toolchain.run(toolchain.disassemble_command(v.target, tools, artifact), tools)
     if r.returncode != 0:
-        return False, f"disassembler failed: {(r.stderr or r.stdout).strip()[:2000]}"
+        why = " ".join((r.stderr or r.stdout).split())[:2000]
+        how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        return None, f"disassembler failed ({how})" + (f": {why}" if why else "")
     ops = toolchain.opcodes(r.stdout, v.target.vendor)
     if not ops:
         return False, "disassembly holds no instructions"
@@ -133,27 +147,49 @@ def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool, st
     return True, f"{len(v.expected_isa)} expected instruction(s) found" if v.expected_isa else "no ISA expectation"
 
 
+def _compile(v: Variant, tools: toolchain.Tools, entry: Entry, code: bytes, source: Path) -> tuple[Path | None, str]:
+    """Compile exactly `code` (the source bytes the key hashed) into a temporary artifact of `entry`:
+    (its path, "") or (None, the compiler's message). The compiler reads a private copy of the bytes,
+    never `source` again, so a concurrent writer of `source` cannot put another object under this key."""
+    copy = entry.temp_file(f".{v.toolchain.extension}")
+    out = entry.temp_file(f".{v.toolchain.artifact}")
+    try:
+        copy.write_bytes(code)
+        cmd = toolchain.compile_command(v.target, tools, copy, out, unit=source.name)
+        r = toolchain.run(cmd, tools)
+        if r.returncode != 0 or out.stat().st_size == 0:
+            out.unlink(missing_ok=True)
+            msg = (r.stderr or r.stdout).strip().replace(str(copy), str(source)) or f"exit {r.returncode}"
+            return None, msg
+        return out, ""
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain.Tools, image: bool = False) -> Result:
     """Compile (or reuse) one variant's code object and verify it. Never raises for compile errors.
     image=True: also return the code object's bytes (Result.image), the very bytes whose hash matched
     the entry's record under its lock (never read again from the file)."""
     t0 = time.perf_counter()
     res = Result(v)
-    src_sha = render.sha256(source.read_bytes())
     isa_key = render.sha256(json.dumps([v.expected_isa, v.forbidden_isa]))
     try:
-        entry = Entry.of(cache_root, v, cache_key(v, tools, src_sha))
+        code = source.read_bytes()  # read once: the key hashes these bytes and the compiler gets them
+        entry = Entry.of(cache_root, v, cache_key(v, tools, render.sha256(code)))
         with entry.lock():
             found = entry.read()
             if found is None:
-                tmp_path = entry.temp_file(f".{v.toolchain.artifact}")
+                entry.clear()
+                tmp_path, msg = _compile(v, tools, entry, code, source)
+                if tmp_path is None:
+                    res.status, res.message = "failed", msg
+                    return res
                 try:
-                    r = toolchain.run(toolchain.compile_command(v.target, tools, source, tmp_path), tools)
-                    if r.returncode != 0 or tmp_path.stat().st_size == 0:
-                        res.status, res.message = "failed", (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
-                        return res
                     data = tmp_path.read_bytes()
-                    rec = entry.publish_artifact(tmp_path, data, {"variant": v.key, "source_sha256": src_sha,
+                    rec = entry.publish_artifact(tmp_path, data, {"variant": v.key, "source_sha256": render.sha256(code),
                                                                   "verified": {}})
                 finally:
                     tmp_path.unlink(missing_ok=True)
@@ -163,14 +199,15 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
                 res.status = "cached"
             res.artifact = entry.artifact
             res.image = data if image else None
-            done = rec.get("verified", {}).get(isa_key)
+            done = rec["verified"].get(isa_key)
             if done is None:
                 ok, msg = verify(v, tools, entry.artifact)
-                rec.setdefault("verified", {})[isa_key] = {"ok": ok, "message": msg}
-                entry.write_record(rec)
+                if ok is not None:  # a verdict; a failure of the disassembler itself is retried next time
+                    rec["verified"][isa_key] = {"ok": ok, "message": msg}
+                    entry.write_record(rec)
             else:
                 ok, msg = done["ok"], done["message"]
-            res.verified, res.message = ok, msg
+            res.verified, res.message = bool(ok), msg
     except toolchain.ToolchainMissing as e:
         res.status, res.message = "missing-toolchain", str(e)
     except UnsafePath as e:
@@ -184,13 +221,14 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
 
 def build(specs: Specs, archs: Iterable[str], profile: str = "default", only: str | None = None,
           jobs: int | None = None, compile: bool = True, cache_dir: Path | None = None,
-          out_root: Path | None = None, progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+          out_root: Path | None = None, progress: Callable[[int, int, Result], None] | None = None,
+          templates: Path | None = None) -> list[Result]:
     if jobs is not None and jobs < 1:
         raise ValueError(f"jobs = {jobs}: at least one compiler runs")
     archs = list(archs)
     out_root = out_root or generated_root(specs)
     for arch in archs:
-        write_target(specs, arch, out_root)
+        write_target(specs, arch, out_root, templates)
     selected, _ = enumerate_variants(specs, archs, profile, only)
     results = [Result(v, status="rendered") for v in selected]
     if not compile:

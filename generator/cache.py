@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import tempfile
 import warnings
@@ -112,6 +113,46 @@ def plain_component(value: str, what: str) -> str:
             or value[0] in ".-" or not value.isprintable()):
         raise UnsafePath(f"cache: {what} {value!r} is not a plain file name")
     return value
+
+
+MAX_RECORD = 1 << 20  # bytes: a record holds a hash and a few verification results
+MAX_ARTIFACT = 1 << 28  # bytes: a code object (the largest today is well under 1 MiB)
+
+
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of `path` if it is a regular file (not a link, a FIFO, a device or a directory) of at
+    most `limit` bytes, else None. Opened without following a link and without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks, n = [], 0
+        while n <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        return b"".join(chunks) if n <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def valid_record(rec) -> bool:
+    """A record as the writer makes it: a JSON object with the artifact's sha256 (64 hex digits) and
+    `verified`, an object of {"ok": bool, "message": str} results keyed by ISA-expectation hash."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", rec["sha256"]):
+        return False
+    verified = rec.get("verified")
+    return isinstance(verified, dict) and all(
+        isinstance(k, str) and isinstance(r, dict) and set(r) == {"ok", "message"} and isinstance(r["ok"], bool)
+        and isinstance(r["message"], str) for k, r in verified.items())
 
 
 def cache_key(v: Variant, tools: Tools, source_sha256: str) -> str:
@@ -207,16 +248,29 @@ class Entry:
         return Path(tmp)
 
     def read(self) -> tuple[dict, bytes] | None:
-        """(record, artifact bytes) if the entry is complete and those bytes match the recorded hash. The
-        artifact is read once: the bytes hashed are the bytes returned."""
-        try:
-            rec = json.loads(self.record.read_text())
-            data = self.artifact.read_bytes()
-        except (OSError, ValueError):
+        """(record, artifact bytes) if the entry is complete, well formed and those bytes match the
+        recorded hash; else None (the entry is rebuilt). The artifact is read once: the bytes hashed are
+        the bytes returned. Only regular files are read (never through a link, never a FIFO or a device,
+        which could block or never end), each up to its size limit."""
+        raw = read_regular(self.record, MAX_RECORD)
+        data = read_regular(self.artifact, MAX_ARTIFACT) if raw is not None else None
+        if data is None:
             return None
-        if isinstance(rec, dict) and rec.get("sha256") == hashlib.sha256(data).hexdigest():
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
+            return None
+        if valid_record(rec) and rec["sha256"] == hashlib.sha256(data).hexdigest():
             return rec, data
         return None
+
+    def clear(self) -> None:
+        """Make room for a rebuild (under the lock): a directory where the artifact or the record goes is
+        removed (anything else there is replaced by the atomic rename)."""
+        for p in (self.artifact, self.record):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(p).st_mode):
+                    shutil.rmtree(p)
 
     def _checked_dir(self) -> Path:
         """The entry's directory, created; UnsafePath if it resolves outside the cache root."""

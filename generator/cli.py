@@ -45,6 +45,16 @@ def _jobs(text: str) -> int:
     return n
 
 
+def _templates(args) -> Path | None:
+    """--templates: a folder holding variant.j2, named explicitly; None: the project's templates/."""
+    if args.templates is None:
+        return None
+    root = Path(args.templates)
+    if not (root / "variant.j2").is_file():
+        raise SystemExit(f"error: --templates {args.templates!r}: no variant.j2 in that folder")
+    return root
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -64,7 +74,8 @@ def cmd_build(specs: S.Specs, args) -> int:
 
     out_root = Path(args.out) if args.out else B.generated_root(specs)
     results = B.build(specs, archs, args.profile, args.only, args.jobs, not args.no_compile,
-                      Path(args.cache_dir) if args.cache_dir else None, progress=progress, out_root=out_root)
+                      Path(args.cache_dir) if args.cache_dir else None, progress=progress, out_root=out_root,
+                      templates=_templates(args))
     if not results:
         print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
         return 1
@@ -169,7 +180,7 @@ def cmd_check(specs: S.Specs, args) -> int:
         if not (out_root / arch).is_dir() and not committed:
             unbuilt.append(arch)
             continue
-        found = B.freshness(specs, arch, out_root)
+        found = B.freshness(specs, arch, out_root, _templates(args))
         problems += found
         (stale if found else fresh).append(arch)
     if problems:
@@ -195,6 +206,8 @@ def parser(prog: str = "python -m generator", profiles: dict[str, str] | None = 
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--specs", help="specs folder (default: $EPGEN_SPECS_DIR, else the checkout's specs/, else the "
                                    "copy installed with the package)")
+    p.add_argument("--templates", help="template folder (default: the project's templates/, the checkout's or the copy "
+                                       "installed with the package; never one found beside --specs)")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="render, compile and ISA-verify variants (profile 'default' unless --profile)")
     b.add_argument("--arch", required=True, help="target name or 'all'")
@@ -223,25 +236,42 @@ def parser(prog: str = "python -m generator", profiles: dict[str, str] | None = 
 def main(argv: list[str] | None = None, prog: str = "python -m generator") -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--specs")
-    specs_arg = pre.parse_known_args(argv)[0].specs
+    pre.add_argument("--templates")
+    pre_args = pre.parse_known_args(argv)[0]
+    specs_arg = pre_args.specs
     try:
-        specs: S.Specs | None = S.load(specs_arg)
+        specs: S.Specs | None = S.load(specs_arg, pre_args.templates)
     except (S.SpecError, render.OutsideRoot, jinja2.TemplateError):
         specs = None  # reported below, after the arguments are parsed (--help still works)
     profiles = {n: pr.description for n, pr in specs.profiles.items()} if specs else None
     args = parser(prog, profiles).parse_args(argv)
     try:
-        specs = specs or S.load(args.specs)
+        specs = specs if specs is not None and args.templates is None else S.load(args.specs, _templates(args))
         return {"build": cmd_build, "list": cmd_list, "explain": cmd_explain, "check": cmd_check}[args.cmd](specs, args)
-    except (S.SpecError, render.OutsideRoot) as e:
+    except (S.SpecError, render.OutsideRoot, render.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jinja2.TemplateError as e:
-        where = f"templates/{e.name}:{e.lineno}: " if getattr(e, "lineno", None) else ""
-        print(f"error: template: {where}{e.message}", file=sys.stderr)
+        print(f"error: template: {_template_where(e)}{e.message}", file=sys.stderr)
         return 2
     except OSError as e:  # an --out / --cache-dir that cannot be written, a full disk
         what = f"{e.filename}: " if e.filename else ""
         print(f"error: {what}{e.strerror or e} (check --out / --cache-dir and their environment variables)",
               file=sys.stderr)
         return 2
+
+
+def _template_where(e: jinja2.TemplateError) -> str:
+    """`templates/<file>:<line>: ` of a template error: its own (syntax errors) or the innermost template
+    frame of its traceback (Jinja rewrites the frames of a render error to template lines)."""
+    if getattr(e, "lineno", None):
+        return f"templates/{e.name}:{e.lineno}: "
+    where, tb = "", e.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name.endswith(".j2"):
+            parts = Path(name).parts
+            rel = "/".join(parts[parts.index("templates") + 1:]) if "templates" in parts else Path(name).name
+            where = f"templates/{rel}:{tb.tb_lineno}: "
+        tb = tb.tb_next
+    return where

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import attrs
 
-from .specs import DType, Family, Profile, Quant, Rule, Specs, Target, Toolchain, Topology
+from .specs import DType, Family, Profile, Quant, Rule, SpecError, Specs, Target, Toolchain, Topology
 
 SYMBOL_PREFIX = "epg_"
 
@@ -141,6 +141,21 @@ def in_profile(v: Variant, profile: Profile) -> bool:
             and _glob_ok(v.topology.name if v.topology else None, profile.topologies))
 
 
+def _combo(v: Variant) -> str:
+    return (f"family {v.family.name!r}, dtype {v.dtype.name!r}, wire {v.wire.name!r}, quant {v.quant.name!r}"
+            + (f", topology {v.topology.name!r}" if v.topology else ""))
+
+
+def _unique(named: dict[str, Variant], v: Variant) -> None:
+    """Two combinations may never share a variant name (one source and one manifest entry would silently
+    replace the other): SpecError naming both. The loader keeps the names of the axes apart; this is the
+    check of the names themselves."""
+    first = named.setdefault(v.key, v)
+    if first is not v:
+        raise SpecError(f"{v.key}: two combinations have this variant name ({_combo(first)}; {_combo(v)}): "
+                        f"dtype, quant and topology names must not be mistaken for one another")
+
+
 def enumerate_variants(specs: Specs, targets: Iterable[str], profile: str = "all",
                        only: str | None = None) -> tuple[list[Variant], list[Rejection]]:
     """Product over every family's declared axes for each target, filtered by the rules.
@@ -148,6 +163,7 @@ def enumerate_variants(specs: Specs, targets: Iterable[str], profile: str = "all
     Returns the admitted variants (sorted by key) and the rejected combinations with their rule.
     """
     prof = specs.profiles[profile]
+    named: dict[str, Variant] = {}  # every combination of every family (any profile): one name each
     variants: list[Variant] = []
     rejected: list[Rejection] = []
     for tname in targets:
@@ -156,6 +172,7 @@ def enumerate_variants(specs: Specs, targets: Iterable[str], profile: str = "all
         for fam in specs.families.values():
             for dtype, wire, quant, topo in _family_combos(specs, fam, target):
                 v = Variant(fam, dtype, wire, quant, target, topo, toolchain)
+                _unique(named, v)
                 if not in_profile(v, prof) or (only and not fnmatch.fnmatchcase(v.name, only)
                                                and not fnmatch.fnmatchcase(v.key, only)):
                     continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from . import spec_limits
 from .abi import LL_MAX_TOKENS
 from .spec_schema import (LL_THRESHOLD_KEY, TUNING_ROLES, Bucket, DType, Family, Quant, Rule, Target, Toolchain,
                           Topology, _check_name, _DTYPE_BITS, _FP8_FORMAT_MAX, _LANE_ELEMS, _LIBRARIES, _record,
@@ -66,6 +67,10 @@ def _check_target(src: _Source, t: Target, toolchains: dict[str, Toolchain], tro
     if not t.fp8_max <= fmt_max:
         raise _fail(src, src.key_line(hdr, "fp8_max"), f"[{show(hdr)}] fp8_max = {t.fp8_max!r}: more than "
                                                       f"{fmt_max:g}, the largest finite {t.fp8_e4m3} e4m3 value")
+    if not spec_limits.float32_exact(t.fp8_max):  # rendered as `{fp8_max!r}f`: it must mean exactly that
+        raise _fail(src, src.key_line(hdr, "fp8_max"), f"[{show(hdr)}] fp8_max = {t.fp8_max!r}: not exactly a 32-bit "
+                                                      f"float (the kernels' float would hold "
+                                                      f"{spec_limits.float32_value(t.fp8_max)!r})")
     # Hardware FP4 conversions must name the instructions that prove them.
     if t.fp4_conversion in ("pairs", "pack8"):
         for conv in ("fp4_encode", "fp4_decode"):
@@ -104,6 +109,21 @@ def _check_quant(src: _Source, q: Quant, dtypes: dict[str, DType], targets: dict
             raise _fail(src, src.key_line(hdr, "block"), f"[{show(hdr)}] block = {q.block}: dtype {d.name!r} "
                                                          f"shares one scale per {d.scale_block} elements")
 
+
+
+def _check_axis_names(srcs: dict[str, _Source], dtypes: dict[str, DType], quants: dict[str, Quant],
+                      topologies: dict[str, Topology]) -> None:
+    """A variant is named family.dtype[.wire][.quant][.topology] (the wire when it differs from the dtype,
+    the quant unless "none", the topology if any): a quant or topology named like a dtype, or a topology
+    like a quant, would let two combinations share one name (one source silently replacing another)."""
+    for file, section, names, others in (("quant", "quant", quants, (("dtype", dtypes),)),
+                                         ("topologies", "topology", topologies, (("dtype", dtypes), ("quant", quants)))):
+        for name in names:
+            for kind, pool in others:
+                if name in pool:
+                    raise _fail(srcs[file], srcs[file].table_line((section, name)),
+                                f"[{section}.{name}] the name {name!r} is also a {kind}'s: variant names "
+                                f"(family.dtype.wire.quant.topology) would be ambiguous")
 
 
 def _check_families(src: _Source, families: dict[str, Family], dtypes: dict[str, DType], quants: dict[str, Quant],

@@ -153,6 +153,7 @@ class Specs:
     tuning: dict[tuple[str, str], tuple[Bucket, ...]]  # (target, role) -> ascending buckets
     ll_max_tokens: dict[str, int]  # target -> intranode_ll_max_tokens (0: auto never takes "ll")
     digest: str  # sha256 of the spec texts that shape generated sources (all but tuning.toml)
+    templates: Path | None = None  # the template folder named with load(templates=...); None: the project's
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
+from . import spec_limits
+
 class SpecError(Exception):
     """A spec problem, located: str(err) is 'file:line: message'."""
 
@@ -104,7 +106,9 @@ def _fail(src: _Source, line: _Line, msg: str) -> SpecError:
 
 def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
     try:
-        raw = path.read_bytes()
+        raw = spec_limits.read_bounded(path)  # at most MAX_FILE_BYTES, a regular file, never waited on
+    except spec_limits.TooLarge as e:
+        raise SpecError(f"{path}:1: {e}") from None
     except OSError as e:
         raise SpecError(f"{path}:1: cannot read the spec file ({e.strerror})") from None
     try:
@@ -114,6 +118,9 @@ def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
         raise _fail(src, raw[:e.start].count(b"\n") + 1,
                     f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     src = _Source(path, text)
+    deep = spec_limits.too_deep(text)  # before tomllib, which recurses once per level
+    if deep is not None:
+        raise _fail(src, deep, f"arrays / inline tables nested more than {spec_limits.MAX_DEPTH} deep")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -121,4 +128,21 @@ def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
         line = int(m.group(1)) if m else 1
         msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
         raise _fail(src, line, f"invalid TOML: {msg}") from None
+    except RecursionError:  # nesting the scan above did not see (it never should)
+        raise _fail(src, 1, "nested too deeply for the TOML parser") from None
+    _check_lengths(src, text, data, ())
     return src, data, raw
+
+
+def _check_lengths(src: _Source, text: str, node: Any, path: tuple[str, ...]) -> None:
+    """Every key and string of the file within MAX_STRING characters (before any message quotes one), at
+    the line where it stands (found by its first characters; line 1 if an escape hides them)."""
+    items = node.items() if isinstance(node, dict) else ((None, v) for v in node) if isinstance(node, list) else ()
+    for key, value in items:
+        for s, what in ((key, "table or key name"), (value, f"[{show(path)}] {key}" if key else f"[{show(path)}]")):
+            why = spec_limits.string_problem(s) if isinstance(s, str) else None
+            if why:
+                at = text.find(s[:64])
+                raise _fail(src, text.count("\n", 0, at) + 1 if at >= 0 else 1, f"{what}: {why}")
+        if isinstance(value, (dict, list)):
+            _check_lengths(src, text, value, path + ((key,) if key is not None else ()))

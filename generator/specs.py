@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .spec_checks import (_check_dtype, _check_families, _check_quant, _complete_tuning, _load_rules, _load_targets,
-                          _load_tuning)
+from .spec_checks import (_check_axis_names, _check_dtype, _check_families, _check_quant, _complete_tuning,
+                          _load_rules, _load_targets, _load_tuning)
 from .spec_schema import (FACT_SOURCES, LL_THRESHOLD_KEY, TUNING_ROLES, Bucket, DType, Family, Profile, Quant, Rule,
                           Specs, Target, Toolchain, Topology, _named_tables, fact_paths, program_problem)
 from .spec_source import SpecError, _fail, _read, _Source, show
@@ -72,15 +72,6 @@ def is_packaged(root: Path) -> bool:
     return root.resolve() == (packaged_root() / "specs").resolve()
 
 
-def templates_root(root: Path) -> Path:
-    """The templates of a specs folder: templates/ beside it when there is one, else the default
-    (the checkout's, else the packaged copy)."""
-    beside = root.resolve().parent / "templates"
-    if beside.is_dir():
-        return beside
-    return (checkout_root() or packaged_root()) / "templates"
-
-
 TEMPLATES = (checkout_root() or packaged_root()) / "templates"  # the default templates (the checkout's, else the packaged copy)
 
 
@@ -121,8 +112,17 @@ def read_tuning_overlay(path: Path, targets: dict[str, Target]) -> tuple[dict, d
     return _load_tuning(src, data, targets, complete=False, fallback=False)
 
 
-def load(root: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
-    """The specs at `root` (default: default_root()); tuning_overlay: lay the user tuning file over tuning.toml."""
+def templates_root(root: Path, templates: Path | str | None = None) -> Path:
+    """The templates used with the specs folder `root`: the folder the user names (`--templates`), else
+    the project's (the checkout's, else the packaged copy). A templates/ folder found beside a spec
+    folder is never used unless named: a spec folder is data, a template is code."""
+    return Path(templates) if templates is not None else TEMPLATES
+
+
+def load(root: Path | str | None = None, templates: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
+    """The specs of the folder `root` (default: default_root()), checked against the template folder
+    `templates` (default: the project's; see templates_root); tuning_overlay: lay the user tuning file over
+    tuning.toml."""
     import hashlib
 
     root = Path(root) if root is not None else default_root()
@@ -139,7 +139,7 @@ def load(root: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
         if name != "tuning":  # launch geometry is runtime data: it changes no generated source
             digest.update(name.encode() + b"\0" + raw + b"\0")
 
-    troot = templates_root(root)
+    troot = templates_root(root, templates)
     targets, toolchains = _load_targets(srcs["targets"], data["targets"], troot)
 
     dtypes = _named_tables(srcs["dtypes"], data["dtypes"], "dtype", DType)
@@ -149,6 +149,7 @@ def load(root: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
     for q in quants.values():
         _check_quant(srcs["quant"], q, dtypes, targets)
     topologies = _named_tables(srcs["topologies"], data["topologies"], "topology", Topology)
+    _check_axis_names(srcs, dtypes, quants, topologies)
     families = _named_tables(srcs["kernels"], data["kernels"], "family", Family)
     _check_families(srcs["kernels"], families, dtypes, quants, topologies, targets, troot)
 
@@ -165,7 +166,8 @@ def load(root: Path | str | None = None, tuning_overlay: bool = True) -> Specs:
     tuning, ll_max = _complete_tuning(srcs["tuning"], tuning, ll_max, targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
                  topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
-                 tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest())
+                 tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest(),
+                 templates=Path(templates) if templates is not None else None)
 
 
 def buckets_for(specs: Specs, target: str, role: str, world: int = 0) -> tuple[Bucket, ...]:

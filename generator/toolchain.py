@@ -103,7 +103,10 @@ def find(tc: Toolchain) -> Tools:
     return Tools(compiler, _version(compiler), dis, env, missing)
 
 
-def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[str]:
+def compile_command(target: Target, tools: Tools, src: Path, out: Path, unit: str | None = None) -> list[str]:
+    """The compiler's argument list for `src` -> `out`. `unit` names the compilation unit (default: the
+    source's file name): it fixes HIP's compilation-unit id, so compiling a copy of a source under
+    another name gives the bytes the source itself would."""
     if target.vendor == "amd":
         cmd = [tools.compiler, "-x", "hip", *target.flags, f"--offload-arch={target.name}", "--cuda-device-only",
                "--no-gpu-bundle-output"]
@@ -111,7 +114,7 @@ def compile_command(target: Target, tools: Tools, src: Path, out: Path) -> list[
             cmd += ["-nogpulib", "-nogpuinc"]
         # clang's HIP compilation-unit id (symbol __hip_cuid_*) is random per run by default; a fixed
         # one makes builds reproducible: a rebuilt cache entry has the bytes of the one it replaces
-        cmd.append(f"-cuid={hashlib.sha256(src.name.encode()).hexdigest()[:16]}")
+        cmd.append(f"-cuid={hashlib.sha256((unit or src.name).encode()).hexdigest()[:16]}")
         return cmd + [str(src), "-o", str(out)]
     return [tools.compiler, *target.flags, "-cubin", str(src), "-o", str(out)]
 

@@ -29,6 +29,16 @@ SEED_FIELDS = {
     "max_token_type_size": ("ignored", "bytes of the widest token type, for buffer sizing: epgen sizes its "
                                        "buffers from data_type / dispatch_data_type / combine_data_type"),
 }
+# The declared range of each of them (int32 counts; warps x the wave size is at most 1024 threads per block).
+_WARPS = (1, 32, "warps per block: at most 1024 threads of 32-lane waves")
+SEED_RANGES = {
+    "dispatch_block_num": (1, 2 ** 31 - 1, "blocks: an int32 count"),
+    "combine_block_num": (1, 2 ** 31 - 1, "blocks: an int32 count"),
+    "warp_num_per_block": _WARPS, "combine_warp_num_per_block": _WARPS,
+    **{f: (0, 2 ** 31 - 1, "an int32 count") for f in ("num_qp_per_pe", "dispatch_rdma_block_num",
+                                                       "combine_rdma_block_num", "max_token_type_size")},
+}
+SCHEDULE_RANGES = ((1, 2 ** 31 - 1), (1, 2 ** 31 - 1), _WARPS[:2], (1, 2 ** 31 - 1), _WARPS[:2])  # per bucket field
 SEED_KERNEL_BACKENDS = {"hip": "native", "flydsl": "native"}  # the seed's GPU kernel backends -> epgen's
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _FP4 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -66,25 +76,40 @@ def check_seed_fields(cfg) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise fail(name, "must be an int or None (the seed's field)")
-        floor = 0 if SEED_FIELDS[name][0] == "ignored" else 1
-        if value < floor:
-            raise fail(name, f"must be >= {floor} or None")
+        least, most, why = SEED_RANGES[name]
+        if value < least:
+            raise fail(name, f"must be >= {least} or None")
+        if value > most:
+            raise fail(name, f"must be at most {most} ({why})")
     if cfg.schedule is not None:
         buckets = cfg.schedule
         ok = isinstance(buckets, tuple) and buckets and all(
-            isinstance(b, tuple) and len(b) == 5 and (b[0] is None or _positive(b[0])) and all(map(_positive, b[1:]))
-            for b in buckets)
+            isinstance(b, tuple) and len(b) == 5 and all(
+                (i == 0 and v is None) or _in(v, *SCHEDULE_RANGES[i]) for i, v in enumerate(b)) for b in buckets)
         if not ok:
             raise fail("schedule", "must be a non-empty sequence of (max_tokens or None, dispatch blocks, dispatch "
-                                   "warps, combine blocks, combine warps) with positive ints (the seed's schedule)")
+                                   "warps, combine blocks, combine warps) with positive ints (the seed's schedule; "
+                                   "max_tokens and blocks at most 2^31 - 1, warps at most 32)")
     pinned = [n for n, (kind, _) in SEED_FIELDS.items() if kind == "alias" and getattr(cfg, n) is not None]
     if pinned and (cfg.launch_blocks or cfg.launch_threads):
         raise ConfigError(f"{', '.join(pinned)} (the seed's launch geometry) and launch_blocks / launch_threads "
                           f"(epgen's) both set: pick one")
 
 
-def _positive(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+def _in(v, least: int, most: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and least <= v <= most
+
+
+def type_name(value) -> str:
+    """The type of `value` as a message names it: `bool`, `numpy.bool`, `torch.Tensor` (never ambiguous)."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def as_bool(value):
+    """A Python bool for a bool or a numpy bool (np.bool_); anything else is returned as it is."""
+    t = type(value)
+    return bool(value) if t.__module__ == "numpy" and t.__name__ in ("bool", "bool_") else value
 
 
 def launch_override(cfg, role: str, tokens: int, wave: int) -> tuple[int, int]:

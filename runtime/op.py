@@ -323,8 +323,9 @@ class EpDispatchCombineOp:
                 raise InputError(f"dispatch: scales are required for a {cfg.dispatch_dtype} payload: pass "
                                  f"[num_tokens, scale_dim={cfg.scale_dim}] {scales_dtype}")
             self._check_tensor("dispatch", "scales", scales, scales_dtype, shape=(num_tokens, cfg.scale_dim))
+        return_routing = aliases.as_bool(return_routing)  # numpy's bools too
         if not isinstance(return_routing, bool):
-            raise InputError(f"dispatch: return_routing must be a bool, got {type(return_routing).__name__}")
+            raise InputError(f"dispatch: return_routing must be a bool, got {aliases.type_name(return_routing)}")
         if routing is not None:
             self._check_handle("dispatch", routing)
             if routing.num_tokens != num_tokens:
@@ -588,6 +589,7 @@ class EpDispatchCombineOp:
         wait = getattr(self._backend, "wait", None)
         if sync and wait is not None:
             wait()
+            check = getattr(self._backend, "synced_check", check)  # may also read the device's own counts
         check()
 
     def reset(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import attrs
 import torch
@@ -45,7 +46,8 @@ class Workspace:
     seq: int
     buf: torch.Tensor
     handle: object
-    world: object = None  # the default process group it was made under (a re-initialised one never reuses it)
+    world: object = None  # weakref to the default process group it was made under (a re-initialised one never
+    # reuses it); weak, so that a pooled workspace never keeps a process group alive to interpreter exit
 
 
 ALLOCATOR_ENV = "EPGEN_WORKSPACE"
@@ -138,7 +140,7 @@ def acquire(nbytes: int, device: torch.device, group, allocate=None) -> Workspac
     key = (*_key(device, group, nbytes), allocate)
     with _lock:
         free = _pool.get(key, [])
-        free[:] = [ws for ws in free if ws.world is current_world()]  # made under an earlier init: dropped
+        free[:] = [ws for ws in free if ws.world() is current_world()]  # made under an earlier init: dropped
         mine = free.pop() if free else None
     want = torch.tensor([mine.seq if mine else -1], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
@@ -152,7 +154,7 @@ def acquire(nbytes: int, device: torch.device, group, allocate=None) -> Workspac
             _pool.setdefault(key, []).append(mine)
     with _lock:
         seq = _seq[key] = _seq.get(key, 0) + 1
-    return Workspace(key, seq, *allocate(nbytes, device, group), world=current_world())
+    return Workspace(key, seq, *allocate(nbytes, device, group), world=weakref.ref(current_world()))
 
 
 def release(ws: Workspace) -> None:

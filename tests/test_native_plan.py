@@ -80,7 +80,7 @@ def _checker(id_check="async"):
     from generator.abi import ERROR_WORDS
 
     error = torch.zeros(ERROR_WORDS, dtype=torch.int32)
-    return types.SimpleNamespace(error=error, id_check=id_check,
+    return types.SimpleNamespace(error=error, id_check=id_check, _late_words=0, _bad_seen=0,
                                  _error_words=(ctypes.c_int32 * ERROR_WORDS).from_address(error.data_ptr()),
                                  config=EpDispatchCombineConfig(**BASE))
 

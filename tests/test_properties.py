@@ -32,7 +32,11 @@ from runtime.op import config_summary
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-CONFIG_SETTINGS = settings(SETTINGS, max_examples=200)
+# derandomized: the same 200 examples every run (a test that fails by chance is a defect). The strategy
+# below is weighted towards valid values too, so that any seed gives enough of both outcomes (measured
+# over 20 random seeds: 21 to 46 of 200 accepted, where the unweighted one went as low as 9 of the 10
+# the test needs)
+CONFIG_SETTINGS = settings(SETTINGS, max_examples=200, derandomize=True)
 FIELDS = rconfig.FIELDS
 SPECS = rconfig.load_specs()
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -68,8 +72,8 @@ WILD = st.one_of(
 @st.composite
 def valid_fields(draw) -> dict:
     """Values each valid on its own (the combination may still be rejected: quant combos, rules)."""
-    ws = draw(st.sampled_from([1, 2, 4, 8, 2 ** 40]))
-    max_in = draw(st.one_of(st.integers(1, 4096), st.just(2 ** 40)))
+    ws = draw(st.sampled_from([1, 2, 4, 8] * 3 + [2 ** 40]))
+    max_in = draw(st.sampled_from([st.integers(1, 4096)] * 7 + [st.just(2 ** 40)]).flatmap(lambda s: s))
     # weighted towards the common values, so that about a third of the drawn configs are accepted
     quant = draw(st.sampled_from(["none"] * len(SPECS.quants) + list(SPECS.quants)))
     dquant = draw(st.sampled_from(["none"] * 4 + list(rconfig.DISPATCH_QUANT_TYPES)))
@@ -104,7 +108,8 @@ def valid_fields(draw) -> dict:
 @st.composite
 def config_kwargs(draw) -> tuple[dict, str | None]:
     kw = draw(valid_fields())
-    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=3, unique=True)):
+    wild = draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]))  # how many fields get a wild value
+    for name in draw(st.lists(st.sampled_from(FIELDS), min_size=wild, max_size=wild, unique=True)):
         kw[name] = draw(WILD)
     env = draw(st.sampled_from([None] * 10 + ["", "torch", "native", "cuda", "Torch"]))
     return kw, env

@@ -90,7 +90,10 @@ def test_pool_never_reuses_across_inits(monkeypatch):
     class FakeGroup:
         group_name = "0"
 
-    old, new = object(), object()
+    class World:  # stands in for a default process group (the pool keeps a weak reference to it)
+        pass
+
+    old, new = World(), World()
     made = []
     world = {"now": old}
     monkeypatch.setattr(workspace, "current_world", lambda: world["now"])
@@ -104,7 +107,7 @@ def test_pool_never_reuses_across_inits(monkeypatch):
     workspace.release(a)
     world["now"] = new  # destroy_process_group + init_process_group
     b = workspace.acquire(32, torch.device("cpu"), FakeGroup(), fake)
-    assert b is not a and len(made) == 2 and b.world is new
+    assert b is not a and len(made) == 2 and b.world() is new
     workspace.release_workspaces()
 
 

@@ -34,6 +34,10 @@ for v2_ll and N x T for stage 1 of v2 (hence v2_ll for small batches; "auto" pic
 from __future__ import annotations
 
 
+import atexit
+import contextlib
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -61,16 +65,28 @@ def record_layout(row_bytes: int, scale_bytes: int, k: int, gpn: int) -> dict[st
             "rec": _align(off_src + 4, 16)}
 
 
-_HOST_GROUPS: dict[str, tuple] = {}  # group name -> (default group it was made under, gloo group)
+_HOST_GROUPS: dict[str, tuple] = {}  # group name -> (weakref to the default group it was made under, gloo group)
+
+
+@atexit.register
+def _destroy_host_groups() -> None:
+    """The gloo groups made here are this module's own: shut down at exit, with their threads, while
+    torch.distributed is whole (not left to the interpreter's teardown)."""
+    made = list(_HOST_GROUPS.values())
+    _HOST_GROUPS.clear()
+    for world, g in made:
+        if dist.is_initialized() and world() is workspace.current_world():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(g)
 
 
 def host_group(group):
     """A gloo group over `group`'s ranks for the host-side token counts, made once per process and
     kept (creating and destroying gloo groups per op can meet a previous group's stale rendezvous)."""
     world, made = workspace.current_world(), _HOST_GROUPS.get(group.group_name)
-    if made is None or made[0] is not world:  # none yet, or made under an earlier init of torch.distributed
+    if made is None or made[0]() is not world:  # none yet, or made under an earlier init of torch.distributed
         ranks = dist.get_process_group_ranks(group)
-        made = _HOST_GROUPS[group.group_name] = (world, dist.new_group(ranks, backend="gloo",
+        made = _HOST_GROUPS[group.group_name] = (weakref.ref(world), dist.new_group(ranks, backend="gloo",
                                                                         use_local_synchronization=True))
     return made[1]
 
@@ -365,7 +381,7 @@ class NativeInternodeBackend:
         for kern in self._numbering:
             kern.close()
         self.kern, self._numbering = {}, ()
-        self.host_group = None  # shared by every op on this group: kept (see host_group)
+        self.host_group = self.group = None  # host_group: shared by every op on this group, kept there
         self.send = self.recv = self.mid = self.back_a = self.back_b = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None
         self.total_recv = self.dropped = self.bad_ids = None

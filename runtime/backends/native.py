@@ -156,6 +156,15 @@ def fused_grouped(cfg: EpDispatchCombineConfig) -> bool:
     return cfg.enable_grouped_layout and cfg.grouped_combine == "fused"
 
 
+def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
+    """The report of `seen` expert ids >= num_experts a dispatch kernel noted (`bad`: the first, if known)."""
+    n = cfg.num_experts
+    first = f"expert id {bad}" if bad is not None else "an expert id"
+    return (f"dispatch: {first} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
+            f"found on rank {cfg.rank} by the dispatch kernel of an earlier call of this op ({seen} "
+            f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
+
+
 def check_rows(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
     """The row shapes the native kernels handle: whole 16-byte vectors, 8 elements at a time."""
     if cfg.hidden_dim % 8:  # the kernels convert, scatter and reduce 8 elements at a time
@@ -267,6 +276,8 @@ class NativeBackend:
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
+        self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
+        self._late_words = 0  # ids synced_check reported before their host-mapped words arrived
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
@@ -346,6 +357,25 @@ class NativeBackend:
             return
         for stream in {kernels.current_raw_stream(), self._stream} - {None}:
             torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+        torch.cuda.synchronize(self.device)  # and every other stream of this process on the device
+
+    def synced_check(self) -> None:
+        """op.check() after wait(): check(), then the device's own count of expert ids >= num_experts.
+
+        The host-mapped words can lag behind the kernel that wrote them (seen with ranks sharing a GPU:
+        the words showed the id only at the op's next call); the count in device memory, read after the
+        wait, cannot. Ids already reported by the words are not reported again."""
+        if torch.cuda.is_current_stream_capturing():
+            self.check()
+            return
+        bad = int(self.state[STATE_WORDS.index("bad_ids")])  # a device read: op.check() has waited already
+        seen, self._bad_seen = self._bad_seen, bad
+        self.check()  # the words first: a timeout, or the id itself when its words have arrived
+        if self.id_check == "off" or seen is None or bad <= seen:
+            return
+        self._late_words = bad - seen  # the words of these ids may still arrive: they are reported here, once
+        raise InputError(bad_id_message(self.config, None, bad - seen))
+
 
     def check(self, ids: str = "raise") -> None:
         """Raise EpTimeoutError if a kernel of this op gave up waiting; report an expert id >= num_experts
@@ -358,13 +388,12 @@ class NativeBackend:
         if words[0] == 0:  # a dispatch kernel noted an expert id >= num_experts
             bad, seen = words[6], words[5]
             words[5] = words[6] = words[7] = 0
-            if self.id_check == "off":
+            late, self._late_words = self._late_words, 0
+            if self.id_check == "off" or 0 < seen <= late:  # synced_check reported these from the device count
                 return
-            n = self.config.num_experts
-            msg = (f"dispatch: expert id {bad} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
-                   f"found on rank {self.config.rank} by the dispatch kernel of an earlier call of this op ({seen} "
-                   f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
+            msg = bad_id_message(self.config, bad, seen)
             if ids == "warn":
+                self._bad_seen = None  # reported without reading the device count: synced_check re-bases
                 warnings.warn(msg, errors.InputWarning, stacklevel=4)
                 return
             raise InputError(msg)
@@ -651,6 +680,7 @@ class NativeBackend:
         torch.cuda.synchronize(self.device)
         self.error.zero_()
         self._last = None
+        self._bad_seen, self._late_words = 0, 0
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
@@ -666,5 +696,5 @@ class NativeBackend:
         self._ws = self._std = self._grp = self.dargs = self.cargs = None
         self._numbering = self._ll = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
-        self._error_words = None
+        self._error_words = self.group = None  # a closed op keeps no process group alive
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

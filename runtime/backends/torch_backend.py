@@ -539,3 +539,4 @@ class TorchBackend:
     def close(self) -> None:
         self._in_view = None
         self._dropped = None
+        self.group = None  # a closed op keeps no process group alive (to interpreter exit, say)
