@@ -70,7 +70,8 @@ def test_unwritable_out_and_missing_specs_folder_are_one_line_errors(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     rc, out, err = run_cli(["build", "--arch", "gfx950", "--no-compile", "--out", str(blocker / "sub")])
-    assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: {blocker}") and "Traceback" not in err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and str(blocker) in err
+    assert "Traceback" not in err
     rc, out, err = run_cli(["--specs", str(tmp_path / "nowhere"), "list"])
     assert rc == 2 and err == f"error: {tmp_path / 'nowhere'}: no such folder (the specs folder: --specs, $EPGEN_SPECS_DIR)\n"
 
