@@ -148,15 +148,10 @@ def _seed_geometry(cfg, role: str, tokens: int) -> tuple[int | None, int | None]
     return blocks, warps
 
 
-class SeedConfigMembers:
-    """The seed config's public properties, on epgen's EpDispatchCombineConfig (a base class of it).
-
-    Same definitions as the seed's, over epgen's fields; where the two libraries' buffers differ the
-    property says what epgen's tensors have (docs/SEED_COMPAT.md)."""
-
-    @property
-    def is_scatter(self) -> bool:
-        return self.resolved_combine_mode == "scatter"
+class SeedDtypeMembers:
+    """The seed config's properties derived from its dtypes and quant_type alone (dispatch_dtype, combine_dtype,
+    hidden_dim, quant_type): shared by epgen's config (through SeedConfigMembers) and the seed's own config class
+    (runtime/seed_compat/config.py)."""
 
     @property
     def fp8_direct_cast(self) -> bool:
@@ -165,17 +160,6 @@ class SeedConfigMembers:
     @property
     def fp8_blockwise(self) -> bool:
         return self.quant_type == "fp8_blockwise"
-
-    @property
-    def combine_scale_dim(self) -> int:
-        """Scales per token of the combine wire compression (fp8_blockwise: hidden_dim // 128; 0: none)."""
-        block = self.combine_quant_block
-        return self.hidden_dim // block if block else 0
-
-    @property
-    def wire_elem_size(self) -> int:
-        """Bytes per element of the combine wire: 1 for a compressed (fp8 or the nominal fp4) wire."""
-        return 1 if self.quant_type != "none" else self.combine_elem_size
 
     @property
     def is_fp4(self) -> bool:
@@ -213,6 +197,28 @@ class SeedConfigMembers:
         if self.is_fp4:
             return "fp4" if self.combine_dtype == _FP4 else "fp4_disp_bf16_comb"
         return "fp8" if self.is_fp8 else "bf16"
+
+
+class SeedConfigMembers(SeedDtypeMembers):
+    """The seed config's public properties, on epgen's EpDispatchCombineConfig (a base class of it).
+
+    Same definitions as the seed's, over epgen's fields; where the two libraries' buffers differ the
+    property says what epgen's tensors have (docs/SEED_COMPAT.md)."""
+
+    @property
+    def is_scatter(self) -> bool:
+        return self.resolved_combine_mode == "scatter"
+
+    @property
+    def combine_scale_dim(self) -> int:
+        """Scales per token of the combine wire compression (fp8_blockwise: hidden_dim // 128; 0: none)."""
+        block = self.combine_quant_block
+        return self.hidden_dim // block if block else 0
+
+    @property
+    def wire_elem_size(self) -> int:
+        """Bytes per element of the combine wire: 1 for a compressed (fp8 or the nominal fp4) wire."""
+        return 1 if self.quant_type != "none" else self.combine_elem_size
 
     @property
     def max_recv(self) -> int:

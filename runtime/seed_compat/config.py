@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from ..aliases import SeedDtypeMembers
 from ..config import EpDispatchCombineConfig as EpgenConfig, load_specs
 from ..errors import ConfigError
 
@@ -42,7 +43,7 @@ MAX_WORLD = 64  # the seed's intranode op: world_size <= 64
 
 
 @dataclasses.dataclass
-class EpDispatchCombineConfig:
+class EpDispatchCombineConfig(SeedDtypeMembers):
     """The seed's EPv2 config: its fields, defaults, checks and properties (docs/SEED_COMPAT.md)."""
 
     rank: int
@@ -120,14 +121,6 @@ class EpDispatchCombineConfig:
         return self.combine_mode == "scatter"
 
     @property
-    def fp8_direct_cast(self) -> bool:
-        return self.quant_type == "fp8_direct_cast"
-
-    @property
-    def fp8_blockwise(self) -> bool:
-        return self.quant_type == "fp8_blockwise"
-
-    @property
     def combine_scale_dim(self) -> int:
         return self.hidden_dim // 128 if self.fp8_blockwise else 0
 
@@ -142,40 +135,6 @@ class EpDispatchCombineConfig:
     @property
     def combine_dtype(self) -> torch.dtype:
         return self.data_type if self.combine_data_type is None else self.combine_data_type
-
-    @property
-    def is_fp4(self) -> bool:
-        return self.dispatch_dtype == FP4
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dispatch_dtype in FP8
-
-    @property
-    def elem_size(self) -> int:
-        return 1 if self.is_fp4 else _NBYTES[self.dispatch_dtype]
-
-    @property
-    def token_nbytes(self) -> int:
-        return self.hidden_dim // 2 if self.is_fp4 else self.hidden_dim * self.elem_size
-
-    @property
-    def combine_elem_size(self) -> int:
-        return 1 if self.combine_dtype == FP4 else _NBYTES[self.combine_dtype]
-
-    @property
-    def combine_token_nbytes(self) -> int:
-        return self.hidden_dim // 2 if self.combine_dtype == FP4 else self.hidden_dim * self.combine_elem_size
-
-    @property
-    def is_asymmetric_dtype(self) -> bool:
-        return self.dispatch_dtype != self.combine_dtype
-
-    @property
-    def dtype_str(self) -> str:
-        if self.is_fp4:
-            return "fp4" if self.combine_dtype == FP4 else "fp4_disp_bf16_comb"
-        return "fp8" if self.is_fp8 else "bf16"
 
     @property
     def max_recv(self) -> int:
