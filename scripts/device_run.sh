@@ -18,7 +18,9 @@
 # --ll-threshold --write-specs: the low-latency threshold of this target, specs/tuning.toml copied to $OUT), FLOOR=1 (bench
 # --floor: flag ping-pong in one kernel, one-signal and empty kernels in a graph, $OUT/floor.jsonl), PROFILE=1 (bench
 # --profile-graph: kernel durations inside a graph replay of 16 layers, tokens 1 8 32 128, protocols ll bw,
-# $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite).
+# $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite), LAYER1=1 (the
+# layer loop and the MoE layer at one rank on GPU 0, W = 1: the glue's cost with no link in it, $OUT/layer_w1.jsonl; never
+# a 2-GPU figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -119,5 +121,11 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   fi
   [ -n "${NO_BENCH:-}" ] || timeout 200 torchrun --nproc-per-node "$NPROC" -m bench --lowprec ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -12; status[bench]=${PIPESTATUS[0]}
 fi
+if [ -n "${LAYER1:-}" ]; then  # one rank on GPU 0 (W = 1): the layer's glue with no link in the way, never a 2-GPU figure
+  CUDA_VISIBLE_DEVICES=0 timeout 300 torchrun --nproc-per-node 1 -m bench --layer-loop --layer --protocol ${LAYER_PROTOCOLS:-ll bw} \
+    --grouped-combine ${LAYER_GROUPED:-reduce fused} --out "$OUT/layer_w1.jsonl" 2>&1 | tee "$OUT/layer_w1.log" \
+    | grep -vE "^(W|\*)" | tail -30; status[layer_w1]=${PIPESTATUS[0]}
+  python3 scripts/layer_table.py "$OUT/layer_w1.jsonl" > "$OUT/layer_w1_table.md" && cat "$OUT/layer_w1_table.md"
+fi
 echo "== summary"
-for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
