@@ -20,7 +20,8 @@ MoE layer (kind "layer", one record per path): top-k of E experts routed by a so
 (two GEMMs and a SiLU-gated activation) sharded over ranks, the same weights and routing on every path:
   epgen   dispatch_grouped (bf16, or fp8_blockwise: quantized in the kernel, per-128 fp32 scales; the received
           rows' local (row, expert) pairs grouped per expert, each group padded to GROUP_ALIGN rows, by the
-          generated grouped-layout kernels) -> grouped GEMMs -> combine_grouped (the weighted sum per row, a
+          generated grouped-layout kernels; fp8 rows decoded to bf16 as they are placed, grouped_dequantize)
+          -> grouped GEMMs -> combine_grouped (the weighted sum per row, a
           generated kernel, into the combine buffer) -> combine. Graph-captured (L layers per graph) and eager.
   a2a     the all_to_all_single token shuffle (as torchtitan / Megatron's all-to-all dispatcher): one row
           per (token, expert) pair sorted by expert, the counts exchanged and read on the host (split
@@ -276,13 +277,12 @@ class EpgenPath:
                                        kernel_backend=backend, intranode_protocol=protocol,
                                        dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none",
                                        enable_grouped_layout=True, expert_alignment=GROUP_ALIGN,
-                                       grouped_combine=grouped_combine)
+                                       grouped_combine=grouped_combine, grouped_dequantize=p.mode == "fp8")
 
     def __call__(self) -> torch.Tensor:
         p, op = self.p, self.op
         layout, h = op.dispatch_grouped(p.x, p.w, None, p.idx)  # rows grouped per local expert, in generated kernels
-        xs = layout.x if layout.scales is None else B.dequantize_rows(layout.x, layout.scales, torch.bfloat16)
-        y = experts_ffn(xs, layout.offs, p.w13, p.w2)
+        y = experts_ffn(layout.x, layout.offs, p.w13, p.w2)  # fp8: the rows decoded to bf16 as they were placed
         return op.combine_grouped(y, h)[0]  # weighted sum per received row (a kernel) -> combine
 
     def close(self):

@@ -36,6 +36,10 @@ per-call count, since each rank's combine reads the peers' buffers): "reduce" (t
 into the combine buffer, then combine) or "fused" (gather combine only, bandwidth-protocol calls: the
 combine reads the peers' grouped expert rows itself, no reduce pass; low-latency calls of
 intranode_protocol "auto" take "reduce"). Both give the same bits; the torch backend has one form.
+``grouped_dequantize=True`` (with ``dispatch_quant_type`` "fp8_blockwise" or "fp4_blockwise"): the grouped
+layout holds the rows dequantized into ``data_type`` (the placement kernel decodes them as it places them;
+``scales`` None), for grouped GEMMs in bf16/fp32 fed by a quantized wire; the bits are those of
+runtime.numerics' dequantize of the received rows.
 
 Internode (``world_size > gpu_per_node``; ranks node-major, node = rank // gpu_per_node): both
 backends run it (``internode_kernel`` "v2" hierarchical, "v2_ll" one copy per destination rank, "auto"
@@ -179,6 +183,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     expert_alignment: int = 16  # grouped layout: each group padded to a multiple of this many rows
     grouped_capacity: int = 0  # grouped layout: rows of its buffer (a multiple of expert_alignment); 0: worst case
     grouped_combine: str = "reduce"  # combine_grouped's form: "reduce" (a reduce pass, then combine) | "fused"
+    grouped_dequantize: bool = False  # grouped layout of a quantized dispatch: rows dequantized into data_type
     # the seed library's fields (aliases.SEED_FIELDS): launch geometry aliases, or accepted and ignored
     dispatch_block_num: int | None = None
     combine_block_num: int | None = None
@@ -340,7 +345,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
                 raise self._fail(f, "must be a str or None")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise self._fail("timeout_s", "must be a number of seconds (int or float)")
-        for f in ("enable_std_moe", "strict_capacity", "enable_grouped_layout"):
+        for f in ("enable_std_moe", "strict_capacity", "enable_grouped_layout", "grouped_dequantize"):
             if not isinstance(getattr(self, f), bool):
                 raise self._fail(f, "must be a bool")
         if not isinstance(self.data_type, torch.dtype):
@@ -612,6 +617,11 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
             raise ConfigError(f"grouped_combine='fused': the fused grouped combine is the bandwidth protocol's gather "
                               f"combine; this config has combine_mode={self.resolved_combine_mode!r}, "
                               f"intranode_protocol={self.intranode_protocol!r} (use grouped_combine='reduce')")
+        if self.grouped_dequantize and not (self.enable_grouped_layout and self.dispatch_quant_type != "none"):
+            raise ConfigError(f"grouped_dequantize=True: dequantizes the grouped layout of a dispatch quantized in the "
+                              f"kernel; this config has enable_grouped_layout={self.enable_grouped_layout}, "
+                              f"dispatch_quant_type={self.dispatch_quant_type!r} (needs enable_grouped_layout=True and "
+                              f"dispatch_quant_type 'fp8_blockwise' or 'fp4_blockwise')")
         if self.enable_grouped_layout and self.is_internode:
             raise ConfigError(f"enable_grouped_layout=True: the grouped layout is intranode only in this release; "
                               f"world_size={self.world_size} > gpu_per_node={self.gpu_per_node} is internode")

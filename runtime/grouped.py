@@ -32,8 +32,10 @@ import torch
 class GroupedLayout:
     """The last dispatch's local pairs grouped per local expert (see the module docstring).
 
-    x          [P, cols] dispatch out dtype: the pairs' rows, group e at rows [offs[e-1], offs[e]) (offs[-1] = 0)
-    scales     [P, scale cols] (fp8/fp4 dispatches: each row's scales, the same order) or None
+    x          [P, cols] dispatch out dtype: the pairs' rows, group e at rows [offs[e-1], offs[e]) (offs[-1] = 0);
+               with config grouped_dequantize, [P, hidden] data_type: the rows decoded
+    scales     [P, scale cols] (fp8/fp4 dispatches: each row's scales, the same order) or None (also with
+               grouped_dequantize)
     offs       int32 [E]: group ends, a multiple of expert_alignment each: torch._grouped_mm's ``offs``
     counts     int32 [E]: kept pairs per group (the real rows at the head of each group)
     src        int32 [P]: pair id i * k + j (received row i = src // k, column j = src % k) of each row; -1 padding
@@ -115,6 +117,24 @@ def group(out, out_scales, out_weights, out_indices, total_recv, rank: int, expe
     return GroupedLayout(x=x, scales=scales, offs=offs.to(torch.int32), counts=kept.to(torch.int32),
                          src=src.to(torch.int32), m_indices=m_idx.to(torch.int32), weights=weights,
                          dropped=(counts - kept).sum().to(torch.int32), pair_pos=pair_pos.to(torch.int32))
+
+
+def dequantized(layout: GroupedLayout, quant_type: str, dtype: torch.dtype) -> GroupedLayout:
+    """The layout of a quantized dispatch with its rows decoded (config grouped_dequantize): x [P, H] ``dtype``,
+    scales None. Each row is runtime.numerics' dequantize of its payload and scales (float32, then one
+    rounding to ``dtype``), the bits the native placement kernel writes; padding rows (zero payload and
+    scales here) decode to 0."""
+    from . import numerics
+
+    x, s = layout.x.cpu(), layout.scales.cpu()  # numerics' decoders run on the host
+    if quant_type == "fp8_blockwise":
+        fmt = "ocp" if x.dtype == torch.float8_e4m3fn else "fnuz"
+        f = numerics.dequantize_fp8(x.view(torch.uint8), s, fmt, "fp8_blockwise", torch.float32)
+    elif quant_type == "fp4_blockwise":
+        f = numerics.dequantize_fp4(x, s, torch.float32)
+    else:
+        raise ValueError(f"grouped dequantize: {quant_type!r} is not a quantized dispatch")
+    return attrs.evolve(layout, x=f.to(dtype).to(layout.x.device), scales=None)
 
 
 def reduce(expert_out: torch.Tensor, layout: GroupedLayout, out_weights, rows: int, k: int,

@@ -492,6 +492,8 @@ class EpDispatchCombineOp:
         else:
             layout = grouped.group(last["out"], last["out_s"], last["out_w"], last["out_i"], last["total"], cfg.rank,
                                    cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
+            if cfg.grouped_dequantize:
+                layout = grouped.dequantized(layout, cfg.dispatch_quant_type, cfg.data_type)
         self._grouped = layout = attrs.evolve(layout, seq=last["seq"])
         return layout
 

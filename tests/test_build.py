@@ -38,6 +38,11 @@ def test_every_variant_compiles_and_verifies(all_results, specs):
     ("sm_90/grouped_place.i32", "STG.E.128"), ("sm_90/grouped_reduce.bf16", "LDG.E.128"),
     ("gfx942/grouped_place.i32", "global_load_dwordx4"), ("gfx950/grouped_reduce.fp32", "global_store_dwordx4"),
     ("gfx1250/grouped_place.i32", "global_store_b128"), ("gfx1250/grouped_reduce.bf16", "global_load_b128"),
+    # grouped_dequantize: the placement decodes each row with the target's own conversion instructions
+    ("sm_90/grouped_place_fp8.bf16.fp8_e4m3fn.fp8_blockwise", "F2FP.F16.E4M3.UNPACK_B"),
+    ("gfx942/grouped_place_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise", "v_cvt_pk_f32_fp8"),
+    ("gfx950/grouped_place_fp4.bf16.fp4_e2m1.fp4_blockwise", "v_cvt_scalef32_pk_f32_fp4"),
+    ("gfx1250/grouped_place_fp4.fp32.fp4_e2m1.fp4_blockwise", "v_cvt_scale_pk8_f32_fp4"),
     # the fused grouped combine: peer rows read in 16-byte vectors, ordered at system scope, every target
     ("sm_90/combine_grouped.bf16.intranode", "MEMBAR.SC.SYS"), ("gfx942/combine_grouped.bf16.intranode", "flat_load_dwordx4"),
     ("gfx950/combine_grouped.fp32.intranode", "buffer_inv sc0 sc1"),

@@ -215,7 +215,7 @@ EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x, const ch
                                int* __restrict__ src, int* __restrict__ m_indices, float* __restrict__ weights,
                                int* __restrict__ dropped, epg_i64 k, epg_i64 first_expert, epg_i64 num_local,
                                epg_i64 align, epg_i64 capacity, epg_i64 row_bytes, epg_i64 scale_bytes,
-                               epg_i64 has_weights) {
+                               epg_i64 has_weights, epg_i64 out_row_bytes) {
   __shared__ int g_start[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_kept[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_end[EPG_GROUPED_MAX_EXPERTS];
@@ -257,6 +257,7 @@ EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x, const ch
       continue;
     }
     const epg_i64 row = p / k;
+    (void)out_row_bytes;
     epg_wave_copy(out_x + (epg_i64)g * row_bytes, recv_x + row * row_bytes, (int)n16, lane);
     for (epg_i64 b = lane; b < scale_bytes; b += EPG_WAVE) out_scales[(epg_i64)g * scale_bytes + b] = recv_scales[row * scale_bytes + b];
     if (lane == 0) {

@@ -520,16 +520,24 @@ class NativeBackend:
                              f"(its placement kernel keeps the group bounds in shared memory), got {E}")
         comb = spec_dtype(cfg.combine_dtype).name
         i32 = dict(dtype=torch.int32, device=dev)
-        x = torch.empty((P, plan.wire_row), dtype=torch.uint8, device=dev)
-        scales = torch.empty((P, plan.scale_row), dtype=torch.uint8, device=dev) if plan.scales_dtype else None
+        if cfg.grouped_dequantize:  # the rows decoded into data_type as they are placed: no scales in the layout
+            _, act, wire, quant, _ = plan.dispatch_variant.split(".")  # dispatch.<act>.<wire>.<quant>.intranode
+            place = f"grouped_place_{load_specs().dtypes[wire].kind}.{act}.{wire}.{quant}"
+            x = torch.empty((P, cfg.hidden_dim), dtype=cfg.data_type, device=dev)
+            scales, x_view, scales_view = None, x, None
+        else:
+            place = "grouped_place.i32"
+            x = torch.empty((P, plan.wire_row), dtype=torch.uint8, device=dev)
+            scales = torch.empty((P, plan.scale_row), dtype=torch.uint8, device=dev) if plan.scales_dtype else None
+            x_view = x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x
+            scales_view = None if scales is None else (scales.view(plan.scales_dtype)
+                                                       if plan.scales_dtype != torch.uint8 else scales)
         return {
             "count": kernels.load(kernels.select(self.arch, "grouped_count.i32")),
-            "place": kernels.load(kernels.select(self.arch, "grouped_place.i32")),
+            "place": kernels.load(kernels.select(self.arch, place)),
             "reduce": kernels.load(kernels.select(self.arch, f"grouped_reduce.{comb}")),
-            "x": x, "scales": scales,
-            "x_view": x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x,
-            "scales_view": None if scales is None else
-            (scales.view(plan.scales_dtype) if plan.scales_dtype != torch.uint8 else scales),
+            "x": x, "scales": scales, "x_view": x_view, "scales_view": scales_view,
+            "out_row": x.shape[1] * x.element_size(),
             "offs": torch.zeros(E, **i32), "counts": torch.zeros(E, **i32), "raw_counts": torch.zeros(E, **i32),
             "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
             "weights": torch.zeros(P, dtype=torch.float32, device=dev), "dropped": torch.zeros(1, **i32),
@@ -566,7 +574,8 @@ class NativeBackend:
                             self.recv_idx, self.total_recv, g["pair_rel"], g["raw_counts"], g["pair_pos"], g["x"],
                             g["scales"], g["offs"], g["counts"], g["src"], g["m_indices"], g["weights"], g["dropped"],
                             k, first, cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity,
-                            plan.wire_row, plan.scale_row if plan.scales_dtype else 0, int(self._had_weights))
+                            plan.wire_row, plan.scale_row if plan.scales_dtype else 0, int(self._had_weights),
+                            g["out_row"])
         return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                      src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
                                      dropped=g["dropped"][0], pair_pos=g["pair_pos"])

@@ -522,15 +522,17 @@ class TorchBackend:
             buffers["std_moe_packed_meta"] = E * (4 + C * 8)
         if cfg.enable_grouped_layout:
             P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
-            buffers["grouped_x"] = P * wire_row
-            buffers["grouped_scales"] = P * scale_row
+            dq = cfg.grouped_dequantize  # rows decoded into data_type, no scales
+            buffers["grouped_x"] = P * (H * cfg.data_type.itemsize if dq else wire_row)
+            buffers["grouped_scales"] = 0 if dq else P * scale_row
             buffers["grouped_meta"] = 12 * P + 8 * R * k + 12 * E + 4
         return {"backend": "torch", "buffers": buffers, "total_bytes": sum(buffers.values()),
                 "formula": "torch backend, per call (fresh tensors, no persistent workspace): dispatch outputs "
                            "R*(wire_row + scale_row + 8k) + staging W*T*(wire_row + scale_row + 8k); combine "
                            "staging W*R*(H*c + 4k); combine_in_view R*H*c once used; std-MoE E_local*C*(H*d + 8) "
                            "+ 4*E_local; grouped layout P*(wire_row + scale_row) + 12P + 8Rk + 12E_local + 4 "
-                           "(P = resolved_grouped_capacity)"}
+                           "(P = resolved_grouped_capacity; grouped_dequantize: P*H*data_type bytes in place of "
+                           "P*(wire_row + scale_row))"}
 
     def reset(self) -> None:
         """Nothing persists between calls in this backend but the last drop count."""
