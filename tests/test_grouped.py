@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from ep_oracle import expected_received, make_inputs
+from ep_oracle import expected_received, experts_per_rank_for, make_inputs
 from grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 
@@ -21,8 +21,7 @@ T, K, EPR = 12, 4, 3
 
 
 def _epr(world):
-    """Experts per rank: EPR, or more where world x EPR < K (a token picks K of the experts)."""
-    return max(EPR, -(-K // world))
+    return experts_per_rank_for(K, world, EPR)
 
 
 EPR1 = _epr(1)  # one rank holds all the experts: K of them

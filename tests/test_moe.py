@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from ep_oracle import destination_ranks, expected_received, make_inputs
+from ep_oracle import destination_ranks, expected_received, experts_per_rank_for, make_inputs
 from runtime import (CapacityError, ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp,
                      InputError)
 from runtime.op import NATIVE_WORKSPACE_FORMULA, native_workspace
@@ -21,9 +21,7 @@ H, T, K, EPR = 32, 24, 4, 3
 
 
 def _epr(world):
-    """Experts per rank at this world size: EPR, or more where world x EPR < K (a token picks K of the experts:
-    one rank alone needs K of them)."""
-    return max(EPR, -(-K // world))
+    return experts_per_rank_for(K, world, EPR)
 
 
 def _cfg(rank, world, **kw):
