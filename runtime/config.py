@@ -387,6 +387,10 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
         if self.num_experts > INT32_MAX:
             raise self._fail("num_experts_per_rank", f"num_experts = world_size x num_experts_per_rank = "
                                                      f"{self.num_experts}: expert ids are int32 (must be < 2^31)")
+        if self.num_experts_per_token > self.num_experts:
+            raise self._fail("num_experts_per_token",
+                             f"must be <= num_experts = world_size x num_experts_per_rank = {self.num_experts} "
+                             f"(a token's top-k picks k of the experts)")
         # routing handles number rows in int32: slot * world + rank, rank * T + token, (row, k) pairs
         for what, n in (("max_total_recv_tokens (resolved) x world_size", self.max_recv_tokens * self.world_size),
                         ("max_num_inp_token_per_rank x world_size", self.worst_case_recv_tokens),

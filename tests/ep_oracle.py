@@ -40,6 +40,12 @@ def expected_received(all_indices, rank: int, experts_per_rank: int) -> list[tup
             if rank in destination_ranks(row, experts_per_rank)]
 
 
+def experts_per_rank_for(k: int, world: int, experts_per_rank: int) -> int:
+    """experts_per_rank, raised where world x experts_per_rank < k: a config's num_experts_per_token is at most
+    its num_experts (world_size x num_experts_per_rank); ids repeated within a row stay legal."""
+    return max(experts_per_rank, -(-k // world))
+
+
 def random_routing(gen: torch.Generator, num_tokens: int, k: int, num_experts: int,
                    p_repeat: float = 0.2, p_none: float = 0.1) -> torch.Tensor:
     """[T, k] int32 expert ids: uniform ids, some repeated within a row, some -1 (no expert)."""

@@ -101,7 +101,8 @@ class Results:
 def op_matrix_case(rank: int, world: int, env: dict, dev: str = "cpu") -> list[str]:
     """test_op.py under one matrix entry (its env vars: DTYPE, COMBINE, QUANT, SCALE_DIM, TOPK, TUNED, REPLAY,
     STDMOE, MAXRECV, INSCALE, RESET, SWEEP, HIDDEN, EPR)."""
-    H, K, EPR = env.get("HIDDEN", 256), env.get("TOPK", 4), env.get("EPR", 4)
+    H, K = env.get("HIDDEN", 256), env.get("TOPK", 4)
+    EPR = env.get("EPR", max(4, -(-K // world)))  # 4, or more where the world would hold fewer than K experts
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "fp8": _fp8(), "fp4": FP4}[env.get("DTYPE", "bf16")]
     fp4, fp8 = dtype == FP4, dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
     stdmoe, scale_dim = env.get("STDMOE", 0), env.get("SCALE_DIM", 0)

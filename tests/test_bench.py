@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ep_dist import get_world
-from ep_oracle import expected_received, make_inputs, multiplicity
+from ep_oracle import expected_received, experts_per_rank_for, make_inputs, multiplicity
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from bench import cli, core as bench
 from bench.core import (GateError, accounting, bandwidths, dequantize_rows, identity_expected, identity_gate,
@@ -229,14 +229,18 @@ def test_gate_rejects_lossy_modes():
 # ---------------------------------------------------------------------------------------------
 # The identity gate (torch backend; 2 gloo ranks, and world_size=1 in-process)
 # ---------------------------------------------------------------------------------------------
-H, T, K, EPR = 256, 16, 4, 3
+H, T, K, EPR = 256, 16, 4, 3  # EPR at world_size >= 2; one rank holds K experts (_epr)
+
+
+def _epr(world):
+    return experts_per_rank_for(K, world, EPR)
 
 
 def _gate_inputs(rank: int, world: int, payload: str):
     """(x, w, scales, idx) of `rank`; any process can rebuild any rank's. Tokens 0-2 are pinned: no expert
     (U=0), one rank named by repeated experts (U=1), ranks 0 and 1 (U=2, world > 1); the rest are random
     (repeats, -1)."""
-    x, w, idx = make_inputs(11, rank, T, H, K, EPR * world)
+    x, w, idx = make_inputs(11, rank, T, H, K, _epr(world) * world)
     idx[0] = -1
     idx[1] = torch.tensor([0, 1, 0, -1])
     if world > 1:
@@ -248,8 +252,8 @@ def _gate_inputs(rank: int, world: int, payload: str):
 
 
 def _gate_cfg(rank, world, payload):
-    kw = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
-              num_experts_per_token=K, kernel_backend="torch")
+    kw = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T,
+              num_experts_per_rank=_epr(world), num_experts_per_token=K, kernel_backend="torch")
     if payload == "fp8":
         kw.update(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16, scale_dim=H // 128,
                   scale_type_size=4)
@@ -366,14 +370,14 @@ def test_gate_single_rank_checks_total_recv_and_values():
     x, w, _, idx = _gate_inputs(0, 1, "bf16")
     with EpDispatchCombineOp(cfg) as op:
         n = identity_gate(op, x, w, None, idx)
-        assert n == sum(1 for u in multiplicity(idx, EPR) if u)  # one row per token with an expert
+        assert n == sum(1 for u in multiplicity(idx, cfg.num_experts_per_rank) if u)  # one row per token with an expert
         with pytest.raises(GateError, match=rf"rank 0: total_recv {n + 1} != {n} rows addressed to it") as e:
             identity_gate(_Wrapped(op, total_delta=1), x, w, None, idx, point="p")
         assert e.value.wrong_rows == [0] and e.value.point == "p"
         with pytest.raises(GateError, match="combined rows != U\\*x") as e:
             identity_gate(_Wrapped(op, scale_combine=2.0), x, w, None, idx)
         # every token with U >= 1 and a non-zero row is wrong when combine doubles
-        nonzero = sum(1 for t, u in enumerate(multiplicity(idx, EPR)) if u and bool(x[t].any()))
+        nonzero = sum(1 for t, u in enumerate(multiplicity(idx, cfg.num_experts_per_rank)) if u and bool(x[t].any()))
         assert e.value.wrong_rows == [nonzero] and nonzero > 0
 
 

@@ -135,6 +135,50 @@ def test_row_numbers_fit_int32(kw, what):
     rejects(rf"^max_num_inp_token_per_rank=\d+: {re.escape(what)}", **kw)
 
 
+@pytest.mark.parametrize("world,epr", [(1, 3), (2, 4), (8, 1), (4, 16)])
+def test_top_k_at_most_num_experts(world, epr):
+    """A token's top-k picks k of the num_experts = world_size x num_experts_per_rank experts: k = num_experts
+    is accepted, k = num_experts + 1 refused naming the field and the number of experts (whatever the rank).
+    Ids repeated within a token's row stay legal: they are data, checked by no config."""
+    n = world * epr
+    assert make(world_size=world, num_experts_per_rank=epr, num_experts_per_token=n).num_experts == n
+    for rank in {0, world - 1}:
+        err = rejects(rf"^num_experts_per_token={n + 1}: must be <= num_experts = world_size x num_experts_per_rank "
+                      rf"= {n} \(a token's top-k picks k of the experts\)$",
+                      rank=rank, world_size=world, num_experts_per_rank=epr, num_experts_per_token=n + 1)
+        assert err.__cause__ is None and err.__context__ is None
+    # far above (the issue's 100 of 8 and 1000 of 8), and the per-field checks still come first
+    for k in (100, 1000):
+        rejects(rf"^num_experts_per_token={k}: must be <= num_experts = world_size x num_experts_per_rank = 8 ",
+                num_experts_per_rank=4, num_experts_per_token=k)
+    rejects(r"^num_experts_per_token=0: must be positive$", num_experts_per_token=0)
+    rejects(r"^num_experts_per_rank=0: must be positive$", num_experts_per_rank=0, num_experts_per_token=100)
+
+
+def test_seed_config_top_k_at_most_num_experts():
+    """The seed API (runtime.seed_compat): its config keeps the seed's own checks and may be edited after
+    construction; the op reads it when constructed and refuses k > num_experts with the core's one ConfigError,
+    before anything is built (no process group needed)."""
+    from runtime.seed_compat import EpDispatchCombineConfig as SeedConfig, EpDispatchCombineOp as SeedOp
+
+    msg = (r"^num_experts_per_token=9: must be <= num_experts = world_size x num_experts_per_rank = 8 "
+           r"\(a token's top-k picks k of the experts\)$")
+    seed = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
+                kernel_backend="torch")
+    for backend in ("torch", "flydsl", "hip"):
+        cfg = SeedConfig(**{**seed, "kernel_backend": backend}, num_experts_per_token=9)
+        with pytest.raises(ConfigError, match=msg) as err:
+            SeedOp(cfg, None)
+        assert err.value.__context__ is None
+    edited = SeedConfig(**seed, num_experts_per_token=8)  # valid when built, then edited (the seed's class is mutable)
+    edited.num_experts_per_token = 9
+    with pytest.raises(ConfigError, match=msg):
+        SeedOp(edited, None)
+    one = SeedConfig(**{**seed, "world_size": 1}, num_experts_per_token=4)
+    with SeedOp(one, None) as op:  # k = num_experts on one rank: built
+        assert op.cfg.num_experts_per_token == 4
+
+
 @pytest.mark.parametrize("rank", [-1, 2, 7])
 def test_rank_range(rank):
     rejects(rf"^rank={rank}: must be in \[0, world_size=2\)$", rank=rank)

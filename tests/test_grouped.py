@@ -13,11 +13,18 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from ep_oracle import expected_received, make_inputs
+from ep_oracle import expected_received, experts_per_rank_for, make_inputs
 from grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 
 T, K, EPR = 12, 4, 3
+
+
+def _epr(world):
+    return experts_per_rank_for(K, world, EPR)
+
+
+EPR1 = _epr(1)  # one rank holds all the experts: K of them
 HIDDEN = {"bf16": 32, "fp32": 32, "fp8": 32, "fp8_blockwise": 128, "fp4_blockwise": 64}
 MODES = {mode: (HIDDEN[mode], MODE_FIELDS[mode]) for mode in HIDDEN}  # mode: (hidden, config fields)
 
@@ -25,7 +32,7 @@ MODES = {mode: (HIDDEN[mode], MODE_FIELDS[mode]) for mode in HIDDEN}  # mode: (h
 def _cfg(rank, world, mode, **kw):
     hidden, fields = MODES[mode]
     return EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
-                                   num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="torch",
+                                   num_experts_per_rank=_epr(world), num_experts_per_token=K, kernel_backend="torch",
                                    enable_grouped_layout=True, **fields, **kw)
 
 
@@ -46,15 +53,16 @@ def scn_grouped(rank, world, mode, align, capacity, recv_cap, use_weights, seed)
     inputs = [_inputs(seed, r, counts[r], mode, cfg.num_experts) for r in range(world)]
     x, w, s, idx = inputs[rank]
     w = w if use_weights else None
+    epr = cfg.num_experts_per_rank
     with EpDispatchCombineOp(cfg) as op:
         P = cfg.resolved_grouped_capacity
         out, out_w, out_s, out_i, total, h = op.dispatch(x, w, s, idx, return_routing=True)
-        received = expected_received([i for *_, i in inputs], rank, EPR)[:cfg.max_recv_tokens]
+        received = expected_received([i for *_, i in inputs], rank, epr)[:cfg.max_recv_tokens]
         rows_idx = [inputs[src][3][t].tolist() for src, t in received]
         layout = op.grouped_layout()
-        kept = check_layout(layout, out, out_s, out_w, rows_idx, rank, EPR, K, align, P)
+        kept = check_layout(layout, out, out_s, out_w, rows_idx, rank, epr, K, align, P)
         dropped = int(layout.dropped)
-        y = expert_rows(layout, mode, cfg.combine_dtype, rank * EPR)
+        y = expert_rows(layout, mode, cfg.combine_dtype, rank * epr)
         for apply in (True, False):
             got, got_w = op.combine_grouped(y, h, apply_weights=apply)
             assert got_w is None and got.dtype == cfg.combine_dtype
@@ -71,7 +79,7 @@ def scn_grouped(rank, world, mode, align, capacity, recv_cap, use_weights, seed)
         real = (layout2.src >= 0).nonzero().squeeze(1)
         rows2 = layout2.src[real].long() // K
         assert torch.equal(layout2.x.view(torch.uint8)[real], out2.view(torch.uint8)[rows2])
-        y2 = expert_rows(layout2, mode, cfg.combine_dtype, rank * EPR)
+        y2 = expert_rows(layout2, mode, cfg.combine_dtype, rank * epr)
         got2, _ = op.combine_grouped(y2, h2)
         want2, _ = op.combine(combine_input(y2, layout2, op._last["out_w"], cfg.max_recv_tokens, K, cfg.combine_dtype,
                                             True), routing=h2)
@@ -86,13 +94,14 @@ def scn_std_parity(rank, world, dtype, seed):
     inputs = [_inputs(seed, r, T, "bf16", cfg.num_experts) for r in range(world)]
     x, w, _, idx = inputs[rank]
     x = x.to(dtype)
+    epr = cfg.num_experts_per_rank
     with EpDispatchCombineOp(cfg) as op:
         layout, h = op.dispatch_grouped(x, w, None, idx)
         assert int(layout.dropped) == 0
-        y = expert_rows(layout, "bf16", dtype, rank * EPR)
+        y = expert_rows(layout, "bf16", dtype, rank * epr)
         got, _ = op.combine_grouped(y, h)
         px, pc, psrc, pw = op.convert_dispatch_output()
-        e = torch.arange(EPR)[:, None].expand(EPR, px.shape[1]) + rank * EPR
+        e = torch.arange(epr)[:, None].expand(epr, px.shape[1]) + rank * epr
         ys = (((e % 4 + 1).float() / 4)[..., None] * px.float() + ((e % 7 - 3).float() / 8)[..., None]).to(dtype)
         want, _ = op.combine(op.convert_combine_input(ys, h), routing=h)
         assert torch.equal(got, want)
@@ -142,20 +151,20 @@ def test_grouped_bad_inputs(monkeypatch):
     with pytest.raises(ConfigError, match=r"^grouped_capacity=20: must be a multiple of expert_alignment=16"):
         _cfg(0, 1, "bf16", grouped_capacity=20)
     worst = _cfg(0, 1, "bf16").worst_case_grouped_rows
-    assert worst == (T * K + EPR * 15) // 16 * 16
+    assert worst == (T * K + EPR1 * 15) // 16 * 16
     with pytest.raises(ConfigError, match=rf"^grouped_capacity={worst + 16}: must be <= the worst case {worst}"):
         _cfg(0, 1, "bf16", grouped_capacity=worst + 16)
     with pytest.raises(ConfigError, match="enable_grouped_layout=True: the grouped layout is intranode only"):
         _cfg(0, 4, "bf16", gpu_per_node=2)
     plain = EpDispatchCombineOp(EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
-                                                        num_experts_per_rank=EPR, num_experts_per_token=K,
+                                                        num_experts_per_rank=EPR1, num_experts_per_token=K,
                                                         kernel_backend="torch"))
     with pytest.raises(InputError, match="^grouped_layout: the grouped layout requires enable_grouped_layout=True"):
         plain.grouped_layout()
     op, other = EpDispatchCombineOp(_cfg(0, 1, "bf16")), EpDispatchCombineOp(_cfg(0, 1, "bf16"))
     with pytest.raises(InputError, match="^grouped_layout: no dispatch yet"):
         op.grouped_layout()
-    x, w, _, idx = _inputs(1, 0, 6, "bf16", EPR)
+    x, w, _, idx = _inputs(1, 0, 6, "bf16", EPR1)
     *_, h = op.dispatch(x, w, None, idx, return_routing=True)
     y = torch.zeros(op.config.resolved_grouped_capacity, 32, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="call grouped_layout"):
@@ -163,7 +172,7 @@ def test_grouped_bad_inputs(monkeypatch):
     layout = op.grouped_layout()
     with pytest.raises(InputError, match="from another op"):
         op.combine_grouped(y, other.dispatch_grouped(x, w, None, idx)[1])
-    with pytest.raises(InputError, match=r"expert_out must have shape \[80, 32\], got \[8, 32\]"):
+    with pytest.raises(InputError, match=r"expert_out must have shape \[96, 32\], got \[8, 32\]"):
         op.combine_grouped(y[:8].contiguous(), h)
     with pytest.raises(InputError, match="expert_out must be torch.bfloat16"):
         op.combine_grouped(y.float(), h)
@@ -175,7 +184,7 @@ def test_grouped_bad_inputs(monkeypatch):
     op.grouped_layout()
     with pytest.raises(InputError, match="not from the dispatch that grouped_layout"):
         op.combine_grouped(y, h)
-    assert op.combine_grouped(y, h2)[0].shape == (6, 32) and layout.rows == 80
+    assert op.combine_grouped(y, h2)[0].shape == (6, 32) and layout.rows == 96
     for o in (op, other, plain):
         o.close()
 
@@ -183,9 +192,9 @@ def test_grouped_bad_inputs(monkeypatch):
 def test_grouped_empty_dispatch(monkeypatch):
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
     with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
-        x, w, _, idx = _inputs(1, 0, 0, "bf16", EPR)
+        x, w, _, idx = _inputs(1, 0, 0, "bf16", EPR1)
         layout, h = op.dispatch_grouped(x, w, None, idx)
-        assert layout.offs.tolist() == [0] * EPR and not layout.counts.any() and int(layout.dropped) == 0
+        assert layout.offs.tolist() == [0] * EPR1 and not layout.counts.any() and int(layout.dropped) == 0
         assert bool((layout.src == -1).all()) and bool((layout.m_indices == -1).all())
         y = torch.zeros(layout.rows, 32, dtype=torch.bfloat16)
         assert op.combine_grouped(y, h)[0].shape == (0, 32)
@@ -199,15 +208,15 @@ def test_grouped_memory_formula(monkeypatch):
     up = lambda n: -(-n // 256) * 256  # noqa: E731
     cfg = _cfg(0, 1, "fp8_blockwise")  # H = 128: fp8 rows of 128 bytes, one fp32 scale each
     R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
-    assert P == (R * K + EPR * 15) // 16 * 16 == cfg.worst_case_grouped_rows
+    assert P == (R * K + EPR1 * 15) // 16 * 16 == cfg.worst_case_grouped_rows
     nat = native_workspace(cfg, torch.float8_e4m3fn)["regions"]
     assert (nat["grouped_x"], nat["grouped_scales"], nat["grouped_meta"]) == \
-        (up(P * 128), up(P * 4), up(12 * P + 8 * R * K + 12 * EPR + 4))
+        (up(P * 128), up(P * 4), up(12 * P + 8 * R * K + 12 * EPR1 + 4))
     with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_capacity=32)) as op:
         buf = op.memory_report()["buffers"]
-        assert (buf["grouped_x"], buf["grouped_scales"], buf["grouped_meta"]) == (32 * 64, 0, 12 * 32 + 8 * R * K + 12 * EPR + 4)
+        assert (buf["grouped_x"], buf["grouped_scales"], buf["grouped_meta"]) == (32 * 64, 0, 12 * 32 + 8 * R * K + 12 * EPR1 + 4)
     plain = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
-                                    num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="torch")
+                                    num_experts_per_rank=EPR1, num_experts_per_token=K, kernel_backend="torch")
     assert "grouped_x" not in native_workspace(plain, torch.bfloat16)["regions"]
 
 
@@ -227,7 +236,7 @@ def test_grouped_combine_field(monkeypatch):
     with pytest.raises(ConfigError, match=r"grouped_combine='fused'.*intranode_protocol='ll'"):
         _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="ll")
     assert _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="auto").grouped_combine == "fused"
-    x, w, _, idx = _inputs(3, 0, 9, "bf16", EPR)
+    x, w, _, idx = _inputs(3, 0, 9, "bf16", EPR1)
     results = []
     for form in ("reduce", "fused"):
         with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_combine=form)) as op:
@@ -244,7 +253,7 @@ def test_grouped_combine_field(monkeypatch):
     R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
     nat = native_workspace(cfg, torch.bfloat16)["regions"]
     assert (nat["grp_y"], nat["grp_pos"], nat["grouped_meta"]) == \
-        (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR + 4))
+        (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR1 + 4))
     assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"), torch.bfloat16)["regions"]
     from runtime.backends.native import Plan
     from runtime.config import load_specs

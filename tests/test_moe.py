@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from ep_oracle import destination_ranks, expected_received, make_inputs
+from ep_oracle import destination_ranks, expected_received, experts_per_rank_for, make_inputs
 from runtime import (CapacityError, ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp,
                      InputError)
 from runtime.op import NATIVE_WORKSPACE_FORMULA, native_workspace
@@ -20,9 +20,13 @@ from runtime.op import NATIVE_WORKSPACE_FORMULA, native_workspace
 H, T, K, EPR = 32, 24, 4, 3
 
 
+def _epr(world):
+    return experts_per_rank_for(K, world, EPR)
+
+
 def _cfg(rank, world, **kw):
-    fields = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
-                  num_experts_per_token=K, kernel_backend="torch")
+    fields = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T,
+                  num_experts_per_rank=_epr(world), num_experts_per_token=K, kernel_backend="torch")
     fields.update(kw)
     return EpDispatchCombineConfig(**fields)
 
@@ -49,7 +53,7 @@ def _local_pairs(rows_idx, rank, epr):
 
 
 def _exp_received(inputs, rank, cap=None):
-    got = expected_received([i for _, _, i in inputs], rank, EPR)
+    got = expected_received([i for _, _, i in inputs], rank, _epr(len(inputs)))
     return got if not cap else got[:cap]  # cap 0: the worst case, nothing dropped
 
 
@@ -60,7 +64,7 @@ def scn_std_moe(rank, world, dtype, capacity, use_weights, seed):
     """Pack against the oracle, the affine expert round trip, local counts; -> (local pairs, valid pairs here,
     duplicate local pairs seen, dropped)."""
     cfg = _cfg(rank, world, enable_std_moe=True, data_type=dtype, expert_capacity=capacity)
-    E, C, R = EPR, cfg.resolved_expert_capacity, cfg.max_recv_tokens
+    E, C, R = cfg.num_experts_per_rank, cfg.resolved_expert_capacity, cfg.max_recv_tokens
     counts = [T - 3 * r for r in range(world)]
     inputs = _all_inputs(seed, world, counts, dtype, cfg.num_experts)
     x, w, idx = inputs[rank]
@@ -178,14 +182,15 @@ def scn_cap(rank, world, cap, seed):
         for i, (s, t) in enumerate(kept):
             assert torch.equal(out[i], inputs[s][0][t]) and torch.equal(out_w[i], inputs[s][1][t])
         # local expert counts see only the kept rows
-        pairs = _local_pairs([inputs[s][2][t].tolist() for s, t in kept], rank, EPR)
+        pairs = _local_pairs([inputs[s][2][t].tolist() for s, t in kept], rank, cfg.num_experts_per_rank)
         assert op.local_expert_count().tolist() == [len(p) for p in pairs]
         # identity combine: a token gets one copy per destination rank that kept its row
         kept_all = {d: set(_exp_received(inputs, d)[:cap]) for d in range(world)}
         u = torch.tensor([[sum((rank, t) in kept_all[d] for d in range(world))] for t in range(T)], dtype=torch.float32)
         combined, combined_w = op.combine(out, out_w, routing=h)
         assert torch.equal(combined, (u * x.float()).to(torch.bfloat16)) and torch.equal(combined_w, u * w)
-        assert any(int(u[t]) < len(destination_ranks(idx[t].tolist(), EPR)) for t in range(T)) or not int(dropped)
+        assert any(int(u[t]) < len(destination_ranks(idx[t].tolist(), cfg.num_experts_per_rank))
+                   for t in range(T)) or not int(dropped)
     return int(dropped)
 
 
@@ -210,7 +215,8 @@ def scn_strict(rank, world):
             out, *_, total = op.dispatch(x, w, None, to_zero)
             assert int(total) == 0 and int(op.dropped_count()) == 0
         # a dispatch within the cap right after works on every rank
-        spread = torch.tensor([[r * EPR for r in range(world)][:K] + [-1] * (K - world)] * 1, dtype=torch.int32)
+        spread = torch.tensor([[r * cfg.num_experts_per_rank for r in range(world)][:K] + [-1] * (K - world)] * 1,
+                              dtype=torch.int32)
         out, out_w, _, _, total, h = op.dispatch(x[:1].contiguous(), w[:1].contiguous(), None, spread,
                                                  return_routing=True)
         assert int(total) == world and int(op.dropped_count()) == 0
@@ -261,9 +267,13 @@ def no_env(monkeypatch):
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
 
 
+EPR1 = _epr(1)  # one rank holds all the experts: K of them
+
+
 def test_single_rank_std_moe_and_cap(no_env):
     local, valid, dup, dropped = scn_std_moe(0, 1, torch.float32, 0, True, 5)
-    # 3 experts, top-4: every row names some expert twice, so even C = max_recv_tokens overflows
+    # 4 experts, top-4 with repeated ids (make_inputs repeats a column's id 1 time in 5): an expert named twice by
+    # some rows gets more pairs than rows, so even C = max_recv_tokens overflows
     assert local == valid and dup > 0 and dropped > 0
     assert scn_cap(0, 1, 9, 6) > 0
     scn_strict(0, 1)
@@ -275,7 +285,7 @@ def _one_rank_op(**kw):
 
 
 def _args(n=6, seed=1):
-    x, w, idx = make_inputs(seed, 0, n, H, K, EPR)
+    x, w, idx = make_inputs(seed, 0, n, H, K, EPR1)
     return x, w, idx
 
 
@@ -291,7 +301,7 @@ def test_bad_inputs(no_env):
                        (op.std_moe_dropped, "std_moe_dropped")):
         with pytest.raises(InputError, match=f"^{what}: no dispatch yet"):
             call()
-    y = torch.zeros(EPR, op.config.resolved_expert_capacity, H, dtype=torch.bfloat16)
+    y = torch.zeros(EPR1, op.config.resolved_expert_capacity, H, dtype=torch.bfloat16)
     *_, h = op.dispatch(x, w, None, idx, return_routing=True)
     other_h = other.dispatch(x, w, None, idx, return_routing=True)[-1]
     with pytest.raises(InputError, match="call convert_dispatch_output"):
@@ -301,7 +311,7 @@ def test_bad_inputs(no_env):
     op.convert_dispatch_output()
     with pytest.raises(InputError, match="from another op"):
         op.convert_combine_input(y, other_h)
-    with pytest.raises(InputError, match=r"expert_out must have shape \[3, 24, 32\], got \[3, 5, 32\]"):
+    with pytest.raises(InputError, match=rf"expert_out must have shape \[{EPR1}, 24, 32\], got \[{EPR1}, 5, 32\]"):
         op.convert_combine_input(y[:, :5].contiguous(), h)
     with pytest.raises(InputError, match="expert_out must be torch.bfloat16"):
         op.convert_combine_input(y.float(), h)
@@ -338,7 +348,7 @@ def test_unweighted_and_empty(no_env):
     op = _one_rank_op(enable_std_moe=True)
     x, w, idx = _args(0)
     op.dispatch(x, None, None, idx)
-    assert op.local_expert_count().tolist() == [0] * EPR and int(op.dropped_count()) == 0
+    assert op.local_expert_count().tolist() == [0] * EPR1 and int(op.dropped_count()) == 0
     px, pc, psrc, pw = op.convert_dispatch_output()
     assert not pc.any() and bool((psrc == -1).all()) and not pw.any() and not px.any()
 
@@ -347,7 +357,7 @@ def test_memory_report(no_env):
     op = _one_rank_op(enable_std_moe=True, expert_capacity=4)
     rep = op.memory_report()
     assert rep["backend"] == "torch" and "formula" in rep and rep["total_bytes"] == sum(rep["buffers"].values())
-    assert rep["buffers"]["std_moe_packed_x"] == EPR * 4 * H * 2
+    assert rep["buffers"]["std_moe_packed_x"] == EPR1 * 4 * H * 2
     assert rep["buffers"]["dispatch_out_x"] == T * H * 2 and rep["buffers"]["combine_in_view"] == 0
     op.combine_in_view()
     assert op.memory_report()["buffers"]["combine_in_view"] == T * H * 2
@@ -382,7 +392,7 @@ def test_build_close_ten_times_then_closed(no_env):
         op.close()
         op.close()  # idempotent
         assert op.closed and op._last is None and op._packed is None
-    y = torch.zeros(EPR, T, H, dtype=torch.bfloat16)
+    y = torch.zeros(EPR1, T, H, dtype=torch.bfloat16)
     calls = {
         "dispatch": lambda: op.dispatch(x, w, None, idx), "combine": lambda: op.combine(out, routing=h),
         "combine_in_view": op.combine_in_view, "check": op.check, "reset": op.reset,

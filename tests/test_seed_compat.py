@@ -245,7 +245,7 @@ def test_seed_backend_names_and_gpu_per_node_none():
 
 
 def test_op_refuses_a_non_process_group_comm():
-    cfg = EpDispatchCombineConfig(**{**BASE, "world_size": 1})
+    cfg = EpDispatchCombineConfig(**{**BASE, "world_size": 1, "num_experts_per_rank": 3})  # one rank: k experts
     with pytest.raises(ConfigError, match="ProcessGroup or None"):
         EpDispatchCombineOp(cfg, object())
     with pytest.raises(ConfigError, match="combine_weights='sum'"):

@@ -252,4 +252,4 @@ def test_op_refuses_epgens_config():
     from runtime import EpDispatchCombineConfig
 
     with pytest.raises(ConfigError, match="the seed's config"):
-        Op(EpDispatchCombineConfig(**{**BASE, "world_size": 1}), None)
+        Op(EpDispatchCombineConfig(**{**BASE, "world_size": 1, "num_experts_per_rank": 3}), None)

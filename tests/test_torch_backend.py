@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ep_dist import get_world, shutdown_all
-from ep_oracle import (expected_received, first_appearance_ranks, make_inputs, multiplicity, ordered_sum,
-                       wire_roundtrip)
+from ep_oracle import (expected_received, experts_per_rank_for, first_appearance_ranks, make_inputs, multiplicity,
+                       ordered_sum, wire_roundtrip)
 from runtime import numerics
 from runtime import (ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError,
                      InputError, RoutingHandle)
@@ -26,9 +26,12 @@ TOKEN_COUNTS = (0, 1, 7, 128)
 
 
 def _cfg(rank: int, world: int, **kw) -> EpDispatchCombineConfig:
+    """The tests' config; num_experts_per_rank is raised where world x it < num_experts_per_token (k <= num_experts)."""
     fields = dict(rank=rank, world_size=world, hidden_dim=64, max_num_inp_token_per_rank=128,
                   num_experts_per_rank=2, num_experts_per_token=4, kernel_backend="torch")
     fields.update(kw)
+    fields["num_experts_per_rank"] = experts_per_rank_for(fields["num_experts_per_token"], world,
+                                                          fields["num_experts_per_rank"])
     return EpDispatchCombineConfig(**fields)
 
 
@@ -88,7 +91,8 @@ def all_ranks_routing(cfg):
 # Scenarios (run on every rank)
 # ---------------------------------------------------------------------------------------------
 def scn_identity_matrix(rank, world, hidden, dtype=torch.bfloat16):
-    """Every (top-k, experts per rank) pair; equal and mixed token counts per rank."""
+    """Every (top-k, experts per rank) pair (experts per rank raised where the world would hold fewer than k
+    experts, _cfg); equal and mixed token counts per rank."""
     received = 0
     for k in (1, 4, 8):
         for epr in (2, 8):
