@@ -16,7 +16,7 @@ from ep_dist import get_world, shutdown_all
 from ep_oracle import make_inputs
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 
-T, K, EPR = 12, 4, 3
+T, K, EPR = 12, 4, 4  # k <= the experts of one rank
 HIDDEN = {"fp8_blockwise": 256, "fp4_blockwise": 64}
 
 
