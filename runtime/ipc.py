@@ -2,7 +2,7 @@
 
 Each rank allocates its workspace with the vendor's allocator (``cudaMalloc`` through cuda-bindings,
 ``hipMalloc`` through hip-python), exports an IPC handle for it, and all-gathers the handles together
-with each rank's device identity (``all_gather_object`` on the op's group: NCCL or gloo). Every rank
+with each rank's device identity (one gather of objects on the op's group, runtime/collectives.py: NCCL or gloo). Every rank
 then opens every peer's handle (``cudaIpcOpenMemHandle`` with lazy peer access) and gives the kernels
 the same base-pointer table ``torch.distributed._symmetric_memory`` gives: ``buffer_ptrs[r]`` is
 rank r's workspace as this process addresses it.
@@ -25,6 +25,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .errors import EpgenError
 
 log = logging.getLogger("epgen")
@@ -140,8 +141,7 @@ def allocate(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, Ip
         own = vendor.malloc(nbytes)
         try:
             mine = (vendor.export(own), device_identity(device))
-            everyone: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, mine, group=group)
+            everyone = collectives.gather_objects(mine, group)
             me = dist.get_rank(group)
             ptrs, opened = [], []
             try:

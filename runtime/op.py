@@ -36,7 +36,7 @@ import torch
 
 from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import aliases, backends, grouped, moe
+from . import aliases, backends, collectives, grouped, moe
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
@@ -56,7 +56,7 @@ def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
     config equals this one in every field but ``rank``, and each rank's config names the group's
     size as world_size and its own rank in the group as rank.
 
-    Runs one ``all_gather_object`` (gloo on CPU, NCCL on GPUs) when torch.distributed is initialised
+    Runs one gather of objects (runtime/collectives.py; gloo on CPU, NCCL on GPUs) when torch.distributed is initialised
     and the group has more than one rank; without torch.distributed there is nothing to compare
     (the backend then accepts world_size=1 only).
     """
@@ -71,8 +71,7 @@ def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
                           f"world_size={config.world_size})")
     mine = config_summary(config)
     if size > 1:
-        everyone: list = [None] * size
-        dist.all_gather_object(everyone, mine, group=g)
+        everyone = collectives.gather_objects(mine, g)
     else:
         everyone = [mine]
     # every rank sees every summary, so every rank raises (and with the same words, but for its own)
@@ -118,7 +117,7 @@ def _ranks_text(ranks: list[int]) -> str:
 def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
     """Collective over ``group``: the real host layout must match ``gpu_per_node``.
 
-    Gathers every rank's ``socket.gethostname()`` and emulation switch with one ``all_gather_object``.
+    Gathers every rank's ``socket.gethostname()`` and emulation switch with one gather of objects (runtime/collectives.py).
     Ranks are node-major (node = rank // gpu_per_node): the ranks of one node must share a hostname and
     different nodes must have different hostnames, else ConfigError on every rank naming the
     mismatch. ``EPGEN_EMULATE_NODES=1`` (on every rank) treats the grouping as given: several
@@ -130,8 +129,7 @@ def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
     if not (dist.is_available() and dist.is_initialized()) or config.world_size == 1:
         return
     g = group if group is not None else dist.group.WORLD
-    everyone: list = [None] * config.world_size
-    dist.all_gather_object(everyone, mine, group=g)
+    everyone = collectives.gather_objects(mine, g)
     switches = [e for _, e in everyone]
     if len(set(switches)) > 1:
         on = [r for r, e in enumerate(switches) if e]

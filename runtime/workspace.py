@@ -33,6 +33,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .errors import EpgenError
 
 _lock = threading.Lock()
@@ -73,8 +74,8 @@ def _host_staged(collective, out: torch.Tensor, inp: torch.Tensor, group) -> Non
         return
     if torch.cuda.is_current_stream_capturing():
         raise capture_unsupported()
-    host = torch.empty(out.shape, dtype=out.dtype)
-    collective(host, inp.cpu())
+    host, src = torch.empty(out.shape, dtype=out.dtype), inp.cpu()
+    collectives.run(lambda: collective(host, src), [host, src], group)
     out.copy_(host)
 
 

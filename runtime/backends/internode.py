@@ -41,7 +41,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import kernels, workspace
+from .. import collectives, kernels, workspace
 from ..config import EpDispatchCombineConfig, spec_dtype
 from ..errors import EpgenError, InputError
 from ..routing import all_gather_counts, ordered_slots
@@ -210,7 +210,8 @@ class NativeInternodeBackend:
         if self._capturing():
             mine = torch.tensor([T], dtype=torch.int64)
             every = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
-            dist.all_gather(every, mine, group=self.host_group)
+            collectives.run(lambda: dist.all_gather(every, mine, group=self.host_group), [mine, *every],
+                            self.host_group)
             return [int(c) for c in every]
         top = indices.max().to(torch.int64).view(1) if indices is not None and indices.numel() else \
             torch.full((1,), -1, dtype=torch.int64, device=self.device)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
-from .. import errors, grouped, kernels, ll, workspace
+from .. import collectives, errors, grouped, kernels, ll, workspace
 from ..config import EpDispatchCombineConfig, load_specs, spec_dtype
 from ..errors import ConfigError, EpgenError, InputError
 from ..routing import all_gather_counts, ordered_slots
@@ -181,8 +181,7 @@ def check_same_protocol(protocol: str, arch: str, group) -> None:
     size = dist.get_world_size(group)
     if size == 1:
         return
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, (protocol, arch), group=group)
+    everyone = collectives.gather_objects((protocol, arch), group)
     if len({p for p, _ in everyone}) > 1:
         raise ConfigError("intranode_protocol resolved differently across ranks (every rank must take the same "
                           "protocol): " + ", ".join(f"rank {r}: {p!r} on {a}" for r, (p, a) in enumerate(everyone)))

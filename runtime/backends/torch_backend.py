@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import numerics
+from .. import collectives, numerics
 from ..config import EpDispatchCombineConfig
 from ..errors import CapacityError, ConfigError, InputError
 
@@ -199,7 +199,7 @@ class TorchBackend:
             return [t]
         flat = t.contiguous().view(-1).view(torch.uint8)
         parts = [torch.empty_like(flat) for _ in range(self.config.world_size)]
-        dist.all_gather(parts, flat, group=self.group)
+        collectives.run(lambda: dist.all_gather(parts, flat, group=self.group), [flat, *parts], self.group)
         return [p.view(t.dtype).view(t.shape) for p in parts]
 
     def _exchange(self, send: list[torch.Tensor], recv_counts: list[int], width: int) -> list[torch.Tensor]:
@@ -207,7 +207,9 @@ class TorchBackend:
         rank sent here (recv_counts[r] records from rank r)."""
         buf = torch.cat(send) if send else torch.empty(0, width, dtype=torch.uint8, device=self.device)
         out = torch.empty(sum(recv_counts), width, dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(out, buf.contiguous(), recv_counts, [t.shape[0] for t in send], group=self.group)
+        buf = buf.contiguous()
+        collectives.run(lambda: dist.all_to_all_single(out, buf, recv_counts, [t.shape[0] for t in send],
+                                                       group=self.group), [out, buf], self.group)
         return list(out.split(recv_counts))
 
     def _route(self, counts: list[int]) -> str | None:
