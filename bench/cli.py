@@ -197,6 +197,9 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     dtypes = [getattr(torch, dt) for dt in args.dtypes]
     if args.floor or args.profile_graph:
         check_graph_args(args)  # a wrong flag is named before anything else is asked of the machine
+    if not 1 <= args.topk <= args.experts:
+        raise SystemExit(f"--topk must be in [1, --experts={args.experts}] (a token picks k of the experts), "
+                         f"got {args.topk}")
     core.require_gpus(prog)
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"

@@ -269,3 +269,10 @@ def test_profile_graph_main_records_every_point_and_the_failures(tmp_path):
         (1, "ll", False), (1, "bw", False), (8, "ll", True), (8, "bw", False)]
     assert recs[0]["dispatch_us"] == 7.5 and recs[0]["per_layer_us"] == 11.0 and recs[0]["layers"] == 16
     assert "| ll | 1 | 7.50 | 6.00 | 1.00 | 0.30 | 11.0 |" in printed and "| ll | 8 | failed: rank 0" in printed
+
+
+@pytest.mark.parametrize("argv", [["--topk", "9", "--experts", "8"], ["--topk", "0"], ["--layer", "--topk", "300"]])
+def test_topk_is_bounded_by_the_experts(argv):
+    """k of E experts, 1 <= k <= E (the config refuses more): said before the machine is asked for GPUs."""
+    with pytest.raises(SystemExit, match=r"--topk must be in \[1, --experts="):
+        cli.main(argv)
