@@ -45,3 +45,19 @@ def run_collective(check) -> None:
     except Exception as e:  # noqa: BLE001 - reported by every rank below
         err = f"{type(e).__name__}: {e}"
     collective_assert(err)
+
+
+def captured(round_fn):
+    """round_fn warmed up once on a side stream, then captured (every rank): -> (graph, what the captured call
+    returned)."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        round_fn()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = round_fn()
+    return g, res

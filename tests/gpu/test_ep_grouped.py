@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from tests.ep_oracle import random_routing
-from tests.gpu.dist_util import run_collective
+from tests.gpu.dist_util import captured as _captured, run_collective
 from tests.grouped_oracle import MODE_FIELDS, expert_rows
 
 pytestmark = pytest.mark.multigpu
@@ -78,21 +78,6 @@ def _round(op, x, w, s, idx, mode, routing=None):
     layout, h = op.dispatch_grouped(x, w, s, idx, routing=routing)
     y = expert_rows(layout, mode, op.config.combine_dtype, dist.get_rank() * EPR)
     return layout, h, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
-
-
-def _captured(round_fn):
-    """round_fn warmed up once on a side stream, then captured: -> (graph, what the captured call returned)."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        round_fn()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        res = round_fn()
-    return g, res
 
 
 @pytest.mark.parametrize("mode,protocol,recv_cap,gcap,tokens", [

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 from tests.ep_oracle import random_routing
-from tests.gpu.dist_util import run_collective
+from tests.gpu.dist_util import captured, run_collective
 
 pytestmark = pytest.mark.multigpu
 
@@ -97,16 +97,7 @@ def test_dequantized_round_in_a_cuda_graph():
                 lay, h = op.dispatch_grouped(sx, sw, None, sidx)
                 return op.combine_grouped(lay.x.to(op.config.combine_dtype), h)[0]
 
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                round_fn()
-            torch.cuda.current_stream().wait_stream(st)
-            torch.cuda.synchronize()
-            dist.barrier()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                res = round_fn()
+            g, res = captured(round_fn)
             for rep in range(3):
                 x, w, idx = _inputs(40 + rep, dtype)
                 sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
