@@ -72,6 +72,7 @@ class Plan:
     fp8_dtype: torch.dtype
     ll_row: int            # bytes of one low-latency dispatch slot (runtime/ll.py)
     ll_cell: int           # bytes of one low-latency combine cell
+    place_variant: str = "grouped_place.i32"  # the grouped layout's placement (rows decoded: grouped_dequantize)
 
     @classmethod
     def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
@@ -83,6 +84,7 @@ class Plan:
         comb = spec_dtype(cfg.combine_dtype).name
         comb_row = H * _elem_bits(cfg.combine_dtype) // 8
         scales_dtype, scale_cols = None, 0
+        place = "grouped_place.i32"
         if cfg.dispatch_data_type is not None:  # pre-quantized payload: bytes and scales verbatim
             payload = cfg.dispatch_data_type
             d_name = f"dispatch.{spec_dtype(payload).name}.intranode"
@@ -95,6 +97,8 @@ class Plan:
             q = specs.quants[cfg.dispatch_quant_type]
             wire = specs.dtypes[wire_of[q.wire_kind]]
             d_name = f"dispatch.{act}.{wire.name}.{q.name}.intranode"
+            if cfg.grouped_dequantize:
+                place = f"grouped_place_{wire.kind}.{act}.{wire.name}.{q.name}"
             in_row = H * _elem_bits(cfg.data_type) // 8
             wire_row = H * wire.bits // 8
             scale_cols = H // q.block
@@ -121,7 +125,7 @@ class Plan:
         k = cfg.num_experts_per_token
         return cls(d_name, c_name, in_row, wire_row, scale_row, out_dtype, out_cols, scales_dtype, scale_cols,
                    comb_row, scat_row, scat_scale_row, scatter, getattr(torch, specs.dtypes[fp8].torch),
-                   ll.row_bytes(in_row, scale_row, k), ll.cell_bytes(comb_row, k))
+                   ll.row_bytes(in_row, scale_row, k), ll.cell_bytes(comb_row, k), place)
 
     @property
     def ll_variants(self) -> tuple[str, str]:
@@ -520,12 +524,9 @@ class NativeBackend:
         comb = spec_dtype(cfg.combine_dtype).name
         i32 = dict(dtype=torch.int32, device=dev)
         if cfg.grouped_dequantize:  # the rows decoded into data_type as they are placed: no scales in the layout
-            _, act, wire, quant, _ = plan.dispatch_variant.split(".")  # dispatch.<act>.<wire>.<quant>.intranode
-            place = f"grouped_place_{load_specs().dtypes[wire].kind}.{act}.{wire}.{quant}"
             x = torch.empty((P, cfg.hidden_dim), dtype=cfg.data_type, device=dev)
             scales, x_view, scales_view = None, x, None
         else:
-            place = "grouped_place.i32"
             x = torch.empty((P, plan.wire_row), dtype=torch.uint8, device=dev)
             scales = torch.empty((P, plan.scale_row), dtype=torch.uint8, device=dev) if plan.scales_dtype else None
             x_view = x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x
@@ -533,7 +534,7 @@ class NativeBackend:
                                                        if plan.scales_dtype != torch.uint8 else scales)
         return {
             "count": kernels.load(kernels.select(self.arch, "grouped_count.i32")),
-            "place": kernels.load(kernels.select(self.arch, place)),
+            "place": kernels.load(kernels.select(self.arch, plan.place_variant)),
             "reduce": kernels.load(kernels.select(self.arch, f"grouped_reduce.{comb}")),
             "x": x, "scales": scales, "x_view": x_view, "scales_view": scales_view,
             "out_row": x.shape[1] * x.element_size(),

@@ -9,6 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from bench.core import warm_on_side_stream
+
 
 def oversubscribed() -> bool:
     """Whether this node runs more ranks than it has GPUs (several ranks share a GPU)."""
@@ -50,12 +52,7 @@ def run_collective(check) -> None:
 def captured(round_fn):
     """round_fn warmed up once on a side stream, then captured (every rank): -> (graph, what the captured call
     returned)."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        round_fn()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
+    warm_on_side_stream(round_fn)
     dist.barrier()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
