@@ -20,7 +20,9 @@
 # --profile-graph: kernel durations inside a graph replay of 16 layers, tokens 1 8 32 128, protocols ll bw,
 # $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite), LAYER1=1 (the
 # layer loop and the MoE layer at one rank on GPU 0, W = 1: the glue's cost with no link in it, $OUT/layer_w1.jsonl; never
-# a 2-GPU figure).
+# a 2-GPU figure), GPROF=1 (scripts/grouped_profile.py: every kernel of the grouped layer's dispatch_grouped ->
+# identity expert -> combine_grouped in a graph, forms reduce and fused, at one rank on GPU 0 (W = 1) unless GPROF_NPROC;
+# GPROF_ARGS: its options; $OUT/grouped_profile.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -127,5 +129,10 @@ if [ -n "${LAYER1:-}" ]; then  # one rank on GPU 0 (W = 1): the layer's glue wit
     | grep -vE "^(W|\*)" | tail -30; status[layer_w1]=${PIPESTATUS[0]}
   python3 scripts/layer_table.py "$OUT/layer_w1.jsonl" > "$OUT/layer_w1_table.md" && cat "$OUT/layer_w1_table.md"
 fi
+if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goes, kernel by kernel
+  CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
+    torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
+    | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
+fi
 echo "== summary"
-for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

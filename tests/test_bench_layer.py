@@ -333,3 +333,19 @@ def test_plot_of_layer_records(tmp_path):
     assert (tmp_path / "layer.png").stat().st_size > 0
     (tmp_path / "empty.jsonl").write_text("")
     assert plot.main_layer(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png")) == 1
+
+
+def test_grouped_profile_table_orders_kernels_by_their_time_per_layer():
+    spec = importlib.util.spec_from_file_location("grouped_profile", ROOT / "scripts" / "grouped_profile.py")
+    gp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gp)
+    assert gp._name("void at::native::elementwise_kernel<128, 4>(int)") == "void at::native::elementwise_kernel"
+    assert gp._name("Memcpy DtoD (Device -> Device)") == "copy"
+    assert gp._name("epg_sm_90_grouped_place_bf16") == "epg_sm_90_grouped_place_bf16"
+    rec = {"tokens_per_rank": 1, "grouped_combine": "reduce", "per_layer_us": 20.0, "world_size": 1, "gap_us": 1.5,
+           "kernels": {"a": {"per_layer": 1, "median_us": 2.0}, "b": {"per_layer": 2, "median_us": 3.0},
+                       "copy": {"per_layer": 1, "median_us": 9.0}}}
+    lines = gp.table(rec)
+    assert lines[0].startswith("T=1 reduce: 20.0 µs per layer (graph, W=1)")
+    assert [ln.split(" | ")[0].lstrip("| ") for ln in lines[3:]] == ["copy", "b", "a"]
+    assert lines[4] == "| b | 2 | 3.0 | 6.0 |"

@@ -1,0 +1,109 @@
+"""Where the grouped layer's communication time goes: every device kernel of dispatch_grouped ->
+(identity expert) -> combine_grouped, inside a CUDA-graph replay, by kernel name.
+
+  torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096] [--forms reduce fused]
+                                                         [--hidden 7168] [--topk 8] [--experts 256] [--out F]
+
+Per (tokens, form): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
+expert: bf16) -> combine_grouped, captured in one graph; --reps replays timed (per layer: replay / L), then
+profiled by kineto (bench/graphprof.py). The identity copy is the expert GEMMs' stand-in (what it costs is
+printed on its own row, "copy"); everything else is what the layer's communication runs on the device.
+Prints one table per point (kernel, calls per layer, median µs) and writes the records (jsonl) to --out.
+At one rank (W = 1) this is the glue with no link in the way, never a 2-GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import core as B, graphprof  # noqa: E402
+from bench.layer import _meta  # noqa: E402
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
+
+
+def _name(kernel: str) -> str:
+    """A kernel's short name: epgen's symbols as they are, torch's up to its template arguments."""
+    if "copy" in kernel.lower() or "memcpy" in kernel.lower():
+        return "copy"
+    return kernel.split("<")[0].split("(")[0].strip()[:60]
+
+
+def point(T: int, form: str, args, meta: dict) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = B.point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
+    cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
+    with EpDispatchCombineOp(cfg) as op:
+        s = B.make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
+        x, w, idx = s["x"], s["w"], s["idx"]
+        view = op.grouped_out_view() if form == "fused" else None
+        y = view if view is not None else torch.empty(cfg.resolved_grouped_capacity, args.hidden,
+                                                      dtype=torch.bfloat16, device=op.device)
+
+        def layer():
+            layout, h = op.dispatch_grouped(x, w, None, idx)
+            y.copy_(layout.x)
+            op.combine_grouped(y, h)
+
+        B.warm_on_side_stream(layer)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(args.layers):
+                layer()
+        per_layer = statistics.median(ms / args.layers for ms in graphprof.replay_ms(g, args.reps)) * 1e3
+        events = graphprof.graph_kernel_events(g, max(3, args.reps // 3), sync=dist.barrier)
+        op.check()
+        del g
+    replays = graphprof.split_replays(events, len(events) // max(3, args.reps // 3))
+    summary = graphprof.summarize(replays, _name)
+    rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
+    return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "world_size": world,
+            "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
+            "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows}
+
+
+def table(rec: dict) -> list[str]:
+    out = [f"T={rec['tokens_per_rank']} {rec['grouped_combine']}: {rec['per_layer_us']:.1f} µs per layer "
+           f"(graph, W={rec['world_size']}); median gap between kernels {rec['gap_us'] or 0:.1f} µs",
+           "| kernel | per layer | median µs | µs per layer |", "|---|---|---|---|"]
+    ks = sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["per_layer"] * kv[1]["median_us"])
+    out += [f"| {k} | {v['per_layer']:g} | {v['median_us']:.1f} | {v['per_layer'] * v['median_us']:.1f} |" for k, v in ks]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 4096])
+    p.add_argument("--forms", nargs="+", default=["reduce", "fused"], choices=["reduce", "fused"])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    meta = _meta(torch.device("cuda", torch.cuda.current_device()))
+    for T in args.tokens:
+        for form in args.forms:
+            rec = point(T, form, args, meta)
+            if dist.get_rank() == 0:
+                print("\n".join(table(rec)), flush=True)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
