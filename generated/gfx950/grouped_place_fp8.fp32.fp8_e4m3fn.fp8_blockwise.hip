@@ -219,9 +219,9 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
   out[4] = c[0]; out[5] = c[1]; out[6] = d[0]; out[7] = d[1];
   epg_mx_nan_block(scale_byte, out);
 }
-// Grouped layout, pass 2: every block first works out the groups from the per-expert counts (thread 0, in
-// expert order: start_e, kept_e = min(count_e, capacity - start_e), the group padded to a multiple of
-// `align` rows; runtime/grouped.py); block 0 publishes offs / kept counts / drops. Then one wave per real
+// Grouped layout, pass 2: every block first works out the groups from the per-expert counts (in expert
+// order: start_e, kept_e = min(count_e, capacity - start_e), the group padded to a multiple of `align` rows;
+// runtime/grouped.py); block 0 publishes offs / kept counts / drops. Then one wave per real
 // (received row, k) pair: a kept local pair copies its row (16-byte vectors) and scales to grouped row
 // start_e + position and records it (src, m_indices, weights, pair_pos); every other pair gets pair_pos
 // -1. Then one thread per grouped row marks the rows without a pair (padding, past the last group):
@@ -271,22 +271,53 @@ EPG_KERNEL void epg_grouped_place_fp8__fp32__fp8_e4m3fn__fp8_blockwise(const cha
   __shared__ int g_start[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_kept[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_end[EPG_GROUPED_MAX_EXPERTS];
-  const int tid = epg_thread(), lane = tid % EPG_WAVE;
-  const int E = (int)num_local;
-  for (int e = tid; e < E; e += epg_block_dim()) g_kept[e] = counts[e];
+  __shared__ int t_sum[1024];  // one per thread: its experts' padded rows, then their inclusive prefix
+  __shared__ int g_over;
+  const int tid = epg_thread(), lane = tid % EPG_WAVE, nt = epg_block_dim();
+  const int E = (int)num_local, A = (int)align;
+  // The groups, in parallel: each thread takes `per` consecutive experts; a block-wide prefix over the
+  // threads' padded sums gives every group's start. Exact while no group reaches past `capacity` (the
+  // default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially
+  // (start_e = the previous end, kept_e = min(count_e, capacity - start_e)).
+  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
+  int mine = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = counts[e];
+    g_kept[e] = c;
+    mine += (c + A - 1) / A * A;
+  }
+  if (tid == 0) g_over = 0;
+  t_sum[tid] = mine;
   epg_syncthreads();
-  if (tid == 0) {
-    epg_i64 here = 0, lost = 0;
+  for (int d = 1; d < nt; d <<= 1) {
+    const int add = tid >= d ? t_sum[tid - d] : 0;
+    epg_syncthreads();
+    t_sum[tid] += add;
+    epg_syncthreads();
+  }
+  int here = t_sum[tid] - mine;
+  for (int e = lo; e < hi; ++e) {
+    const int c = g_kept[e];
+    if ((epg_i64)here + c > capacity) g_over = 1;
+    g_start[e] = here;
+    here += (c + A - 1) / A * A;
+    g_end[e] = here;
+  }
+  epg_syncthreads();
+  if (g_over && tid == 0) {
+    epg_i64 at = 0, lost = 0;
     for (int e = 0; e < E; ++e) {
-      const epg_i64 c = g_kept[e];
-      const epg_i64 kept = c < capacity - here ? c : capacity - here;
-      g_start[e] = (int)here;
+      const epg_i64 c = counts[e];
+      const epg_i64 kept = c < capacity - at ? c : capacity - at;
+      g_start[e] = (int)at;
       g_kept[e] = (int)kept;
       lost += c - kept;
-      here += (kept + align - 1) / align * align;
-      g_end[e] = (int)here;
+      at += (kept + align - 1) / align * align;
+      g_end[e] = (int)at;
     }
     if (epg_block() == 0) dropped[0] = (int)lost;
+  } else if (!g_over && tid == 0 && epg_block() == 0) {
+    dropped[0] = 0;
   }
   epg_syncthreads();
   if (epg_block() == 0)

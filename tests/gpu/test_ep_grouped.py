@@ -115,6 +115,36 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     run_collective(check)  # its all-gather is the closing barrier
 
 
+@pytest.mark.parametrize("epr,align,gcap", [
+    (700, 16, 0),     # more experts than the placement block has threads: two per thread in its prefix
+    (700, 3, 0),      # an alignment that is no power of two
+    (300, 16, 2048),  # groups past a small buffer: the serial recurrence, with drops
+])
+def test_grouped_many_experts_match_torch_backend(epr, align, gcap):
+    def check():
+        tokens, W = 256, dist.get_world_size()
+        kw = dict(rank=dist.get_rank(), world_size=W, hidden_dim=256, max_num_inp_token_per_rank=tokens,
+                  num_experts_per_rank=epr, num_experts_per_token=K, enable_grouped_layout=True,
+                  expert_alignment=align, grouped_capacity=gcap, data_type=torch.bfloat16)
+        with EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="native", **kw)) as op, \
+                EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="torch", **kw)) as ref:
+            g = torch.Generator().manual_seed(7 + dist.get_rank())
+            x = (torch.randint(-64, 65, (tokens, 256), generator=g).float() / 16).to(torch.bfloat16)
+            w = torch.randint(1, 64, (tokens, K), generator=g).float() / 64
+            idx = random_routing(g, tokens, K, epr * W)
+            lay, h = op.dispatch_grouped(x.cuda(), w.cuda(), None, idx.cuda())
+            torch.cuda.synchronize()
+            rlay, rh = ref.dispatch_grouped(*(t.to(ref.device) for t in (x, w)), None, idx.to(ref.device))
+            assert lay.offs.tolist() == rlay.offs.tolist()
+            assert lay.counts.tolist() == rlay.counts.tolist() and int(lay.dropped) == int(rlay.dropped)
+            assert _groups(lay, _native_ids(op), K) == _groups(rlay, _torch_ids(rh, tokens), K)
+            y = expert_rows(lay, "bf16", op.config.combine_dtype, dist.get_rank() * epr)
+            ry = expert_rows(rlay, "bf16", ref.config.combine_dtype, dist.get_rank() * epr)
+            assert torch.equal(op.combine_grouped(y, h)[0].cpu(), ref.combine_grouped(ry, rh)[0].cpu())
+            assert (int(lay.dropped) > 0) == bool(gcap), int(lay.dropped)
+    run_collective(check)
+
+
 def test_grouped_round_in_a_cuda_graph():
     def check():
         mode = "bf16"
