@@ -66,6 +66,7 @@ def point(T: int, form: str, args, meta: dict) -> dict:
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "world_size": world,
+            "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows}
 
