@@ -49,12 +49,15 @@ def baseline(tensors) -> list[tuple[int, int]] | None:
     """Each tensor's references now, before it goes to a collective (None: cannot be read)."""
     if not _state["looks"]:
         return None
-    return [_refs(t) for t in tensors]
+    return _counts(tensors)
+
+
+def _counts(tensors) -> list[tuple[int, int]]:
+    return [_refs(t) for t in tensors]  # baseline and settle read alike (the same temporary references)
 
 
 def _held(tensors, before) -> bool:
-    now = [_refs(t) for t in tensors]  # read exactly as baseline reads (the same temporary references)
-    return any(p > bp or c > bc for (p, c), (bp, bc) in zip(now, before))
+    return any(p > bp or c > bc for (p, c), (bp, bc) in zip(_counts(tensors), before))
 
 
 def settle(tensors, before: list[tuple[int, int]] | None, limit_s: float = SETTLE_S) -> bool:
@@ -84,6 +87,8 @@ def gather_objects(obj, group) -> list:
     """Every rank's picklable `obj`, in rank order: on gloo over host tensors this module settles, else
     all_gather_object."""
     size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
     if not on_gloo(group):  # NCCL's tensors are the device's; the race is gloo's: torch's own gather
         everyone: list = [None] * size
         dist.all_gather_object(everyone, obj, group=group)

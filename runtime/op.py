@@ -70,10 +70,7 @@ def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
         raise ConfigError(f"this process is not a member of the process group (config rank={config.rank}, "
                           f"world_size={config.world_size})")
     mine = config_summary(config)
-    if size > 1:
-        everyone = collectives.gather_objects(mine, g)
-    else:
-        everyone = [mine]
+    everyone = collectives.gather_objects(mine, g)
     # every rank sees every summary, so every rank raises (and with the same words, but for its own)
     if (config.world_size, config.rank) != (size, me):
         raise ConfigError(f"the process group has world size {size} and this process is rank {me}, "

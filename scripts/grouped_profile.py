@@ -59,10 +59,11 @@ def point(T: int, form: str, args, meta: dict) -> dict:
             for _ in range(args.layers):
                 layer()
         per_layer = statistics.median(ms / args.layers for ms in graphprof.replay_ms(g, args.reps)) * 1e3
-        events = graphprof.graph_kernel_events(g, max(3, args.reps // 3), sync=dist.barrier)
+        profiled = max(3, args.reps // 3)
+        events = graphprof.graph_kernel_events(g, profiled, sync=dist.barrier)
         op.check()
         del g
-    replays = graphprof.split_replays(events, len(events) // max(3, args.reps // 3))
+    replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "world_size": world,

@@ -72,7 +72,7 @@ class Plan:
     fp8_dtype: torch.dtype
     ll_row: int            # bytes of one low-latency dispatch slot (runtime/ll.py)
     ll_cell: int           # bytes of one low-latency combine cell
-    place_variant: str = "grouped_place.i32"  # the grouped layout's placement (rows decoded: grouped_dequantize)
+    place_variant: str     # the grouped layout's placement kernel (rows decoded: grouped_dequantize)
 
     @classmethod
     def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":

@@ -207,7 +207,6 @@ class TorchBackend:
         rank sent here (recv_counts[r] records from rank r)."""
         buf = torch.cat(send) if send else torch.empty(0, width, dtype=torch.uint8, device=self.device)
         out = torch.empty(sum(recv_counts), width, dtype=torch.uint8, device=self.device)
-        buf = buf.contiguous()
         collectives.run(lambda: dist.all_to_all_single(out, buf, recv_counts, [t.shape[0] for t in send],
                                                        group=self.group), [out, buf], self.group)
         return list(out.split(recv_counts))
