@@ -127,9 +127,10 @@ def _check_axis_names(srcs: dict[str, _Source], dtypes: dict[str, DType], quants
 
 
 def _check_families(src: _Source, families: dict[str, Family], dtypes: dict[str, DType], quants: dict[str, Quant],
-                    topologies: dict[str, Topology], targets: dict[str, Target], troot: Path) -> None:
+                    topologies: dict[str, Topology], targets: dict[str, Target], troot: Path,
+                    arglists: dict) -> None:
     """What each [family.NAME] of kernels.toml names: declared dtypes, quants and topologies, ISA groups
-    some target declares, a template under `troot`."""
+    some target declares, a template under `troot`, a declared [args.NAME] table."""
     known_conv = {c for t in targets.values() for c, _ in t.isa} | {c for t in targets.values() for c, _ in t.isa_forbidden}
     for fam in families.values():
         hdr = ("family", fam.name)
@@ -149,6 +150,9 @@ def _check_families(src: _Source, families: dict[str, Family], dtypes: dict[str,
                                 f"[{show(hdr)}] {key}: {c!r} is not an [isa] key of any target (known: {', '.join(sorted(known_conv))})")
         if not (troot / fam.template).is_file():
             raise _fail(src, src.key_line(hdr, "template"), f"[{show(hdr)}] template {fam.template!r}: no such file in templates/")
+        if fam.args not in arglists:
+            raise _fail(src, src.key_line(hdr, "args"), f"[{show(hdr)}] args {fam.args!r}: no [args.{fam.args}] table "
+                                                      f"(declared: {', '.join(arglists) or 'none'})")
 
 
 def _load_rules(src: _Source, data: dict) -> list[Rule]:

@@ -107,6 +107,60 @@ class Family:
     wire_isa: tuple[str, ...] = ()  # "encode"/"decode": add <wire kind>_<x> groups when the variant converts
     copy_isa: tuple[str, ...] = ()  # groups added when the variant moves its payload unconverted
     protocol: str = "bw"  # intranode wire protocol: "bw" (bandwidth) or "ll" (low latency)
+    args: str  # the [args.NAME] table of its launch arguments
+    signature: "ArgList | None" = attrs.field(default=None, eq=False, repr=False)  # args, resolved by the loader
+
+
+# The launch argument types: "i64", or a pointer to T (const or not); struct fields are 64-bit "addr" / "i64".
+ARG_POINTEES = {"char": "char", "void": "void", "i32": "int", "f32": "float"}  # spec name -> C type
+_ARG_TYPE = re.compile(r"i64|(const )?(char|void|i32|f32)\*")
+_STRUCT_FIELD_TYPES = ("addr", "i64")
+_ARG_KEYS = ("name", "type", "doc", "optional")
+_ARGLIST_KEYS = ("fields", "struct", "limits")
+
+
+@_frozen
+class Arg:
+    """One launch argument: a name the template's body uses and the runtime passes by, its type, its meaning."""
+    name: str
+    type: str
+    doc: str
+    optional: bool = False  # a pointer that may be absent (None: address 0)
+
+    @property
+    def pointer(self) -> bool:
+        return self.type != "i64"
+
+    @property
+    def pointee(self) -> str:
+        """char, void, i32 or f32 for a pointer ("" for i64, and for a struct's "addr")."""
+        m = _ARG_TYPE.fullmatch(self.type)
+        return m.group(2) or "" if m else ""
+
+    def c_param(self) -> str:
+        if not self.pointer:
+            return f"epg_i64 {self.name}"
+        const = "const " if self.type.startswith("const ") else ""
+        return f"{const}{ARG_POINTEES[self.pointee]}* __restrict__ {self.name}"
+
+
+@_frozen
+class ArgList:
+    """A kernel's launch arguments in order ([args.NAME] of kernels.toml): passed one by one, or, when
+    `struct` names a C struct, as that one struct of 64-bit fields, by value."""
+    name: str
+    fields: tuple[Arg, ...]
+    struct: str = ""
+    limits: tuple[tuple[str, int], ...] = ()  # numbers the template and the runtime share
+
+    def limit(self, name: str) -> int:
+        return dict(self.limits)[name]
+
+    def c_params(self, sep: str = ", ") -> str:
+        """The kernel's C parameter list (a struct list: the one struct, by value, named `a`)."""
+        if self.struct:
+            return f"{self.struct} a"
+        return sep.join(a.c_param() for a in self.fields)
 
 
 @_frozen
@@ -148,6 +202,7 @@ class Specs:
     quants: dict[str, Quant]
     topologies: dict[str, Topology]
     families: dict[str, Family]
+    arglists: dict[str, ArgList]
     rules: tuple[Rule, ...]
     profiles: dict[str, Profile]
     tuning: dict[tuple[str, str], tuple[Bucket, ...]]  # (target, role) -> ascending buckets
@@ -237,6 +292,7 @@ _PATTERNS = {
     (Target, "isa_forbidden"): (_IDENT, "a C identifier (an ISA group name)"),
     (DType, "torch"): (_IDENT, "a torch dtype attribute name"),
     (Family, "template"): (re.compile(r"kernels/[A-Za-z_][A-Za-z0-9_]*\.j2"), "kernels/<name>.j2 under templates/"),
+    (Family, "args"): (_IDENT, "a C identifier naming an [args.NAME] table"),
     (Rule, "name"): (_IDENT, "a C identifier"),
 }
 
@@ -384,15 +440,100 @@ def _section(src: _Source, data: dict, section: str, form: str) -> dict:
     return value
 
 
-def _named_tables(src: _Source, data: dict, section: str, cls: type) -> dict[str, Any]:
-    unknown = [k for k in data if k != section]
+def _named_tables(src: _Source, data: dict, section: str, cls: type, also: tuple[str, ...] = (),
+                  **extra: Any) -> dict[str, Any]:
+    """The [section.NAME] tables of one file as records (`also`: other sections the file may hold, read
+    elsewhere; `extra`: record fields no table may set)."""
+    unknown = [k for k in data if k != section and k not in also]
     if unknown:
-        raise _fail(src, src.table_line((unknown[0],)),
-                    f"unknown top-level table {unknown[0]!r} (expected [{section}.NAME])")
+        expected = " or ".join(f"[{s}.NAME]" for s in (section, *also))
+        raise _fail(src, src.table_line((unknown[0],)), f"unknown top-level table {unknown[0]!r} (expected {expected})")
     out = {}
     for name, table in _section(src, data, section, f"[{section}.NAME]").items():
         _check_name(src, (section, name))
-        out[name] = _record(cls, src, (section, name), table, name=name)
+        out[name] = _record(cls, src, (section, name), table, name=name, **extra)
     if not out:
         raise _fail(src, 1, f"no [{section}.NAME] tables")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# [args.NAME]: launch argument lists
+# ---------------------------------------------------------------------------------------------
+def _only_keys(src: _Source, line: _Line, where: str, table: dict, known: tuple[str, ...]) -> None:
+    for key in table:
+        if key not in known:
+            raise _fail(src, line, f"{where}: unknown key {key!r} (known: {', '.join(known)})")
+
+
+def _arg(src: _Source, path: tuple[str, ...], i: int, entry: Any, struct: bool, seen: set[str]) -> Arg:
+    def line() -> int:  # the entry's own line (one inline table a line, as kernels.toml writes them), else the key's
+        at = src.key_line(path, "fields")
+        starts = []
+        for n in range(at, len(src.lines) + 1):
+            text = src.lines[n - 1].lstrip()
+            if n > at and text.startswith("["):
+                break
+            starts += [n] * text.count("{ name")
+        return starts[i] if i < len(starts) else at
+
+    where = f"[{show(path)}] fields[{i}]"
+    if not isinstance(entry, dict):
+        raise _fail(src, line, f"{where}: expected an inline table {{ name, type, doc }}, got {entry!r}")
+    _only_keys(src, line, where, entry, _ARG_KEYS)
+    for key in ("name", "type", "doc"):
+        if key not in entry:
+            raise _fail(src, line, f"{where}: missing required key {key!r}")
+        if not isinstance(entry[key], str):
+            raise _fail(src, line, f"{where} {key}: expected a string, got {entry[key]!r}")
+        _check_text(src, line, show(path), f"fields[{i}].{key}", entry[key])
+    name, tp, optional = entry["name"], entry["type"], entry.get("optional", False)
+    where = f"[{show(path)}] argument {name!r}"
+    if not _IDENT.fullmatch(name):
+        raise _fail(src, line, f"{where}: the name must be a C identifier")
+    if name in seen:
+        raise _fail(src, line, f"{where}: declared twice")
+    seen.add(name)
+    if struct and tp not in _STRUCT_FIELD_TYPES:
+        raise _fail(src, line, f"{where}: type {tp!r}: a struct's fields are 64 bits, 'addr' or 'i64'")
+    if not struct and not _ARG_TYPE.fullmatch(tp):
+        raise _fail(src, line, f"{where}: type {tp!r} must be 'i64' or a pointer 'T*' / 'const T*' with T one of "
+                               f"{', '.join(ARG_POINTEES)}")
+    if not isinstance(optional, bool):
+        raise _fail(src, line, f"{where}: optional must be true or false, got {optional!r}")
+    if optional and (struct or tp == "i64"):
+        raise _fail(src, line, f"{where}: only a pointer argument may be optional")
+    return Arg(name=name, type=tp, doc=entry["doc"], optional=optional)
+
+
+def load_arglists(src: _Source, data: Any) -> dict[str, ArgList]:
+    """The [args.NAME] tables of kernels.toml, each checked: keys, names, types, limits."""
+    if not isinstance(data, dict):
+        raise _fail(src, src.table_line(("args",)), "'args' must hold [args.NAME] tables")
+    out = {}
+    for name, table in data.items():
+        path = ("args", name)
+        _check_name(src, path)
+        if not isinstance(table, dict):
+            raise _fail(src, src.table_line(path), f"[{show(path)}] must be a table")
+        _only_keys(src, lambda k=None: src.table_line(path), f"[{show(path)}]", table, _ARGLIST_KEYS)
+        struct = table.get("struct", "")
+        if not isinstance(struct, str) or (struct and not _IDENT.fullmatch(struct)):
+            raise _fail(src, src.key_line(path, "struct"), f"[{show(path)}] struct: {struct!r} must be a C identifier")
+        fields = table.get("fields")
+        if not isinstance(fields, list) or not fields:
+            raise _fail(src, src.key_line(path, "fields") if "fields" in table else src.table_line(path),
+                        f"[{show(path)}] fields: expected a non-empty list of {{ name, type, doc }} tables")
+        seen: set[str] = set()
+        args = tuple(_arg(src, path, i, entry, bool(struct), seen) for i, entry in enumerate(fields))
+        limits = table.get("limits", {})
+        if not isinstance(limits, dict):
+            raise _fail(src, src.key_line(path, "limits"), f"[{show(path)}] limits: expected a table of numbers")
+        for key, value in limits.items():
+            if not _IDENT.fullmatch(key):
+                raise _fail(src, src.key_line(path, "limits"), f"[{show(path)}] limits: {key!r} is not a C identifier")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT32_MAX:
+                raise _fail(src, src.key_line(path, "limits"),
+                            f"[{show(path)}] limits.{key} = {value!r}: must be an integer >= 1 and at most {_INT32_MAX}")
+        out[name] = ArgList(name=name, fields=args, struct=struct, limits=tuple(sorted(limits.items())))
     return out

@@ -20,15 +20,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
+
 from .spec_checks import (_check_axis_names, _check_dtype, _check_families, _check_quant, _complete_tuning,
                           _load_rules, _load_targets, _load_tuning)
-from .spec_schema import (FACT_SOURCES, LL_THRESHOLD_KEY, TUNING_ROLES, Bucket, DType, Family, Profile, Quant, Rule,
-                          Specs, Target, Toolchain, Topology, _named_tables, fact_paths, program_problem)
+from .spec_schema import (FACT_SOURCES, LL_THRESHOLD_KEY, TUNING_ROLES, Arg, ArgList, Bucket, DType, Family, Profile, Quant, Rule,
+                          Specs, Target, Toolchain, Topology, _named_tables, fact_paths, load_arglists,
+                          program_problem)
 from .spec_source import SpecError, _fail, _read, _Source, show
 
 __all__ = [  # what callers import from here, the public names of the parts included
     "SPEC_FILES", "TUNING_ROLES", "LL_THRESHOLD_KEY", "SPECS_ENV", "TEMPLATES", "FACT_SOURCES",
-    "SpecError", "Toolchain", "Target", "DType", "Quant", "Topology", "Family", "Rule", "Profile", "Bucket", "Specs",
+    "SpecError", "Toolchain", "Target", "DType", "Quant", "Topology", "Family", "Arg", "ArgList", "Rule", "Profile", "Bucket", "Specs",
     "load", "checkout_root", "packaged_root", "default_root", "is_packaged", "templates_root", "buckets_for",
     "geometry", "program_problem", "fact_paths", "show",
 ]
@@ -150,8 +153,10 @@ def load(root: Path | str | None = None, templates: Path | str | None = None, tu
         _check_quant(srcs["quant"], q, dtypes, targets)
     topologies = _named_tables(srcs["topologies"], data["topologies"], "topology", Topology)
     _check_axis_names(srcs, dtypes, quants, topologies)
-    families = _named_tables(srcs["kernels"], data["kernels"], "family", Family)
-    _check_families(srcs["kernels"], families, dtypes, quants, topologies, targets, troot)
+    arglists = load_arglists(srcs["kernels"], data["kernels"].get("args", {}))
+    families = _named_tables(srcs["kernels"], data["kernels"], "family", Family, also=("args",), signature=None)
+    _check_families(srcs["kernels"], families, dtypes, quants, topologies, targets, troot, arglists)
+    families = {n: attrs.evolve(f, signature=arglists[f.args]) for n, f in families.items()}
 
     rules = _load_rules(srcs["rules"], data["rules"])
     profiles = _named_tables(srcs["profiles"], data["profiles"], "profile", Profile)
@@ -165,7 +170,7 @@ def load(root: Path | str | None = None, templates: Path | str | None = None, tu
         tuning, ll_max = merge_tuning(tuning, more), {**ll_max, **more_ll}
     tuning, ll_max = _complete_tuning(srcs["tuning"], tuning, ll_max, targets)
     return Specs(root=root, targets=targets, toolchains=toolchains, dtypes=dtypes, quants=quants,
-                 topologies=topologies, families=families, rules=tuple(rules), profiles=profiles,
+                 topologies=topologies, families=families, arglists=arglists, rules=tuple(rules), profiles=profiles,
                  tuning=tuning, ll_max_tokens=ll_max, digest=digest.hexdigest(),
                  templates=Path(templates) if templates is not None else None)
 

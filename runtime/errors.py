@@ -43,6 +43,11 @@ def _rebuild_capacity(message, dropped, capacity) -> "CapacityError":
     return CapacityError(message, dropped=dropped, capacity=capacity)
 
 
+class LaunchError(EpgenError, TypeError):
+    """A kernel launch whose arguments do not match the family's declaration (specs/kernels.toml [args.NAME]):
+    missing, unknown or mistyped, found before anything reaches the GPU."""
+
+
 class VariantMissError(EpgenError, LookupError):
     """No built kernel variant matches the request."""
 

@@ -1,8 +1,9 @@
-"""Variant selection and code-object loading for the native backend.
+"""Variant selection, code-object loading and typed launches for the native backend.
 
 device arch (sm_XY, or gcnArchName -> gfxNNN) + variant name -> generated/<arch>/manifest.json ->
 cached code object (compiled on demand, under the cache's file lock, when a toolchain exists) ->
-loaded module -> kernel handle launched on torch's current stream.
+loaded module -> Kernel, launched on torch's current stream with the arguments its family declares
+(specs/kernels.toml [args.NAME]): by name, each checked, or as the declared struct.
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ import torch
 from generator import build as gbuild
 from generator import specs as gspecs
 from generator import toolchain as gtoolchain
-from generator.abi import EP_ARGS
 from generator.cache import usable_dir
 from generator.model import enumerate_variants
 
 from .config import load_specs
-from .errors import EpgenError, VariantMissError
+from .errors import EpgenError, LaunchError, VariantMissError
 
 
-class EpArgs(ctypes.Structure):
-    """Mirror of the kernels' `struct EpArgs` (generator/abi.py): all fields 64-bit."""
-    _fields_ = [(name, ctypes.c_int64) for name in EP_ARGS]
+@functools.lru_cache(maxsize=None)
+def struct_type(arglist) -> type[ctypes.Structure]:
+    """The ctypes mirror of a struct argument list (specs/kernels.toml [args.NAME] with `struct`): one
+    64-bit field per declared field, in order, as the template renders the C struct."""
+    if not arglist.struct:
+        raise LaunchError(f"[args.{arglist.name}] is not a struct argument list")
+    return type(arglist.struct, (ctypes.Structure,), {"_fields_": [(f.name, ctypes.c_int64) for f in arglist.fields],
+                                                      "__doc__": f"specs/kernels.toml [args.{arglist.name}]"})
 
 
 def device_arch(device: torch.device) -> str:
@@ -76,13 +81,6 @@ def code_object(v) -> bytes:
     if not res.ok:
         raise EpgenError(f"{v.key}: {res.status}: {res.message}")
     return res.image  # the bytes verified under the entry's lock (the file may change after it)
-
-
-def launch_args(kern, grid: int, block: int, *args) -> None:
-    """Launch `kern` with plain arguments in the kernel's order: tensors pass their device address
-    (None: 0), ints go as 64-bit integers."""
-    kern.launch(grid, block, *(ctypes.c_uint64(0 if a is None else a.data_ptr())
-                               if a is None or isinstance(a, torch.Tensor) else ctypes.c_int64(a) for a in args))
 
 
 def current_raw_stream() -> int:
@@ -158,8 +156,12 @@ class CudaKernel:
 
     def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
         """Launch on torch's current stream; args are ctypes values (the driver copies them). Returns
-        the stream's handle."""
-        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        the stream's handle. (A code object of the bench's own; a family's variant launches through
+        Kernel, by its declared arguments.)"""
+        return self.launch_params(grid, block, (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args)))
+
+    def launch_params(self, grid: int, block: int, params) -> int:
+        """Launch with a ready array of parameter addresses."""
         stream = current_raw_stream()
         if self._fast is not None:  # the driver's entry point through ctypes: a few us less per launch
             err = self._fast(grid, block, stream, params)
@@ -208,7 +210,9 @@ class HipKernel:
         return rest[0] if len(rest) == 1 else (rest or None)
 
     def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
-        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        return self.launch_params(grid, block, (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args)))
+
+    def launch_params(self, grid: int, block: int, params) -> int:
         stream = current_raw_stream()
         self._check(self._hip.hipModuleLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
                                                     ctypes.addressof(params), None), f"hipModuleLaunchKernel({self.symbol})")
@@ -231,6 +235,88 @@ def host_mapped_pointer(t: torch.Tensor) -> int:
     return int(ptr) if err == cu.CUresult.CUDA_SUCCESS else t.data_ptr()
 
 
-def load(v) -> CudaKernel | HipKernel:
+def on_gpu(t: torch.Tensor) -> bool:
+    """Is t in device memory (CUDA or HIP)? A host tensor's address would fault the kernel."""
+    return t.is_cuda
+
+
+_POINTEE_DTYPES = {"i32": torch.int32, "f32": torch.float32}  # pointees a tensor's dtype must match (char, void: any)
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class Kernel:
+    """A loaded variant of a family, launched with the arguments its family declares (specs/kernels.toml
+    [args.NAME], `signature`): `launch(grid, block, name=value, ...)`, every declared name given once, a
+    tensor (its device address; None where the argument is optional) for a pointer, whose dtype matches
+    i32 / f32 pointees, an int for i64; a struct list takes its one ctypes struct (`struct_type`). Anything
+    else is a LaunchError naming the family and the argument, raised before the launch."""
+
+    def __init__(self, raw: "CudaKernel | HipKernel", variant):
+        signature = variant.family.signature
+        self.raw, self.variant, self.family, self.signature = raw, variant, variant.family.name, signature
+        self.symbol, self.max_threads = raw.symbol, raw.max_threads
+        self.launch_path = getattr(raw, "launch_path", "hip-python")
+        self.limits = dict(signature.limits)
+        n = 1 if signature.struct else len(signature.fields)
+        self._values = (ctypes.c_int64 * n)()  # the argument block the driver copies at each launch
+        self._params = (ctypes.c_void_p * n)(*(ctypes.addressof(self._values) + 8 * i for i in range(n)))
+        self._struct = struct_type(signature) if signature.struct else None
+        self._fields = tuple((i, a.name, a.pointer, a.optional, _POINTEE_DTYPES.get(a.pointee))
+                             for i, a in enumerate(signature.fields))
+
+    def blocks_per_sm(self, threads: int) -> int:
+        return self.raw.blocks_per_sm(threads)
+
+    def _bad(self, name: str, why: str) -> LaunchError:
+        return LaunchError(f"{self.family} ({self.symbol}): argument {name!r} {why} "
+                           f"(specs/kernels.toml [args.{self.signature.name}])")
+
+    def launch(self, grid: int, block: int, args: ctypes.Structure | None = None, /, **kw) -> int:
+        """Launch on torch's current stream; returns the stream's handle."""
+        if self._struct is not None:
+            if kw or not isinstance(args, self._struct):
+                raise LaunchError(f"{self.family} ({self.symbol}) takes one {self.signature.struct} "
+                                  f"(runtime.kernels.struct_type), got {type(args).__name__}"
+                                  + (f" and {', '.join(kw)}" if kw else ""))
+            return self.raw.launch(grid, block, args)
+        if args is not None:
+            raise LaunchError(f"{self.family} ({self.symbol}) takes its arguments by name, not positionally")
+        values = self._values
+        for i, name, pointer, optional, dtype in self._fields:
+            try:
+                v = kw[name]
+            except KeyError:
+                raise self._bad(name, "is missing") from None
+            if pointer:
+                if v is None:
+                    if not optional:
+                        raise self._bad(name, "is required (None given)")
+                    values[i] = 0
+                    continue
+                if not isinstance(v, torch.Tensor):
+                    raise self._bad(name, f"must be a tensor, got {type(v).__name__}")
+                if dtype is not None and v.dtype != dtype:
+                    raise self._bad(name, f"must be a {dtype} tensor, got {v.dtype}")
+                if not on_gpu(v):
+                    raise self._bad(name, f"must be a tensor on the GPU, got one on {v.device}")
+                values[i] = v.data_ptr()
+            else:
+                if type(v) is not int:  # noqa: E721 - bool, float, tensor: all mistakes here
+                    raise self._bad(name, f"must be an int, got {type(v).__name__}")
+                if not _I64[0] <= v <= _I64[1]:
+                    raise self._bad(name, f"= {v} does not fit in 64 bits")
+                values[i] = v
+        if len(kw) != len(self._fields):
+            unknown = sorted(set(kw) - {f[1] for f in self._fields})
+            raise self._bad(unknown[0], "is not declared")
+        return self.raw.launch_params(grid, block, self._params)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def load(v) -> Kernel:
+    """Variant v's code object, loaded, as a Kernel launched by its family's declared arguments."""
     image = code_object(v)
-    return (CudaKernel if v.target.vendor == "nvidia" else HipKernel)(image, v.symbol)
+    raw = (CudaKernel if v.target.vendor == "nvidia" else HipKernel)(image, v.symbol)
+    return Kernel(raw, v)

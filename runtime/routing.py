@@ -98,16 +98,16 @@ ROUTE_THREADS = 1024  # the routing kernels run as one block
 
 
 def _ordered_slots_kernels(indices, rank, W, experts_per_rank, num_experts, capacity, all_gather, count, number):
-    from .kernels import launch_args
-
     T, k = indices.shape
     dev = indices.device
     threads = min(ROUTE_THREADS, count.max_threads, number.max_threads) // 64 * 64  # whole waves, any target
     counts = torch.empty(W, dtype=torch.int32, device=dev)
-    launch_args(count, 1, threads, indices, counts, T, k, W, experts_per_rank, num_experts)
+    count.launch(1, threads, indices=indices, counts=counts, num_tokens=T, k=k, world=W,
+                 experts_per_rank=experts_per_rank, num_experts=num_experts)
     every = all_gather(counts).contiguous()  # [source, destination] int32
     slots = torch.empty((T, k), dtype=torch.int32, device=dev)
     out = torch.empty(2, dtype=torch.int32, device=dev)  # total, dropped
-    launch_args(number, 1, threads, indices, every, slots, out[0:1], out[1:2], T, k, W, experts_per_rank,
-                num_experts, rank, capacity)
+    number.launch(1, threads, indices=indices, every=every, slots=slots, total=out[0:1], dropped=out[1:2],
+                  num_tokens=T, k=k, world=W, experts_per_rank=experts_per_rank, num_experts=num_experts, rank=rank,
+                  capacity=capacity)
     return slots, out[0:1], out[1]

@@ -60,7 +60,7 @@ def main() -> int:
     with EpDispatchCombineOp(cfg) as op:
         view = op.combine_in_view()
         b = op._backend
-        first = next(iter(b.kern[cfg.internode_kernel].values())) if topo else b._dispatch
+        first = b.kern[cfg.internode_kernel]["pack"] if topo else b.k["dispatch"]
         launch_path = getattr(first, "launch_path", "?")
 
         def round_(record: bool) -> None:

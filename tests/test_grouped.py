@@ -209,7 +209,7 @@ def test_grouped_memory_formula(monkeypatch):
     cfg = _cfg(0, 1, "fp8_blockwise")  # H = 128: fp8 rows of 128 bytes, one fp32 scale each
     R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
     assert P == (R * K + EPR1 * 15) // 16 * 16 == cfg.worst_case_grouped_rows
-    nat = native_workspace(cfg, torch.float8_e4m3fn)["regions"]
+    nat = native_workspace(cfg)["regions"]
     assert (nat["grouped_x"], nat["grouped_scales"], nat["grouped_meta"]) == \
         (up(P * 128), up(P * 4), up(12 * P + 8 * R * K + 12 * EPR1 + 4))
     with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_capacity=32)) as op:
@@ -217,7 +217,7 @@ def test_grouped_memory_formula(monkeypatch):
         assert (buf["grouped_x"], buf["grouped_scales"], buf["grouped_meta"]) == (32 * 64, 0, 12 * 32 + 8 * R * K + 12 * EPR1 + 4)
     plain = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
                                     num_experts_per_rank=EPR1, num_experts_per_token=K, kernel_backend="torch")
-    assert "grouped_x" not in native_workspace(plain, torch.bfloat16)["regions"]
+    assert "grouped_x" not in native_workspace(plain)["regions"]
 
 
 def test_grouped_combine_field(monkeypatch):
@@ -251,11 +251,11 @@ def test_grouped_combine_field(monkeypatch):
     up = lambda n: -(-n // 256) * 256  # noqa: E731
     cfg = _cfg(0, 1, "bf16", grouped_combine="fused")
     R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
-    nat = native_workspace(cfg, torch.bfloat16)["regions"]
+    nat = native_workspace(cfg)["regions"]
     assert (nat["grp_y"], nat["grp_pos"], nat["grouped_meta"]) == \
         (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR1 + 4))
-    assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"), torch.bfloat16)["regions"]
-    from runtime.backends.native import Plan
+    assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"))["regions"]
+    from runtime.plan import Plan
     from runtime.config import load_specs
 
     plan = Plan.of(cfg, load_specs().targets["sm_90"])

@@ -144,7 +144,7 @@ def test_config_protocol_field():
 
 
 def test_plan_names_and_layout():
-    from runtime.backends.native import Plan
+    from runtime.plan import Plan
     from runtime.op import native_workspace
 
     t = load_specs().targets["sm_90"]
@@ -153,8 +153,8 @@ def test_plan_names_and_layout():
     assert plan.ll_variants == ("dispatch_ll.bf16.intranode", "combine_ll.bf16.intranode")
     lay = plan.layout(cfg, ll_tokens=8)
     assert lay["counter"] < lay["ll_cnt"] < lay["ll_x"] < lay["ll_c"] < lay["ll_map"] < lay["recv_x"]  # reset zeroes them
-    assert lay["ll_c"] - lay["ll_x"] >= 2 * 2 * 8 * plan.ll_row and "ll_x" not in plan.layout(cfg)
-    nat = native_workspace(cfg, torch.bfloat16, ll_tokens=8)
+    assert lay["ll_c"] - lay["ll_x"] >= 2 * 2 * 8 * plan.ll_row and "ll_x" not in plan.layout(cfg, ll_tokens=0)
+    nat = native_workspace(cfg, ll_tokens=8)
     assert nat["total_bytes"] == lay["total"]
     fp8 = EpDispatchCombineConfig(**BASE, dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,
                                   scale_dim=2, scale_type_size=4)

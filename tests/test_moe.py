@@ -367,13 +367,13 @@ def test_memory_report(no_env):
                                   num_experts_per_rank=3, num_experts_per_token=4, enable_std_moe=True,
                                   expert_capacity=5, kernel_backend="torch")
     up = lambda n: -(-n // 256) * 256  # noqa: E731
-    nat = native_workspace(cfg, torch.bfloat16)
+    nat = native_workspace(cfg)
     assert nat["regions"] == {"signal": 256, "counter": 256, "recv_x": 16 * 512, "recv_scales": 0,
                               "recv_w": 256, "recv_idx": 256, "recv_src": 256, "comb_x": 16 * 512, "comb_w": 256,
                               "std_moe_x": 3 * 5 * 256 * 2}
     assert nat["total_bytes"] == sum(up(v) for v in (8, 8, 16 * 512, 16 * 16, 16 * 16, 64, 16 * 512, 256,
                                                       3 * 5 * 512)) and nat["formula"] == NATIVE_WORKSPACE_FORMULA
-    scat = native_workspace(attrs_evolve(cfg, quant_type="fp8_blockwise"), torch.bfloat16)["regions"]
+    scat = native_workspace(attrs_evolve(cfg, quant_type="fp8_blockwise"))["regions"]
     assert (scat["scat_x"], scat["scat_s"], scat["scat_w"]) == (16 * 256, up(16 * 2 * 4), 256)
     assert "comb_x" not in scat
 

@@ -5,7 +5,7 @@ import torch
 
 from runtime import EpDispatchCombineConfig, kernels
 from runtime.config import load_specs
-from runtime.backends.native import Plan
+from runtime.plan import Plan
 
 BASE = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64, num_experts_per_rank=8,
             num_experts_per_token=4, kernel_backend="torch")
@@ -153,7 +153,7 @@ def test_launch_threads_whole_waves(arch, threads, bad):
 
     kern = types.SimpleNamespace(max_threads=1024, symbol="k")
     fake = types.SimpleNamespace(config=EpDispatchCombineConfig(**dict(BASE, launch_threads=threads)), arch=arch,
-                                 wave=load_specs().targets[arch].wave_size, _dispatch=kern, _combine=kern)
+                                 wave=load_specs().targets[arch].wave_size, k={"dispatch": kern, "combine": kern})
     if bad:
         with pytest.raises(EpgenError, match=f"launch_threads: {threads} threads per block is not a whole number of "
                                              f"64-lane waves on {arch}"):

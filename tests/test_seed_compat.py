@@ -205,12 +205,12 @@ def test_native_launch_takes_the_seed_geometry():
     from runtime.backends.native import NativeBackend
 
     cfg = EpDispatchCombineConfig(**{**BASE, "combine_block_num": 40, "combine_warp_num_per_block": 8})
-    fake = types.SimpleNamespace(arch="gfx950", num_sms=256, wave=64, _dispatch_converts=False, config=cfg,
-                                 _combine=types.SimpleNamespace(blocks_per_sm=lambda t: 2, max_threads=1024, symbol="combine"),
-                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 2, max_threads=1024))
+    kern = {"combine": types.SimpleNamespace(blocks_per_sm=lambda t: 2, max_threads=1024, symbol="combine"),
+            "dispatch": types.SimpleNamespace(blocks_per_sm=lambda t: 2, max_threads=1024)}
+    fake = types.SimpleNamespace(arch="gfx950", num_sms=256, wave=64, _dispatch_converts=False, config=cfg, k=kern)
     assert NativeBackend._geometry(fake, "combine", 16, 16) == (40, 512)
     NativeBackend._check_geometry(fake)
-    fake._combine.max_threads = 256
+    kern["combine"].max_threads = 256
     with pytest.raises(Exception, match="the config's launch geometry: 512 threads"):
         NativeBackend._check_geometry(fake)
 

@@ -33,10 +33,3 @@ def test_code_object_is_built_and_cached(tmp_path, monkeypatch):
     assert image[:4] == b"\x7fELF"
     assert kernels.code_object(v) == image
     assert list(tmp_path.glob("gfx950/combine_gather.bf16.intranode-*.hsaco"))
-
-
-def test_ctypes_args_match_the_abi():
-    from generator.abi import EP_ARGS
-    assert [f for f, _ in kernels.EpArgs._fields_] == list(EP_ARGS)
-    import ctypes
-    assert ctypes.sizeof(kernels.EpArgs) == 8 * len(EP_ARGS)

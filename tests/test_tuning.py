@@ -106,8 +106,8 @@ def test_native_geometry_takes_table_and_override():
     occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
                                  config=_config(launch_blocks=0, launch_threads=0, launch_rows="wave", world_size=2),
-                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
-                                 _combine=types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"]))
+                                 k={"dispatch": types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["dispatch"]),
+                                    "combine": types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"])})
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
     from runtime.config import load_specs
@@ -135,7 +135,7 @@ def test_native_geometry_takes_table_and_override():
 def test_native_block_rows_take_one_block_per_row():
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
                                  config=_config(launch_blocks=264, launch_threads=256, launch_rows="block", world_size=2),
-                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 8))
+                                 k={"dispatch": types.SimpleNamespace(blocks_per_sm=lambda t: 8)})
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
     assert NativeBackend._block_rows(fake, 128)
@@ -189,7 +189,7 @@ def test_native_geometry_uses_the_ops_world_size(spec_copy, monkeypatch):
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
                                  config=_config(launch_blocks=0, launch_threads=0, launch_rows="",
                                                               world_size=8),
-                                 _dispatch=types.SimpleNamespace(blocks_per_sm=lambda t: 4))
+                                 k={"dispatch": types.SimpleNamespace(blocks_per_sm=lambda t: 4)})
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     assert NativeBackend._geometry(fake, "dispatch", 4096, 8 * 4096)[1] == 128
     fake.config.world_size = 2

@@ -193,8 +193,12 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // arrived along this rank's rail -> one grid per local rank of the node (out grid g = cells for local
 // rank g). A cell naming a row on rank g is copied whole; otherwise only its rows[g] = -1 is written,
 // which is all that rank reads of it. One wave per (local rank, cell).
-EPG_KERNEL void epg_internode_forward__fp4_e2m1__internode_v2(const char* __restrict__ in_cells, char* __restrict__ out_cells, epg_i64 ncells,
-                               epg_i64 gpn, epg_i64 rec, epg_i64 off_rows) {
+EPG_KERNEL void epg_internode_forward__fp4_e2m1__internode_v2(const char* __restrict__ in_cells,
+    char* __restrict__ out_cells,
+    epg_i64 ncells,
+    epg_i64 gpn,
+    epg_i64 rec,
+    epg_i64 off_rows) {
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 items = gpn * ncells;

@@ -206,9 +206,14 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // w_ij * expert_out[pair_pos] (product rounded, then added: no fused multiply-add, the torch reference's
 // float32 arithmetic), w_ij = recv_w when weights apply, else 1.0 (exact); one rounding to fp32.
 // One thread per (received row, 8 elements), rows < total_recv; the rest of `out` is left as it is.
-EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out, const int* __restrict__ pair_pos,
-                               const float* __restrict__ recv_w, const int* __restrict__ total_recv,
-                               char* __restrict__ out, epg_i64 k, epg_i64 hidden, epg_i64 apply_weights) {
+EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
+    const int* __restrict__ pair_pos,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ total_recv,
+    char* __restrict__ out,
+    epg_i64 k,
+    epg_i64 hidden,
+    epg_i64 apply_weights) {
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 items = (epg_i64)*total_recv * n8;

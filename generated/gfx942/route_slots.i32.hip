@@ -188,10 +188,18 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // kept when below `capacity`: slots[t, j] = row * world + d for the first k naming d, else -1.
 // One block: per destination, chunks of the block's size are numbered with a wave ballot and a scan
 // of the waves' totals. total = min(rows arriving here, capacity); dropped = the rest.
-EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices, const int* __restrict__ every,
-                               int* __restrict__ slots, int* __restrict__ total, int* __restrict__ dropped,
-                               epg_i64 num_tokens, epg_i64 k, epg_i64 world, epg_i64 experts_per_rank,
-                               epg_i64 num_experts, epg_i64 rank, epg_i64 capacity) {
+EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
+    const int* __restrict__ every,
+    int* __restrict__ slots,
+    int* __restrict__ total,
+    int* __restrict__ dropped,
+    epg_i64 num_tokens,
+    epg_i64 k,
+    epg_i64 world,
+    epg_i64 experts_per_rank,
+    epg_i64 num_experts,
+    epg_i64 rank,
+    epg_i64 capacity) {
   __shared__ int wave_rows[1024 / EPG_WAVE];
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;

@@ -256,16 +256,33 @@ EPG_DEVICE void epg_wire_put8(char* row, char* scales, epg_i64 elem, float f[8],
 EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem, float f[8]) {
   epg_fp4x8_decode(*(const epg_u32*)(row + elem / 2), ((const epg_u8*)scales)[elem / 32], f);
 }
+// limits shared with the runtime (specs/kernels.toml [args.grouped_place] limits)
 constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
-EPG_KERNEL void epg_grouped_place_fp4__bf16__fp4_e2m1__fp4_blockwise(const char* __restrict__ recv_x, const char* __restrict__ recv_scales,
-                               const float* __restrict__ recv_w, const int* __restrict__ recv_idx,
-                               const int* __restrict__ total_recv, const int* __restrict__ pair_rel,
-                               const int* __restrict__ counts, int* __restrict__ pair_pos, char* __restrict__ out_x,
-                               char* __restrict__ out_scales, int* __restrict__ offs, int* __restrict__ kept_counts,
-                               int* __restrict__ src, int* __restrict__ m_indices, float* __restrict__ weights,
-                               int* __restrict__ dropped, epg_i64 k, epg_i64 first_expert, epg_i64 num_local,
-                               epg_i64 align, epg_i64 capacity, epg_i64 row_bytes, epg_i64 scale_bytes,
-                               epg_i64 has_weights, epg_i64 out_row_bytes) {
+EPG_KERNEL void epg_grouped_place_fp4__bf16__fp4_e2m1__fp4_blockwise(const char* __restrict__ recv_x,
+    const char* __restrict__ recv_scales,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
+    const int* __restrict__ pair_rel,
+    const int* __restrict__ counts,
+    int* __restrict__ pair_pos,
+    char* __restrict__ out_x,
+    char* __restrict__ out_scales,
+    int* __restrict__ offs,
+    int* __restrict__ kept_counts,
+    int* __restrict__ src,
+    int* __restrict__ m_indices,
+    float* __restrict__ weights,
+    int* __restrict__ dropped,
+    epg_i64 k,
+    epg_i64 first_expert,
+    epg_i64 num_local,
+    epg_i64 align,
+    epg_i64 capacity,
+    epg_i64 row_bytes,
+    epg_i64 scale_bytes,
+    epg_i64 has_weights,
+    epg_i64 out_row_bytes) {
   __shared__ int g_start[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_kept[EPG_GROUPED_MAX_EXPERTS];
   __shared__ int g_end[EPG_GROUPED_MAX_EXPERTS];

@@ -205,13 +205,27 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // row on each local rank of the destination node, -1 none) | source (i32) -- offsets from the host.
 // Every cell of the grid [groups, T] gets its rows header (so stale cells never look valid); payload,
 // scales, weights and ids only where some row is kept. One wave per cell.
-EPG_KERNEL void epg_internode_pack__fp4_e2m1__internode_v2(const char* __restrict__ x, const char* __restrict__ scales,
-                               const float* __restrict__ weights, const int* __restrict__ indices,
-                               const int* __restrict__ slots, char* __restrict__ cells,
-                               epg_i64 T, epg_i64 k, epg_i64 world, epg_i64 gpn, epg_i64 groups,
-                               epg_i64 row_bytes, epg_i64 scale_bytes, epg_i64 has_weights, epg_i64 rec,
-                               epg_i64 off_w, epg_i64 off_ids, epg_i64 off_rows, epg_i64 off_src,
-                               epg_i64 rank, epg_i64 max_tokens) {
+EPG_KERNEL void epg_internode_pack__fp4_e2m1__internode_v2(const char* __restrict__ x,
+    const char* __restrict__ scales,
+    const float* __restrict__ weights,
+    const int* __restrict__ indices,
+    const int* __restrict__ slots,
+    char* __restrict__ cells,
+    epg_i64 T,
+    epg_i64 k,
+    epg_i64 world,
+    epg_i64 gpn,
+    epg_i64 groups,
+    epg_i64 row_bytes,
+    epg_i64 scale_bytes,
+    epg_i64 has_weights,
+    epg_i64 rec,
+    epg_i64 off_w,
+    epg_i64 off_ids,
+    epg_i64 off_rows,
+    epg_i64 off_src,
+    epg_i64 rank,
+    epg_i64 max_tokens) {
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 items = groups * T;

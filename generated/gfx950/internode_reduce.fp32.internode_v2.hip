@@ -224,9 +224,16 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // back holds one return cell per (destination rank, token): cell (d, t) at (d * T + t) * brec.
 // One thread per (token, 16-byte chunk), up to 8 loads issued together; then one per (token, k) for
 // the weights.
-EPG_KERNEL void epg_internode_reduce__fp32__internode_v2(const char* __restrict__ back, const int* __restrict__ slots, epg_i64 T, epg_i64 k,
-                               epg_i64 world, char* __restrict__ out, float* __restrict__ out_w, epg_i64 has_weights,
-                               epg_i64 row_bytes, epg_i64 brec) {
+EPG_KERNEL void epg_internode_reduce__fp32__internode_v2(const char* __restrict__ back,
+    const int* __restrict__ slots,
+    epg_i64 T,
+    epg_i64 k,
+    epg_i64 world,
+    char* __restrict__ out,
+    float* __restrict__ out_w,
+    epg_i64 has_weights,
+    epg_i64 row_bytes,
+    epg_i64 brec) {
   const epg_i64 n16 = row_bytes / 16;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();

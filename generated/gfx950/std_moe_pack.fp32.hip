@@ -225,11 +225,21 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // pairs past `capacity` are the last ones (dropped and counted). Then the block copies its rows.
 // packed_src = row * k + j (or -1 past the count); pair_pos[row * k + j] = expert * capacity + pos
 // (or -1 when dropped) for pairs whose expert is local.
-EPG_KERNEL void epg_std_moe_pack__fp32(const void* __restrict__ recv_x, const int* __restrict__ recv_idx,
-                               const float* __restrict__ recv_w, const int* __restrict__ total_recv,
-                               void* __restrict__ packed_x, int* __restrict__ packed_count, int* __restrict__ packed_src,
-                               float* __restrict__ packed_w, int* __restrict__ pair_pos, int* __restrict__ dropped,
-                               epg_i64 k, epg_i64 first_expert, epg_i64 capacity, epg_i64 row_bytes, epg_i64 has_weights) {
+EPG_KERNEL void epg_std_moe_pack__fp32(const void* __restrict__ recv_x,
+    const int* __restrict__ recv_idx,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ total_recv,
+    void* __restrict__ packed_x,
+    int* __restrict__ packed_count,
+    int* __restrict__ packed_src,
+    float* __restrict__ packed_w,
+    int* __restrict__ pair_pos,
+    int* __restrict__ dropped,
+    epg_i64 k,
+    epg_i64 first_expert,
+    epg_i64 capacity,
+    epg_i64 row_bytes,
+    epg_i64 has_weights) {
   __shared__ int wave_sums[1024 / EPG_WAVE];
   __shared__ int base;
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;

@@ -185,58 +185,59 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // FP4: no E2M1 instruction before sm_100; the portable software encoder (common.j2).
 EPG_DEVICE epg_u32 epg_fp4x8_encode(const float v[8], int e) { return epg_fp4x8_encode_sw(v, e); }
 EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { epg_fp4x8_decode_sw(w, scale_byte, out); }
-// ---- EP protocol pieces shared by dispatch and combine (generator/abi.py defines the ABI) -------
+// ---- EP protocol pieces shared by dispatch and combine -------------------------------------------
+// The argument block: specs/kernels.toml [args.ep], every field 64 bits (addresses as integers).
 struct EpArgs {
-  epg_i64 x;
-  epg_i64 weights;
-  epg_i64 scales;
-  epg_i64 indices;
-  epg_i64 slots;
-  epg_i64 out;
-  epg_i64 out_weights;
-  epg_i64 expert_out;
-  epg_i64 expert_weights;
-  epg_i64 state;
-  epg_i64 total_recv;
-  epg_i64 peer_bases;
-  epg_i64 error_word;
-  epg_i64 replay_total;
-  epg_i64 off_signal;
-  epg_i64 off_counter;
-  epg_i64 off_recv_x;
-  epg_i64 off_recv_w;
-  epg_i64 off_recv_idx;
-  epg_i64 off_recv_src;
-  epg_i64 off_comb_x;
-  epg_i64 off_comb_w;
-  epg_i64 off_recv_scales;
-  epg_i64 off_scat_x;
-  epg_i64 off_scat_s;
-  epg_i64 off_scat_w;
-  epg_i64 num_tokens;
-  epg_i64 row_bytes;
-  epg_i64 hidden;
-  epg_i64 wire_row_bytes;
-  epg_i64 scale_row_bytes;
-  epg_i64 k;
-  epg_i64 experts_per_rank;
-  epg_i64 num_experts;
-  epg_i64 rank;
-  epg_i64 world;
-  epg_i64 max_recv;
-  epg_i64 max_tokens;
-  epg_i64 expert_rows;
-  epg_i64 has_weights;
-  epg_i64 timeout_ns;
-  epg_i64 replay;
-  epg_i64 block_rows;
-  epg_i64 off_ll_cnt;
-  epg_i64 off_ll_x;
-  epg_i64 off_ll_c;
-  epg_i64 off_ll_map;
-  epg_i64 ll_tokens;
-  epg_i64 ll_row_bytes;
-  epg_i64 ll_cell_bytes;
+  epg_i64 x;  // dispatch: this rank's token rows
+  epg_i64 weights;  // dispatch: routing weights [T, k] f32
+  epg_i64 scales;  // dispatch: the rows' scales (pre-quantized payloads)
+  epg_i64 indices;  // dispatch: expert ids [T, k] i32
+  epg_i64 slots;  // receive slot of every (token, k) [T, k] i32: written by dispatch, read by combine
+  epg_i64 out;  // combine: the combined rows [T, H]
+  epg_i64 out_weights;  // combine: the combined weights [T, k] f32
+  epg_i64 expert_out;  // combine: the expert rows it reads
+  epg_i64 expert_weights;  // combine: weights per expert row [rows, k] f32
+  epg_i64 state;  // this rank's state words (generator/abi.py STATE_WORDS)
+  epg_i64 total_recv;  // rows received by the last dispatch, i32
+  epg_i64 peer_bases;  // every rank's workspace base address [W] u64
+  epg_i64 error_word;  // host-mapped error words (generator/abi.py ERROR_WORDS)
+  epg_i64 replay_total;  // dispatch: the row count of the slots it replays, i32
+  epg_i64 off_signal;  // workspace offset: per-peer count signals
+  epg_i64 off_counter;  // workspace offset: claim and arrival counters
+  epg_i64 off_recv_x;  // workspace offset: received rows
+  epg_i64 off_recv_w;  // workspace offset: received weights
+  epg_i64 off_recv_idx;  // workspace offset: received expert ids
+  epg_i64 off_recv_src;  // workspace offset: each received row's (source rank, token)
+  epg_i64 off_comb_x;  // workspace offset: the gather combine's input rows
+  epg_i64 off_comb_w;  // workspace offset: the gather combine's input weights
+  epg_i64 off_recv_scales;  // workspace offset: received scales
+  epg_i64 off_scat_x;  // workspace offset: rows pushed back by a scatter combine
+  epg_i64 off_scat_s;  // workspace offset: their scales
+  epg_i64 off_scat_w;  // workspace offset: their weights
+  epg_i64 num_tokens;  // tokens of this call (T)
+  epg_i64 row_bytes;  // bytes of one input row
+  epg_i64 hidden;  // elements per row (H)
+  epg_i64 wire_row_bytes;  // bytes of one row on the wire
+  epg_i64 scale_row_bytes;  // bytes of one row's scales on the wire
+  epg_i64 k;  // experts per token
+  epg_i64 experts_per_rank;  // experts per rank
+  epg_i64 num_experts;  // experts in all
+  epg_i64 rank;  // this rank
+  epg_i64 world;  // ranks (W)
+  epg_i64 max_recv;  // receive rows per rank (R)
+  epg_i64 max_tokens;  // the most tokens per rank a call takes
+  epg_i64 expert_rows;  // combine: rows of expert_out
+  epg_i64 has_weights;  // 1 when weights travel
+  epg_i64 timeout_ns;  // how long a wait spins before it gives up
+  epg_i64 replay;  // dispatch: 1 when it takes the given slots instead of claiming
+  epg_i64 block_rows;  // dispatch: 1 when a whole block copies each row
+  epg_i64 off_ll_cnt;  // workspace offset: low-latency count words
+  epg_i64 off_ll_x;  // workspace offset: low-latency dispatch slots
+  epg_i64 off_ll_c;  // workspace offset: low-latency combine cells
+  epg_i64 off_ll_map;  // workspace offset: low-latency row map
+  epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
+  epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
+  epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;

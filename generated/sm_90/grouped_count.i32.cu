@@ -173,8 +173,12 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // (pairs of this expert only); counts[e] = the expert's pairs. The placement (grouped_place) then cuts them
 // at the buffer's rows.
 constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per step (a count of 0..8: four bits)
-EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx, const int* __restrict__ total_recv,
-                               int* __restrict__ pair_rel, int* __restrict__ counts, epg_i64 k, epg_i64 first_expert) {
+EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
+    int* __restrict__ pair_rel,
+    int* __restrict__ counts,
+    epg_i64 k,
+    epg_i64 first_expert) {
   __shared__ int wave_sums[1024 / EPG_WAVE];
   __shared__ int base;
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;

@@ -188,11 +188,22 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Internode unpack (fp32 payload, internode_v2_ll): received cells -> this rank's receive
 // rows. A cell whose rows[local index] names a row lands there whole (payload, scales, weights, ids,
 // source); the rows were numbered by the origin in (source rank, token) order. One wave per cell.
-EPG_KERNEL void epg_internode_unpack__fp32__internode_v2_ll(const char* __restrict__ cells, epg_i64 ncells, char* __restrict__ recv_x,
-                               char* __restrict__ recv_scales, float* __restrict__ recv_w, int* __restrict__ recv_idx,
-                               int* __restrict__ recv_src, epg_i64 loc, epg_i64 k, epg_i64 row_bytes,
-                               epg_i64 scale_bytes, epg_i64 rec, epg_i64 off_w, epg_i64 off_ids, epg_i64 off_rows,
-                               epg_i64 off_src) {
+EPG_KERNEL void epg_internode_unpack__fp32__internode_v2_ll(const char* __restrict__ cells,
+    epg_i64 ncells,
+    char* __restrict__ recv_x,
+    char* __restrict__ recv_scales,
+    float* __restrict__ recv_w,
+    int* __restrict__ recv_idx,
+    int* __restrict__ recv_src,
+    epg_i64 loc,
+    epg_i64 k,
+    epg_i64 row_bytes,
+    epg_i64 scale_bytes,
+    epg_i64 rec,
+    epg_i64 off_w,
+    epg_i64 off_ids,
+    epg_i64 off_rows,
+    epg_i64 off_src) {
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   for (epg_i64 c = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; c < ncells; c += (epg_i64)epg_nblocks() * waves) {

@@ -54,9 +54,6 @@ def id_check_mode() -> str:
     return ID_CHECK_MODES[value]
 
 
-def route_kernels(arch: str) -> tuple:
-    """The routing kernels of this target (route_count, route_slots; see routing.ordered_slots), loaded."""
-    return tuple(kernels.load(kernels.select(arch, f"{name}.i32")) for name in ("route_count", "route_slots"))
 
 
 def check_expert_ids(cfg: EpDispatchCombineConfig, indices: torch.Tensor) -> None:

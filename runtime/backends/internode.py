@@ -41,14 +41,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import collectives, kernels, workspace
-from ..config import EpDispatchCombineConfig, spec_dtype
+from .. import collectives, workspace
+from ..config import EpDispatchCombineConfig
+from ..plan import KernelSet, internode_roles
 from ..errors import EpgenError, InputError
 from ..routing import all_gather_counts, ordered_slots
-from .common import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped, route_kernels
+from .common import device_target, id_check_mode, local_expert_count, native_group, raise_if_dropped
 
 WAVES_PER_BLOCK = 8
-_TOPOLOGY = {"v2": "internode_v2", "v2_ll": "internode_v2_ll"}
 
 
 def _align(n: int, a: int) -> int:
@@ -122,18 +122,14 @@ class NativeInternodeBackend:
                              "must be 'none' (rule internode_quant_none)")
         self.device, self.arch, self.num_sms, target = device_target("internode_pack")
         self.wave = target.wave_size
-        payload, comb = spec_dtype(cfg.dispatch_dtype).name, spec_dtype(cfg.combine_dtype).name
-        # every kernel a call can take, loaded now
+        # every kernel a call can take, loaded now (runtime/plan.py names them)
         routes = ("v2", "v2_ll") if cfg.internode_kernel == "auto" else (cfg.internode_kernel,)
-        self.kern = {}
-        for route in routes:
-            topo = _TOPOLOGY[route]
-            names = {"pack": f"internode_pack.{payload}.{topo}", "unpack": f"internode_unpack.{payload}.{topo}",
-                     "cpack": f"internode_combine_pack.{comb}.{topo}", "reduce": f"internode_reduce.{comb}.{topo}"}
-            if route == "v2":
-                names["forward"] = f"internode_forward.{payload}.{topo}"
-            self.kern[route] = {role: kernels.load(kernels.select(self.arch, n)) for role, n in names.items()}
-        self._numbering = route_kernels(self.arch)  # the slot numbering kernels (routing.ordered_slots)
+        self.kern: dict[str, KernelSet] = {}
+        for route, roles in internode_roles(cfg, routes).items():
+            self.kern[route] = KernelSet(self.arch, roles)
+        numbering = self.kern.pop("numbering")
+        self._numbering = (numbering["route_count"], numbering["route_slots"])  # routing.ordered_slots
+        self._numbering_set = numbering
 
         self._setup_buffers(self.device)
         # token counts of every rank, exchanged on the host (no device sync, graph-capture safe)
@@ -186,7 +182,7 @@ class NativeInternodeBackend:
     def capabilities(self) -> dict:
         return {"graph_capture": True, "routing_replay": True, "internode": True, "arch": self.arch,
                 "transport": "all_to_all_single (NCCL/RCCL) on the op's group",
-                "kernels": tuple(k.symbol for route in self.routes for k in self.kern[route].values())}
+                "kernels": tuple(s for route in self.routes for s in self.kern[route].symbols())}
 
     def check(self) -> None:
         """Nothing to poll: waits happen inside NCCL/RCCL (their own timeouts apply)."""
@@ -241,9 +237,9 @@ class NativeInternodeBackend:
         workspace.all_to_all_single(out[: sum(out_cells) * size], inp[: sum(in_cells) * size],
                                     [c * size for c in out_cells], [c * size for c in in_cells], self.group)
 
-    def _launch(self, route: str, role: str, items: int, *args, threads: int = 0) -> None:
+    def _launch(self, route: str, role: str, items: int, threads: int = 0, **args) -> None:
         """Run kernel `role` of `route` over `items` work items (waves, or threads when `threads` is
-        given); args are tensors (their device addresses; None: 0) and ints, in the kernel's order."""
+        given) with its declared arguments, by name (specs/kernels.toml)."""
         if items <= 0:
             return
         if threads:
@@ -251,7 +247,7 @@ class NativeInternodeBackend:
         else:
             threads = WAVES_PER_BLOCK * self.wave
             blocks = max(1, min(4 * self.num_sms, -(-items // WAVES_PER_BLOCK)))
-        kernels.launch_args(self.kern[route][role], blocks, threads, *args)
+        self.kern[route].launch(role, blocks, threads, **args)
 
     # --- dispatch / combine --------------------------------------------------------------------
     def dispatch(self, x, weights, scales, indices, routing):
@@ -274,24 +270,27 @@ class NativeInternodeBackend:
             self.dropped.copy_(dropped)
             self.bad_ids.add_((indices >= cfg.num_experts).sum().to(torch.int32))
         lay, rec = self.lay, self.lay["rec"]
-        offs = [lay[n] for n in ("off_w", "off_ids", "off_rows", "off_src")]
+        offs = {n: lay[n] for n in ("off_w", "off_ids", "off_rows", "off_src")}
         sp = exchange_splits(route, counts, rank, G)
         groups = W if route == "v2_ll" else W // G
-        self._launch(route, "pack", groups * T, x, scales, weights, indices, slots, self.send, T, k, W, G, groups,
-                     self.row_bytes, self.scale_bytes, int(weights is not None), rec, *offs, rank,
-                     cfg.max_num_inp_token_per_rank)
+        self._launch(route, "pack", groups * T, x=x, scales=scales, weights=weights, indices=indices, slots=slots,
+                     cells=self.send, T=T, k=k, world=W, gpn=G, groups=groups, row_bytes=self.row_bytes,
+                     scale_bytes=self.scale_bytes, has_weights=int(weights is not None), rec=rec, **offs, rank=rank,
+                     max_tokens=cfg.max_num_inp_token_per_rank)
         send1, recv1 = sp["d1"]
         if route == "v2_ll":
             self._a2a(self.recv, self.send, recv1, send1, rec)
         else:
             self._a2a(self.mid, self.send, recv1, send1, rec)  # stage 1: along the rail
             n1 = sp["n1"]
-            self._launch(route, "forward", G * n1, self.mid, self.send, n1, G, rec, lay["off_rows"])
+            self._launch(route, "forward", G * n1, in_cells=self.mid, out_cells=self.send, ncells=n1, gpn=G, rec=rec,
+                         off_rows=lay["off_rows"])
             send2, recv2 = sp["d2"]
             self._a2a(self.recv, self.send, recv2, send2, rec)  # stage 2: inside the node
         ncells = sum(counts)
-        self._launch(route, "unpack", ncells, self.recv, ncells, self.recv_x, self.recv_scales, self.recv_w,
-                     self.recv_idx, self.recv_src, rank % G, k, self.row_bytes, self.scale_bytes, rec, *offs)
+        self._launch(route, "unpack", ncells, cells=self.recv, ncells=ncells, recv_x=self.recv_x,
+                     recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx, recv_src=self.recv_src,
+                     loc=rank % G, k=k, row_bytes=self.row_bytes, scale_bytes=self.scale_bytes, rec=rec, **offs)
         self.total_recv.copy_(total)
         self._grid_slots = slots  # the receive grid now holds this layout (a replay keeps the same object)
         self.last_internode_kernel = route
@@ -316,8 +315,9 @@ class NativeInternodeBackend:
         T = slots.shape[0]
         rec, brec = self.lay["rec"], self.brec
         ncells = sum(counts)
-        self._launch(route, "cpack", ncells, self.recv, ncells, expert_out, weights, int(weights is not None),
-                     expert_out.shape[0], self.back_a, rank % G, k, rec, self.lay["off_rows"], self.comb_row, brec)
+        self._launch(route, "cpack", ncells, cells=self.recv, ncells=ncells, expert_out=expert_out, expert_w=weights,
+                     has_weights=int(weights is not None), expert_rows=expert_out.shape[0], back=self.back_a,
+                     loc=rank % G, k=k, rec=rec, off_rows=self.lay["off_rows"], row_bytes=self.comb_row, brec=brec)
         sp = exchange_splits(route, counts, rank, G)
         send1, recv1 = sp["d1"]
         if route == "v2_ll":
@@ -337,8 +337,9 @@ class NativeInternodeBackend:
             self._a2a(self.back_b, self.back_a, [G * n for n in send1], [G * n for n in recv1], brec)
         out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
-        self._launch(route, "reduce", T * (self.comb_row // 16), self.back_b, slots, T, k, W, out, out_w,
-                     int(weights is not None), self.comb_row, brec, threads=256)
+        self._launch(route, "reduce", T * (self.comb_row // 16), threads=256, back=self.back_b, slots=slots, T=T, k=k,
+                     world=W, out=out, out_w=out_w, has_weights=int(weights is not None), row_bytes=self.comb_row,
+                     brec=brec)
         self.last_internode_kernel = route
         return out, out_w
 
@@ -376,12 +377,9 @@ class NativeInternodeBackend:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        for route in self.routes:
-            for kern in self.kern[route].values():
-                kern.close()
-        for kern in self._numbering:
-            kern.close()
-        self.kern, self._numbering = {}, ()
+        for kset in (*self.kern.values(), self._numbering_set):
+            kset.close()
+        self.kern, self._numbering, self._numbering_set = {}, (), None
         self.host_group = self.group = None  # host_group: shared by every op on this group, kept there
         self.send = self.recv = self.mid = self.back_a = self.back_b = None
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

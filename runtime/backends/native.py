@@ -11,11 +11,8 @@ The intranode wire protocol of an op is "bw" (bandwidth: dispatch / combine_gath
 from the config and the target alone (ll.resolve: config intranode_protocol; "auto" by the config's token
 bound) and checked equal on every rank; a combine takes its routing handle's protocol.
 
-Workspace per rank (offsets 256-byte aligned; R = max_recv_tokens, T = max tokens per rank, W = world):
-  signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | low latency (when the op may take it):
-  ll_cnt, ll_x, ll_c, ll_map (runtime/ll.py) | recv_x [R, wire row] | recv_scales [R, scale row] | recv_w [R, k] f32 |
-  recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
-  scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k]
+The op's kernels, its workspace regions and its other buffers come from its plan (runtime/plan.py: one
+table for the allocation and the memory report); the kernels launch by role with their declared arguments.
 """
 
 from __future__ import annotations
@@ -24,140 +21,21 @@ import ctypes
 import math
 import warnings
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from generator import specs as gspecs
 from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 
-from .. import collectives, errors, grouped, kernels, ll, workspace
-from ..config import EpDispatchCombineConfig, load_specs, spec_dtype
+from .. import collectives, errors, grouped, kernels, workspace
+from ..config import EpDispatchCombineConfig, load_specs
 from ..errors import ConfigError, EpgenError, InputError
+from ..plan import Plan, fused_grouped
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
-                     raise_if_dropped, route_kernels)
+                     raise_if_dropped)
 
 BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the EP kernels take specs/tuning.toml)
-GROUPED_MAX_EXPERTS = 1024  # grouped_place's shared group bounds (EPG_GROUPED_MAX_EXPERTS in its template)
-_ALIGN = 256
-_SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _elem_bits(dtype: torch.dtype) -> int:
-    """Bits per value (float4_e2m1fn_x2 packs two 4-bit values in each 1-byte element)."""
-    return 4 if dtype == torch.float4_e2m1fn_x2 else torch.empty((), dtype=dtype).element_size() * 8
-
-
-@attrs.frozen
-class Plan:
-    """What an op moves, derived from its config and the device's target: names, dtypes, row sizes."""
-    dispatch_variant: str
-    combine_variant: str
-    in_row: int            # bytes of one x row given to dispatch
-    wire_row: int          # bytes of one received row
-    scale_row: int         # bytes of one received row's scales
-    out_dtype: torch.dtype  # dtype of the received rows as returned
-    out_cols: int
-    scales_dtype: torch.dtype | None
-    scale_cols: int
-    comb_row: int          # bytes of one combine-dtype row
-    scat_row: int          # bytes of one row on the scatter wire
-    scat_scale_row: int
-    scatter: bool
-    fp8_dtype: torch.dtype
-    ll_row: int            # bytes of one low-latency dispatch slot (runtime/ll.py)
-    ll_cell: int           # bytes of one low-latency combine cell
-    place_variant: str     # the grouped layout's placement kernel (rows decoded: grouped_dequantize)
-
-    @classmethod
-    def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
-        specs = load_specs()
-        H = cfg.hidden_dim
-        fp8 = "fp8_e4m3fn" if target.fp8_e4m3 == "ocp" else "fp8_e4m3fnuz"
-        wire_of = {"fp8": fp8, "fp4": "fp4_e2m1"}
-        act = spec_dtype(cfg.data_type).name
-        comb = spec_dtype(cfg.combine_dtype).name
-        comb_row = H * _elem_bits(cfg.combine_dtype) // 8
-        scales_dtype, scale_cols = None, 0
-        place = "grouped_place.i32"
-        if cfg.dispatch_data_type is not None:  # pre-quantized payload: bytes and scales verbatim
-            payload = cfg.dispatch_data_type
-            d_name = f"dispatch.{spec_dtype(payload).name}.intranode"
-            in_row = wire_row = H * _elem_bits(payload) // 8
-            scale_row = cfg.scale_dim * cfg.scale_type_size
-            out_dtype, out_cols = payload, (H // 2 if payload == torch.float4_e2m1fn_x2 else H)
-            scales_dtype = torch.float32 if cfg.scale_type_size == 4 else torch.uint8
-            scale_cols = cfg.scale_dim
-        elif cfg.dispatch_quant_type != "none":  # bf16/fp32 in, quantized on the way
-            q = specs.quants[cfg.dispatch_quant_type]
-            wire = specs.dtypes[wire_of[q.wire_kind]]
-            d_name = f"dispatch.{act}.{wire.name}.{q.name}.intranode"
-            if cfg.grouped_dequantize:
-                place = f"grouped_place_{wire.kind}.{act}.{wire.name}.{q.name}"
-            in_row = H * _elem_bits(cfg.data_type) // 8
-            wire_row = H * wire.bits // 8
-            scale_cols = H // q.block
-            scale_row = scale_cols * _SCALE_BYTES[q.scale]
-            out_dtype = getattr(torch, wire.torch) if wire.kind == "fp8" else torch.uint8
-            out_cols = H if wire.kind == "fp8" else H // 2
-            scales_dtype = torch.float32 if q.scale == "fp32" else torch.uint8
-        else:
-            d_name = f"dispatch.{act}.intranode"
-            in_row = wire_row = H * _elem_bits(cfg.data_type) // 8
-            scale_row, out_dtype, out_cols = 0, cfg.data_type, H
-        scatter = cfg.resolved_combine_mode == "scatter"
-        scat_row, scat_scale_row = comb_row, 0
-        if not scatter:
-            c_name = f"combine_gather.{comb}.intranode"
-        elif cfg.quant_type == "none":
-            c_name = f"combine_scatter.{comb}.intranode"
-        else:
-            q = specs.quants[cfg.quant_type]
-            wire = specs.dtypes[wire_of[q.wire_kind]]
-            c_name = f"combine_scatter.{comb}.{wire.name}.{q.name}.intranode"
-            scat_row = H * wire.bits // 8
-            scat_scale_row = (H // q.block) * _SCALE_BYTES[q.scale] if q.block else 0
-        k = cfg.num_experts_per_token
-        return cls(d_name, c_name, in_row, wire_row, scale_row, out_dtype, out_cols, scales_dtype, scale_cols,
-                   comb_row, scat_row, scat_scale_row, scatter, getattr(torch, specs.dtypes[fp8].torch),
-                   ll.row_bytes(in_row, scale_row, k), ll.cell_bytes(comb_row, k), place)
-
-    @property
-    def ll_variants(self) -> tuple[str, str]:
-        """The low-latency kernels moving the same rows (a verbatim payload, the gather's arithmetic)."""
-        return ("dispatch_ll." + self.dispatch_variant.split(".", 1)[1],
-                "combine_ll." + self.combine_variant.split(".", 1)[1])
-
-    def layout(self, cfg: EpDispatchCombineConfig, ll_tokens: int = 0) -> dict[str, int]:
-        """Byte offsets of every region, and 'total' (the same on every rank). The low-latency regions (for
-        calls of at most ll_tokens tokens) lie before recv_x: reset() zeroes everything before recv_x."""
-        R, k, cells = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.max_num_inp_token_per_rank * cfg.world_size
-        sizes = [("signal", 4 * cfg.world_size), ("counter", 8 + 8 * cfg.world_size),
-                 *ll.regions(cfg.world_size, ll_tokens, self.ll_row, self.ll_cell), ("recv_x", R * self.wire_row),
-                 ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4), ("recv_idx", R * k * 4),
-                 ("recv_src", R * 4)]
-        if self.scatter:
-            sizes += [("scat_x", cells * self.scat_row), ("scat_s", cells * self.scat_scale_row), ("scat_w", cells * k * 4)]
-        else:
-            sizes += [("comb_x", R * self.comb_row), ("comb_w", R * k * 4)]
-        if fused_grouped(cfg):  # the fused grouped combine reads the peers' grouped expert rows and pair maps
-            sizes += [("grp_y", cfg.resolved_grouped_capacity * self.comb_row), ("grp_pos", 16 + R * k * 4)]
-        out, off = {}, 0
-        for name, n in sizes:
-            out[name] = off
-            off += _align(n)
-        out["total"] = off
-        return out
-
-
-def fused_grouped(cfg: EpDispatchCombineConfig) -> bool:
-    """Does this op's combine_grouped take the fused form on bandwidth-protocol calls (config grouped_combine)?"""
-    return cfg.enable_grouped_layout and cfg.grouped_combine == "fused"
 
 
 def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
@@ -191,10 +69,24 @@ def check_same_protocol(protocol: str, arch: str, group) -> None:
                           "protocol): " + ", ".join(f"rank {r}: {p!r} on {a}" for r, (p, a) in enumerate(everyone)))
 
 
+EP_ROLES = ("dispatch", "combine", "dispatch_ll", "combine_ll")  # the kernels specs/tuning.toml gives geometry to
+
+
 def ep_kernels(backend) -> tuple:
     """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded)."""
-    return (("dispatch", backend._dispatch), ("combine", backend._combine),
-            *zip(("dispatch_ll", "combine_ll"), getattr(backend, "_ll", ())))
+    return tuple((role, backend.k[role]) for role in EP_ROLES if role in backend.k)
+
+
+def check_plan(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
+    """What the native kernels cannot take, said before anything is loaded or allocated."""
+    check_rows(cfg, plan)
+    if cfg.enable_std_moe and (cfg.dispatch_data_type is not None or cfg.dispatch_quant_type != "none"):
+        raise EpgenError("enable_std_moe with fp8/fp4 payloads is not built yet in the native backend")
+    if cfg.enable_grouped_layout:
+        most = load_specs().arglists[load_specs().families["grouped_place"].args].limit("max_experts")
+        if cfg.num_experts_per_rank > most:
+            raise EpgenError(f"native backend: the grouped layout takes at most {most} experts per rank (its "
+                             f"placement kernel keeps the group bounds in shared memory), got {cfg.num_experts_per_rank}")
 
 
 class NativeBackend:
@@ -208,27 +100,20 @@ class NativeBackend:
         self.device, self.arch, self.num_sms, target = device_target("dispatch")
         self.wave = target.wave_size
         plan = self.plan = Plan.of(cfg, target)
-        check_rows(cfg, plan)
-        # every kernel this op can use, loaded before the first call
-        dvariant = kernels.select(self.arch, plan.dispatch_variant)
-        self._dispatch_converts = dvariant.converts  # quantizes in flight: rows copied by waves only
-        self._dispatch = kernels.load(dvariant)
-        self._combine = kernels.load(kernels.select(self.arch, plan.combine_variant))
+        check_plan(cfg, plan)
         # the op's protocol, the same on every rank (never a rank-local token count), and the low-latency
-        # kernels and buffers when it is "ll"
-        self.protocol = ll.resolve(cfg.intranode_protocol, "ll" in cfg.intranode_protocols,
-                                   cfg.max_num_inp_token_per_rank, load_specs().ll_max_tokens[self.arch])
+        # buffers when it is "ll"
+        self.protocol, self.ll_tokens, self.capped = plan.protocol, plan.ll_tokens, plan.capped
+        self.k = plan.load(self.arch)  # every kernel this op can use, loaded before the first call
         check_same_protocol(self.protocol, self.arch, self.group)
-        self.ll_tokens = ll.buffer_tokens(self.protocol, cfg.max_num_inp_token_per_rank)
-        self._ll = tuple(kernels.load(kernels.select(self.arch, n)) for n in plan.ll_variants) if self.ll_tokens else ()
         self.protocols = (self.protocol,)
         self.last_protocol: str | None = None  # the protocol of the last dispatch or combine
-        self.capped = cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
-        self._numbering = route_kernels(self.arch) if self.capped else ()  # the deterministic slot numbering
+        self._dispatch_converts = self.k["dispatch"].variant.converts  # quantizes in flight: rows copied by waves only
+        self._numbering = (self.k["route_count"], self.k["route_slots"]) if self.capped else ()
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
-        self.layout = lay = plan.layout(cfg, self.ll_tokens)
+        self.layout = lay = plan.layout(cfg)
         self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
         self.buf, self.handle = self._ws.buf, self._ws.handle
         ptrs = getattr(self.handle, "buffer_ptrs_dev", None)
@@ -267,12 +152,12 @@ class NativeBackend:
                       max_tokens=cfg.max_num_inp_token_per_rank, ll_tokens=self.ll_tokens,
                       ll_row_bytes=plan.ll_row, ll_cell_bytes=plan.ll_cell,
                       **({f"off_{n}": lay[n] for n in ("ll_cnt", "ll_x", "ll_c", "ll_map")} if self.ll_tokens else {}))
-        self.dargs = kernels.EpArgs(**common, row_bytes=plan.in_row, wire_row_bytes=plan.wire_row,
-                                    scale_row_bytes=plan.scale_row)
+        self.dargs = self.k.struct("dispatch", **common, row_bytes=plan.in_row, wire_row_bytes=plan.wire_row,
+                                   scale_row_bytes=plan.scale_row)
         comb = dict(off_scat_x=lay["scat_x"], off_scat_s=lay["scat_s"], off_scat_w=lay["scat_w"],
                     wire_row_bytes=plan.scat_row, scale_row_bytes=plan.scat_scale_row) if plan.scatter else \
             dict(off_comb_x=lay["comb_x"], off_comb_w=lay["comb_w"], wire_row_bytes=plan.comb_row)
-        self.cargs = kernels.EpArgs(**common, row_bytes=plan.comb_row, **comb)
+        self.cargs = self.k.struct("combine", **common, row_bytes=plan.comb_row, **comb)
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
@@ -297,7 +182,7 @@ class NativeBackend:
     def capabilities(self) -> dict:
         return {"graph_capture": True, "arch": self.arch, "intranode_protocols": self.protocols,
                 "ll_max_tokens": self.ll_tokens,
-                "kernels": tuple(k.symbol for k in (self._dispatch, self._combine, *self._ll))}
+                "kernels": self.k.symbols(*EP_ROLES)}
 
     def _check_geometry(self, roles=None) -> None:
         """Every thread count this op can launch with (tuning table or config) fits its kernels (roles: (role,
@@ -328,7 +213,7 @@ class NativeBackend:
         threads = threads or b.threads
         blocks = blocks or b.blocks or self.num_sms
         if kern is None:
-            kern = getattr(self, f"_{role}") if role in ("dispatch", "combine") else self._ll[role == "combine_ll"]
+            kern = self.k[role]
         blocks = min(blocks, self.num_sms * kern.blocks_per_sm(threads))
         if role != "dispatch":
             return blocks, threads
@@ -430,11 +315,11 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
         if protocol == "ll":
-            self._stream = self._ll[0].launch(*self._launch_geometry("dispatch_ll", T, T)[:2], a)
+            self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
         else:
             blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
             a.block_rows = int(block_rows)
-            self._stream = self._dispatch.launch(blocks, threads, a)
+            self._stream = self.k.launch("dispatch", blocks, threads, a)
         self._last, self.last_protocol = "dispatch", protocol
         self.check(ids="skip")
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
@@ -458,15 +343,10 @@ class NativeBackend:
     def _std_moe_setup(self) -> dict:
         """Standard-MoE buffers and kernels (bf16/fp32 payloads), made at construction."""
         cfg = self.config
-        if cfg.dispatch_data_type is not None or cfg.dispatch_quant_type != "none":
-            raise EpgenError("enable_std_moe with fp8/fp4 payloads is not built yet in the native backend")
         E, C, H, R, k = (cfg.num_experts_per_rank, cfg.resolved_expert_capacity, cfg.hidden_dim,
                          cfg.max_recv_tokens, cfg.num_experts_per_token)
-        name = spec_dtype(cfg.data_type).name
         dev = self.device
         return {
-            "pack": kernels.load(kernels.select(self.arch, f"std_moe_pack.{name}")),
-            "unpack": kernels.load(kernels.select(self.arch, f"std_moe_unpack.{name}")),
             "x": torch.empty((E, C, H), dtype=cfg.data_type, device=dev),
             "count": torch.zeros(E, dtype=torch.int32, device=dev),
             "src": torch.full((E, C), -1, dtype=torch.int32, device=dev),
@@ -481,10 +361,12 @@ class NativeBackend:
         Buckets are ordered by (received row, k); rows of packed_x past packed_count are not written.
         """
         st, cfg = self._std, self.config
-        kernels.launch_args(st["pack"], cfg.num_experts_per_rank, BLOCK, self.recv_x, self.recv_idx, self.recv_w,
-                            self.total_recv, st["x"], st["count"], st["src"], st["w"], st["pair_pos"], st["dropped"],
-                            cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank,
-                            cfg.resolved_expert_capacity, self.plan.in_row, int(self._had_weights))
+        self.k.launch("std_moe_pack", cfg.num_experts_per_rank, BLOCK, recv_x=self.recv_x, recv_idx=self.recv_idx,
+                      recv_w=self.recv_w, total_recv=self.total_recv, packed_x=st["x"], packed_count=st["count"],
+                      packed_src=st["src"], packed_w=st["w"], pair_pos=st["pair_pos"], dropped=st["dropped"],
+                      k=cfg.num_experts_per_token, first_expert=cfg.rank * cfg.num_experts_per_rank,
+                      capacity=cfg.resolved_expert_capacity, row_bytes=self.plan.in_row,
+                      has_weights=int(self._had_weights))
         return st["x"], st["count"], st["src"], st["w"]
 
     def _combine_dst(self, st: dict) -> torch.Tensor:
@@ -507,10 +389,10 @@ class NativeBackend:
         """Weighted expert outputs [E, C, H] -> combine input rows (see _combine_dst for where)."""
         st, cfg = self._std, self.config
         dst = self._combine_dst(st)
-        kernels.launch_args(st["unpack"], self._rows_grid(), BLOCK, expert_out,
-                            self.recv_idx, st["pair_pos"], st["w"], self.total_recv, dst,
-                            cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank, cfg.num_experts_per_rank,
-                            cfg.hidden_dim)
+        self.k.launch("std_moe_unpack", self._rows_grid(), BLOCK, expert_out=expert_out, recv_idx=self.recv_idx,
+                      pair_pos=st["pair_pos"], packed_w=st["w"], total_recv=self.total_recv, out=dst,
+                      k=cfg.num_experts_per_token, first_expert=cfg.rank * cfg.num_experts_per_rank,
+                      num_local=cfg.num_experts_per_rank, hidden=cfg.hidden_dim)
         return dst
 
     # --- the grouped-GEMM layout (runtime/grouped.py; kernels grouped_count / grouped_place / grouped_reduce)
@@ -518,10 +400,6 @@ class NativeBackend:
         """Grouped-layout buffers and kernels, made at construction: P = resolved_grouped_capacity rows."""
         cfg, plan, dev = self.config, self.plan, self.device
         E, P, Rk = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity, cfg.max_recv_tokens * cfg.num_experts_per_token
-        if E > GROUPED_MAX_EXPERTS:
-            raise EpgenError(f"native backend: the grouped layout takes at most {GROUPED_MAX_EXPERTS} experts per rank "
-                             f"(its placement kernel keeps the group bounds in shared memory), got {E}")
-        comb = spec_dtype(cfg.combine_dtype).name
         i32 = dict(dtype=torch.int32, device=dev)
         if cfg.grouped_dequantize:  # the rows decoded into data_type as they are placed: no scales in the layout
             x = torch.empty((P, cfg.hidden_dim), dtype=cfg.data_type, device=dev)
@@ -533,9 +411,6 @@ class NativeBackend:
             scales_view = None if scales is None else (scales.view(plan.scales_dtype)
                                                        if plan.scales_dtype != torch.uint8 else scales)
         return {
-            "count": kernels.load(kernels.select(self.arch, "grouped_count.i32")),
-            "place": kernels.load(kernels.select(self.arch, plan.place_variant)),
-            "reduce": kernels.load(kernels.select(self.arch, f"grouped_reduce.{comb}")),
             "x": x, "scales": scales, "x_view": x_view, "scales_view": scales_view,
             "out_row": x.shape[1] * x.element_size(),
             "offs": torch.zeros(E, **i32), "counts": torch.zeros(E, **i32), "raw_counts": torch.zeros(E, **i32),
@@ -555,27 +430,28 @@ class NativeBackend:
         pos.fill_(-1)
         P, H = cfg.resolved_grouped_capacity, cfg.hidden_dim
         y = self.buf[lay["grp_y"]:lay["grp_y"] + P * self.plan.comb_row].view(cfg.combine_dtype).view(P, H)
-        comb = spec_dtype(cfg.combine_dtype).name
-        args = kernels.EpArgs()
+        args = self.k.struct("combine_grouped")
         ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.cargs), ctypes.sizeof(args))
         args.off_comb_x, args.off_comb_w, args.expert_rows = lay["grp_y"], lay["grp_pos"], P
         args.expert_weights = args.out_weights = 0
-        fused = kernels.load(kernels.select(self.arch, f"combine_grouped.{comb}.intranode"))
-        self._check_geometry((("combine", fused),))  # the combine role's geometry, capped at its own occupancy
-        return {"pair_pos": pos[4:], "out_view": y, "fargs": args, "fused": fused, "geo": {}}
+        self._check_geometry((("combine", self.k["combine_grouped"]),))  # the combine role's geometry, at its own occupancy
+        return {"pair_pos": pos[4:], "out_view": y, "fargs": args, "fused": True, "geo": {}}
 
     def grouped_layout(self) -> grouped.GroupedLayout:
         """Two launches on the current stream, sized by the device's total_recv (no host sync)."""
         g, cfg, plan = self._grp, self.config, self.plan
         k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
-        kernels.launch_args(g["count"], cfg.num_experts_per_rank, BLOCK, self.recv_idx, self.total_recv, g["pair_rel"],
-                            g["raw_counts"], k, first)
-        kernels.launch_args(g["place"], 2 * self.num_sms, BLOCK, self.recv_x, self.recv_scales, self.recv_w,
-                            self.recv_idx, self.total_recv, g["pair_rel"], g["raw_counts"], g["pair_pos"], g["x"],
-                            g["scales"], g["offs"], g["counts"], g["src"], g["m_indices"], g["weights"], g["dropped"],
-                            k, first, cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity,
-                            plan.wire_row, plan.scale_row if plan.scales_dtype else 0, int(self._had_weights),
-                            g["out_row"])
+        self.k.launch("grouped_count", cfg.num_experts_per_rank, BLOCK, recv_idx=self.recv_idx,
+                      total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first)
+        self.k.launch("grouped_place", 2 * self.num_sms, BLOCK, recv_x=self.recv_x, recv_scales=self.recv_scales,
+                      recv_w=self.recv_w, recv_idx=self.recv_idx, total_recv=self.total_recv, pair_rel=g["pair_rel"],
+                      counts=g["raw_counts"], pair_pos=g["pair_pos"], out_x=g["x"], out_scales=g["scales"],
+                      offs=g["offs"], kept_counts=g["counts"], src=g["src"], m_indices=g["m_indices"],
+                      weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
+                      num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment,
+                      capacity=cfg.resolved_grouped_capacity, row_bytes=plan.wire_row,
+                      scale_bytes=plan.scale_row if plan.scales_dtype else 0, has_weights=int(self._had_weights),
+                      out_row_bytes=g["out_row"])
         return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                      src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
                                      dropped=g["dropped"][0], pair_pos=g["pair_pos"])
@@ -584,9 +460,9 @@ class NativeBackend:
         """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
         g, cfg = self._grp, self.config
         dst = self._combine_dst(g)
-        kernels.launch_args(g["reduce"], self._rows_grid(), BLOCK, expert_out, g["pair_pos"], self.recv_w,
-                            self.total_recv, dst, cfg.num_experts_per_token, cfg.hidden_dim,
-                            int(apply_weights and self._had_weights))
+        self.k.launch("grouped_reduce", self._rows_grid(), BLOCK, expert_out=expert_out, pair_pos=g["pair_pos"],
+                      recv_w=self.recv_w, total_recv=self.total_recv, out=dst, k=cfg.num_experts_per_token,
+                      hidden=cfg.hidden_dim, apply_weights=int(apply_weights and self._had_weights))
         return dst
 
     def grouped_out_view(self) -> torch.Tensor | None:
@@ -608,8 +484,8 @@ class NativeBackend:
         a = g["fargs"]
         a.slots, a.num_tokens, a.out = slots.data_ptr(), T, out.data_ptr()
         a.expert_out, a.has_weights = expert_out.data_ptr(), int(apply_weights and self._had_weights)
-        geo = g["geo"].get(T) or g["geo"].setdefault(T, self._geometry("combine", T, T, g["fused"]))
-        self._stream = g["fused"].launch(*geo, a)
+        geo = g["geo"].get(T) or g["geo"].setdefault(T, self._geometry("combine", T, T, self.k["combine_grouped"]))
+        self._stream = self.k.launch("combine_grouped", *geo, a)
         self._last, self.last_protocol = "combine", "bw"
         self.check(ids="skip")
         return out, None
@@ -661,9 +537,9 @@ class NativeBackend:
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         protocol = routing.extra.get("protocol", "bw")  # the dispatch's: its slots and buffers
         if protocol == "ll":
-            self._stream = self._ll[1].launch(*self._launch_geometry("combine_ll", T, T)[:2], a)
+            self._stream = self.k.launch("combine_ll", *self._launch_geometry("combine_ll", T, T)[:2], a)
         else:
-            self._stream = self._combine.launch(*self._launch_geometry("combine", T, T)[:2], a)
+            self._stream = self.k.launch("combine", *self._launch_geometry("combine", T, T)[:2], a)
         self._last, self.last_protocol = "combine", protocol
         self.check(ids="skip")
         return out, out_w
@@ -696,14 +572,10 @@ class NativeBackend:
     def close(self) -> None:
         """Unload the kernels, free the op's device buffers and give the workspace back to the pool."""
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
-        for kern in (self._dispatch, self._combine, *self._ll, *self._numbering,
-                     *((self._std["pack"], self._std["unpack"]) if self._std else ()),
-                     *((self._grp["count"], self._grp["place"], self._grp["reduce"]) if self._grp else ()),
-                     *((self._grp["fused"],) if self._grp and "fused" in self._grp else ())):
-            kern.close()
+        self.k.close()
         workspace.release(self._ws)
         self._ws = self._std = self._grp = self.dargs = self.cargs = None
-        self._numbering = self._ll = ()
+        self._numbering = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self._error_words = self.group = None  # a closed op keeps no process group alive
         self.recv_x = self.recv_scales = self.recv_w = self.recv_idx = self.recv_src = self.comb_x = None

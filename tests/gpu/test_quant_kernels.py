@@ -3,7 +3,6 @@
 Run on a GPU machine: python -m pytest -m gpu tests/gpu/test_quant_kernels.py
 """
 
-import ctypes
 
 import pytest
 import torch
@@ -34,10 +33,10 @@ def _inputs(dtype, seed):
     return x.to(dtype)
 
 
-def _launch(name, *ptrs, n):
+def _launch(name, n, **tensors):
+    """One launch with the family's declared arguments (specs/kernels.toml [args.quantize] / [args.dequantize])."""
     k = kernels.load(kernels.select(ARCH, name))
-    args = [ctypes.c_uint64(p) for p in ptrs] + [ctypes.c_int64(n)]
-    k.launch(-(-n // 8 // 256), 256, *args)
+    k.launch(-(-n // 8 // 256), 256, **tensors, n_elems=n)
     torch.cuda.synchronize()
     k.close()
 
@@ -57,7 +56,7 @@ def test_fp8_quantize_bit_exact(dtype, mode):
     x = _inputs(DT[dtype], 1).cuda()
     q = torch.full((ROWS, HIDDEN), 0xA5, dtype=torch.uint8, device="cuda")
     s = torch.full((ROWS, HIDDEN // 128), -7.0, device="cuda")
-    _launch(f"quantize_fp8.{dtype}.{WIRE}.{mode}", x.data_ptr(), q.data_ptr(), s.data_ptr(), n=x.numel())
+    _launch(f"quantize_fp8.{dtype}.{WIRE}.{mode}", x.numel(), x=x, q=q, scales=s)
     rq, rs = numerics.quantize_fp8(x.cpu(), FMT, mode)
     assert torch.equal(q.cpu(), rq), f"{(q.cpu() != rq).sum()} bytes differ"
     if rs is not None:
@@ -65,7 +64,7 @@ def test_fp8_quantize_bit_exact(dtype, mode):
     # dequantize back, against the reference
     for out in ("bf16", "fp32"):
         y = torch.empty(ROWS, HIDDEN, dtype=DT[out], device="cuda")
-        _launch(f"dequantize_fp8.{out}.{WIRE}.{mode}", q.data_ptr(), s.data_ptr(), y.data_ptr(), n=x.numel())
+        _launch(f"dequantize_fp8.{out}.{WIRE}.{mode}", x.numel(), q=q, scales=s, y=y)
         ry = numerics.dequantize_fp8(rq, rs, FMT, mode, DT[out])
         assert _same_bits(y.cpu(), ry)
 
@@ -77,7 +76,7 @@ def test_fp4_quantize_bit_exact(dtype):
     x = _inputs(DT[dtype], 2).cuda()
     q = torch.full((ROWS, HIDDEN // 2), 0xA5, dtype=torch.uint8, device="cuda")
     s = torch.full((ROWS, HIDDEN // 32), 0x5A, dtype=torch.uint8, device="cuda")
-    _launch(f"quantize_fp4.{dtype}.fp4_e2m1.fp4_blockwise", x.data_ptr(), q.data_ptr(), s.data_ptr(), n=x.numel())
+    _launch(f"quantize_fp4.{dtype}.fp4_e2m1.fp4_blockwise", x.numel(), x=x, q=q, scales=s)
     rq, rs = numerics.quantize_fp4(x.cpu())
     assert torch.equal(s.cpu(), rs), f"{(s.cpu() != rs).sum()} scale bytes differ"
     diff = (q.cpu() != rq).nonzero().tolist()
@@ -86,5 +85,5 @@ def test_fp4_quantize_bit_exact(dtype):
     assert not diff, f"{len(diff)} bytes differ (row, byte, inputs, scale byte, got, want): {detail}"
     for out in ("bf16", "fp32"):
         y = torch.empty(ROWS, HIDDEN, dtype=DT[out], device="cuda")
-        _launch(f"dequantize_fp4.{out}.fp4_e2m1.fp4_blockwise", q.data_ptr(), s.data_ptr(), y.data_ptr(), n=x.numel())
+        _launch(f"dequantize_fp4.{out}.fp4_e2m1.fp4_blockwise", x.numel(), q=q, scales=s, y=y)
         assert _same_bits(y.cpu(), numerics.dequantize_fp4(rq, rs, DT[out]))
