@@ -28,133 +28,19 @@ in the combine dtype (combine_data_type, else data_type) and returns that dtype.
 from __future__ import annotations
 
 import itertools
-import os
-import socket
 
 import attrs
 import torch
 
-from .config import (EMULATE_NODES_ENV, BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, FIELDS, PAYLOAD_DTYPES,
+from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import aliases, backends, collectives, grouped, moe
+from . import aliases, backends, checks, grouped, moe
+from .agreement import check_config_agreement, check_host_layout
+from .plan import NATIVE_WORKSPACE_FORMULA, native_workspace
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
 from .routing import RoutingHandle
 
 _UIDS = itertools.count(1)
-_MISMATCH_RANKS_NAMED = 1  # per field: rank 0 and the first rank that differs (then a count of the rest)
-
-
-def config_summary(config: EpDispatchCombineConfig) -> dict:
-    """What ranks compare at op construction: every config field and the resolved backend."""
-    summary = {name: getattr(config, name) for name in FIELDS}
-    summary["resolved_backend"] = config.resolved_backend
-    return summary
-
-
-def check_config_agreement(config: EpDispatchCombineConfig, group=None) -> None:
-    """Collective over ``group`` (None: WORLD): raise ConfigError on every rank unless every rank's
-    config equals this one in every field but ``rank``, and each rank's config names the group's
-    size as world_size and its own rank in the group as rank.
-
-    Runs one gather of objects (runtime/collectives.py; gloo on CPU, NCCL on GPUs) when torch.distributed is initialised
-    and the group has more than one rank; without torch.distributed there is nothing to compare
-    (the backend then accepts world_size=1 only).
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    g = group if group is not None else dist.group.WORLD
-    size, me = dist.get_world_size(g), dist.get_rank(g)
-    if me < 0:
-        raise ConfigError(f"this process is not a member of the process group (config rank={config.rank}, "
-                          f"world_size={config.world_size})")
-    mine = config_summary(config)
-    everyone = collectives.gather_objects(mine, g)
-    # every rank sees every summary, so every rank raises (and with the same words, but for its own)
-    if (config.world_size, config.rank) != (size, me):
-        raise ConfigError(f"the process group has world size {size} and this process is rank {me}, "
-                          f"but the config says world_size={config.world_size}, rank={config.rank}")
-    for r, other in enumerate(everyone):
-        if (other["world_size"], other["rank"]) != (size, r):
-            raise ConfigError(f"rank {r} of the process group (world size {size}) has a config with "
-                              f"world_size={other['world_size']}, rank={other['rank']}")
-    first = everyone[0]
-    parts = []
-    for name in first:
-        if name == "rank":
-            continue
-        differ = [r for r, other in enumerate(everyone) if other[name] != first[name]]
-        if not differ:
-            continue
-        named = differ[:_MISMATCH_RANKS_NAMED]
-        text = ", ".join([f"{name}={first[name]!r} on rank 0"] + [f"{name}={everyone[r][name]!r} on rank {r}"
-                                                                   for r in named])
-        if len(differ) > len(named):
-            text += f" (and {len(differ) - len(named)} more rank(s) differ from rank 0)"
-        parts.append(text)
-    if parts:
-        raise ConfigError("config mismatch between ranks: " + "; ".join(parts))
-
-
-def emulate_nodes() -> bool:
-    """Is the node-emulation switch on? ``EPGEN_EMULATE_NODES=1`` only (unset, "" or "0": off); never
-    inferred. Any other value is a ConfigError."""
-    value = os.environ.get(EMULATE_NODES_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ConfigError(f"environment {EMULATE_NODES_ENV}={value!r}: must be '1' (emulate the gpu_per_node "
-                          f"grouping on one host, for tests), '0' or unset")
-    return value == "1"
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def check_host_layout(config: EpDispatchCombineConfig, group=None) -> None:
-    """Collective over ``group``: the real host layout must match ``gpu_per_node``.
-
-    Gathers every rank's ``socket.gethostname()`` and emulation switch with one gather of objects (runtime/collectives.py).
-    Ranks are node-major (node = rank // gpu_per_node): the ranks of one node must share a hostname and
-    different nodes must have different hostnames, else ConfigError on every rank naming the
-    mismatch. ``EPGEN_EMULATE_NODES=1`` (on every rank) treats the grouping as given: several
-    emulated nodes on one host (tests). Without torch.distributed or with one rank: nothing to check.
-    """
-    import torch.distributed as dist
-
-    mine = (socket.gethostname(), emulate_nodes())
-    if not (dist.is_available() and dist.is_initialized()) or config.world_size == 1:
-        return
-    g = group if group is not None else dist.group.WORLD
-    everyone = collectives.gather_objects(mine, g)
-    switches = [e for _, e in everyone]
-    if len(set(switches)) > 1:
-        on = [r for r, e in enumerate(switches) if e]
-        raise ConfigError(f"{EMULATE_NODES_ENV}=1 is set on {_ranks_text(on)} only: set it on every rank or none")
-    if switches[0]:
-        return
-    gpn = config.resolved_gpu_per_node
-    hosts = [h for h, _ in everyone]
-    problems = []
-    node_host = {}
-    for node in range(config.world_size // gpn):
-        ranks = list(range(node * gpn, (node + 1) * gpn))
-        names = sorted({hosts[r] for r in ranks})
-        if len(names) > 1:
-            parts = [f"{name!r} ({_ranks_text([r for r in ranks if hosts[r] == name])})" for name in names]
-            problems.append(f"node {node} (ranks {ranks[0]}-{ranks[-1]}) spans hosts {', '.join(parts)}")
-        node_host[node] = names[0]
-    by_host: dict = {}
-    for node, name in node_host.items():
-        by_host.setdefault(name, []).append(node)
-    for name, nodes in by_host.items():
-        if len(nodes) > 1:
-            problems.append(f"nodes {', '.join(map(str, nodes))} are all on host {name!r}")
-    if problems:
-        raise ConfigError(f"gpu_per_node={config.gpu_per_node}: the host layout does not match (ranks are "
-                          f"node-major, node = rank // {gpn}): " + "; ".join(problems)
-                          + f". Set gpu_per_node to the ranks per host, or {EMULATE_NODES_ENV}=1 on every rank "
-                            f"to emulate nodes on one host (tests)")
 
 
 class EpDispatchCombineOp:
@@ -295,29 +181,7 @@ class EpDispatchCombineOp:
         self._check_open("dispatch")
         x = aliases.renamed("dispatch", "x", x, "input", input)
         cfg = self.config
-        k, cols = cfg.num_experts_per_token, cfg.dispatch_payload_cols
-        self._check_tensor("dispatch", "x", x, cfg.dispatch_dtype, ndim=2)
-        num_tokens = x.shape[0]
-        if x.shape[1] != cols:
-            width = f"hidden_dim={cols}" if cols == cfg.hidden_dim else \
-                f"hidden_dim // 2={cols} (two {cfg.dispatch_dtype} values per byte)"
-            raise InputError(f"dispatch: x must have shape [num_tokens, {width}], got {tuple(x.shape)}")
-        if num_tokens > cfg.max_num_inp_token_per_rank:
-            raise InputError(f"dispatch: x has {num_tokens} tokens, more than max_num_inp_token_per_rank="
-                             f"{cfg.max_num_inp_token_per_rank}")
-        self._check_tensor("dispatch", "indices", indices, torch.int32, shape=(num_tokens, k))
-        if weights is not None:
-            self._check_tensor("dispatch", "weights", weights, torch.float32, shape=(num_tokens, k))
-        scales_dtype = cfg.dispatch_scales_dtype
-        if scales_dtype is None and scales is not None:
-            why = f"dispatch_quant_type={cfg.dispatch_quant_type!r} makes the scales" \
-                if cfg.dispatch_quant_type != "none" else "scale_dim=0"
-            raise InputError(f"dispatch: scales must be None for a {cfg.dispatch_dtype} payload ({why})")
-        if scales_dtype is not None:
-            if scales is None:
-                raise InputError(f"dispatch: scales are required for a {cfg.dispatch_dtype} payload: pass "
-                                 f"[num_tokens, scale_dim={cfg.scale_dim}] {scales_dtype}")
-            self._check_tensor("dispatch", "scales", scales, scales_dtype, shape=(num_tokens, cfg.scale_dim))
+        num_tokens = checks.dispatch_inputs(cfg, self.device, x, weights, scales, indices)
         return_routing = aliases.as_bool(return_routing)  # numpy's bools too
         if not isinstance(return_routing, bool):
             raise InputError(f"dispatch: return_routing must be a bool, got {aliases.type_name(return_routing)}")
@@ -354,18 +218,7 @@ class EpDispatchCombineOp:
             raise InputError("combine: routing is required: pass the RoutingHandle from "
                              "dispatch(..., return_routing=True) of this op")
         self._check_handle("combine", routing)
-        rows_max, k = cfg.max_recv_tokens, cfg.num_experts_per_token
-        self._check_tensor("combine", "expert_out", expert_out, cfg.combine_dtype, ndim=2)
-        if expert_out.shape[1] != cfg.hidden_dim or expert_out.shape[0] > rows_max:
-            raise InputError(f"combine: expert_out must have shape [rows <= max_recv_tokens={rows_max}, "
-                             f"hidden_dim={cfg.hidden_dim}], got {tuple(expert_out.shape)}")
-        for name, t, dtype in (("weights", weights, torch.float32), ("indices", indices, torch.int32)):
-            if t is None:
-                continue
-            self._check_tensor("combine", name, t, dtype, ndim=2)
-            if t.shape[1] != k or t.shape[0] > rows_max:
-                raise InputError(f"combine: {name} must have shape [rows <= max_recv_tokens={rows_max}, "
-                                 f"num_experts_per_token={k}], got {tuple(t.shape)}")
+        checks.combine_inputs(cfg, self.device, expert_out, weights, indices)
         return self._backend.combine(expert_out, weights, indices, routing)
 
     def combine_in_view(self) -> torch.Tensor:
@@ -563,8 +416,7 @@ class EpDispatchCombineOp:
         else the native workspace formula (docs/RUNTIME.md, Memory) evaluated for this config."""
         self._check_open("memory_report")
         own = getattr(self._backend, "memory_report", None)
-        report = dict(own()) if own is not None else native_workspace(self.config, self.dispatch_out_dtype,
-                                                                      self.wire_dtype)
+        report = dict(own()) if own is not None else native_workspace(self.config)
         report.setdefault("formula", NATIVE_WORKSPACE_FORMULA)
         return report
 
@@ -643,88 +495,7 @@ class EpDispatchCombineOp:
             raise ClosedError(f"{what}: this EpDispatchCombineOp is closed")
 
     def _check_tensor(self, call, name, t, dtype, *, ndim=None, shape=None) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{call}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise InputError(f"{call}: {name} must have shape {list(shape)}, got {list(t.shape)}")
-        if ndim is not None and t.dim() != ndim:
-            raise InputError(f"{call}: {name} must be {ndim}-D, got shape {list(t.shape)}")
-        if t.dtype != dtype:
-            raise InputError(f"{call}: {name} must be {dtype}, got {t.dtype}")
-        if t.device != self.device:
-            raise InputError(f"{call}: {name} must be on {self.device}, got {t.device}")
-        if not t.is_contiguous():
-            raise InputError(f"{call}: {name} must be contiguous")
+        checks.tensor(call, name, t, dtype, self.device, ndim=ndim, shape=shape)
 
     def _check_handle(self, call: str, routing) -> None:
-        if not isinstance(routing, RoutingHandle):
-            raise InputError(f"{call}: routing must be a RoutingHandle, got {type(routing).__name__}")
-        if routing.op_uid != self.uid:
-            raise InputError(f"{call}: routing handle comes from another op (uid {routing.op_uid}, this op is "
-                             f"uid {self.uid}); use the handle returned by this op's dispatch")
-        if routing.config_key != self.config.key:
-            raise InputError(f"{call}: routing handle was made for a different config (stale handle)")
-
-
-NATIVE_WORKSPACE_FORMULA = (
-    "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
-    "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) + "
-    "(12P + 8Rk + 12E_local + 4) (+ with grouped_combine='fused': grp_y P*H*c, grp_pos 16 + 4Rk in the workspace, "
-    "grouped_meta's 8Rk then 4Rk), every region rounded up to 256 bytes "
-    "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
-    "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
-    "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
-    "(L = its low-latency token limit, ll_row / ll_cell: runtime/ll.py); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
-    "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
-    "E_local = num_experts_per_rank, P = grouped rows (grouped_capacity, else the worst case "
-    "floor((R*k + E_local*(A - 1)) / A) * A, A = expert_alignment)")
-_REGION_ALIGN = 256
-
-
-def native_workspace(config: EpDispatchCombineConfig, dispatch_out_dtype: torch.dtype,
-                     wire_dtype: torch.dtype = torch.float8_e4m3fn, ll_tokens: int = 0) -> dict:
-    """The native workspace formula (docs/RUNTIME.md, Memory) for this config: {"regions": {name: bytes}, "total_bytes",
-    "formula"}; each region rounded up to 256 bytes. ll_tokens: the low-latency protocol's token limit
-    (0: the op never takes it)."""
-    from . import ll
-    from .config import load_specs
-
-    cfg = config
-    R, W, T, H, k = (cfg.max_recv_tokens, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.hidden_dim,
-                     cfg.num_experts_per_token)
-    cols = cfg.hidden_dim // 2 if cfg.dispatch_quant_type == "fp4_blockwise" else cfg.dispatch_payload_cols
-    wire_row = cols * dispatch_out_dtype.itemsize  # fp8: 1 byte per element; fp4: two per byte (cols = H/2)
-    specs = load_specs()
-    if cfg.dispatch_quant_type != "none":
-        q = specs.quants[cfg.dispatch_quant_type]
-        scale_row = (H // q.block) * (4 if cfg.dispatch_quant_type == "fp8_blockwise" else 1)
-    else:
-        scale_row = cfg.scale_dim * cfg.scale_type_size
-    c = cfg.combine_dtype.itemsize
-    regions = [("signal", 4 * W), ("counter", 8 + 8 * W),
-               *ll.regions(W, ll_tokens, ll.row_bytes(wire_row, scale_row, k), ll.cell_bytes(H * cfg.combine_dtype.itemsize, k)),
-               ("recv_x", R * wire_row), ("recv_scales", R * scale_row),
-               ("recv_w", R * 4 * k), ("recv_idx", R * 4 * k), ("recv_src", R * 4)]
-    if cfg.resolved_combine_mode == "scatter":
-        q = specs.quants[cfg.quant_type]
-        if cfg.quant_type == "none":
-            scat_row, scat_scale_row = H * c, 0
-        else:
-            scat_row = H if q.wire_kind == "fp8" else H // 2
-            scat_scale_row = {"fp8_blockwise": (H // 128) * 4, "fp4_blockwise": H // 32}.get(cfg.quant_type, 0)
-        regions += [("scat_x", T * W * scat_row), ("scat_s", T * W * scat_scale_row), ("scat_w", T * W * 4 * k)]
-    else:
-        regions += [("comb_x", R * H * c), ("comb_w", R * 4 * k)]
-    if cfg.enable_std_moe:
-        regions.append(("std_moe_x", cfg.num_experts_per_rank * cfg.resolved_expert_capacity * H
-                        * dispatch_out_dtype.itemsize))
-    if cfg.enable_grouped_layout:
-        P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
-        fused = cfg.grouped_combine == "fused"  # the pair map in the workspace, with the expert rows: the peers read them
-        regions += [("grouped_x", P * wire_row), ("grouped_scales", P * scale_row),
-                    ("grouped_meta", 12 * P + (4 if fused else 8) * R * k + 12 * E + 4)]  # src, m_indices, weights; pair maps; offs, counts
-        if fused:
-            regions += [("grp_y", P * H * c), ("grp_pos", 16 + 4 * R * k)]
-    sized = {name: -(-n // _REGION_ALIGN) * _REGION_ALIGN for name, n in regions}
-    return {"backend": "native (formula)", "regions": sized, "total_bytes": sum(sized.values()),
-            "formula": NATIVE_WORKSPACE_FORMULA}
+        checks.handle(call, routing, self.uid, self.config.key)

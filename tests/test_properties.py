@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from ep_oracle import wire_roundtrip
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 from runtime import config as rconfig
-from runtime.op import config_summary
+from runtime.agreement import config_summary
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -15,6 +15,7 @@ import torch
 
 from ep_dist import get_world, shutdown_all
 from runtime import ClosedError, ConfigError, EpDispatchCombineOp, EpgenError, EpTimeoutError
+from runtime import agreement
 from runtime import op as rop
 from test_torch_backend import _cfg, check_round
 
@@ -125,8 +126,8 @@ def test_single_process_skips_the_gather(monkeypatch):
 
 def test_summary_covers_every_field_but_is_picklable():
     cfg = _cfg(0, 1, data_type=torch.float32, timeout_s=3)
-    s = rop.config_summary(cfg)
-    assert set(s) == set(rop.FIELDS) | {"resolved_backend"} and s["timeout_s"] == 3.0
+    s = agreement.config_summary(cfg)
+    assert set(s) == set(agreement.FIELDS) | {"resolved_backend"} and s["timeout_s"] == 3.0
     assert pickle.loads(pickle.dumps(s)) == s
 
 
