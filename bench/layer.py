@@ -14,7 +14,7 @@ Layer loop (kind "layer_loop"): L layers of dispatch -> identity expert -> combi
 graph; time per layer = replay / L, the slowest rank's median over replays. Three variants on the same
 rows: epgen with the expert copying the received rows into a tensor of its own (combine stages it),
 epgen with the expert copying into combine_in_view(), and NCCL: all_to_all_single of the same rows, the
-same copy, all_to_all_single back. Gated by bench.core.identity_gate first.
+same copy, all_to_all_single back. Gated by bench.gate.identity_gate first.
 
 MoE layer (kind "layer", one record per path): top-k of E experts routed by a softmax router, the experts
 (two GEMMs and a SiLU-gated activation) sharded over ranks, the same weights and routing on every path:
@@ -55,7 +55,6 @@ from __future__ import annotations
 import ctypes
 import math
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -66,8 +65,12 @@ from generator.abi import LL_MAX_TOKENS
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 
-from . import core as B
-from .core import collective_try
+from .accounting import gather_counts, rows_per_destination
+from .gate import GateError, identity_gate
+from .inputs import QUANT_BLOCK, dequantize_rows, make_input_sets, point_config, quantize_blocks
+from .measure import collective_try, eager_time, loop_time, median_us, on_gpu, stats
+from .records import meta, ratio
+from .tables import latest, md_cell
 
 LOOP_TOKENS = (1, 8, 32, 128, 512, 4096, 8192)
 LAYER_TOKENS = (1, 8, 32, 128, 512, 2048, 4096)
@@ -77,38 +80,7 @@ LAYER_TOL = {"bf16": 1e-2, "fp8": 3e-2}  # per-token relative error against the 
 CEILING_SMS = (8, 16, 32, 64, 132)
 CEILING_THREADS = 1024
 GROUP_ALIGN = 16  # rows per expert group: padded to a multiple (0 rows for an expert without pairs)
-QBLOCK = B.QUANT_BLOCK
-
-
-# --- metadata and timing -------------------------------------------------------------------------
-def _meta(dev, **kw) -> dict:
-    info = B._device_info(dev)
-    return {"commit": B._commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": info["gpu"],
-            "driver": info["driver"], "cuda_driver_api": info["cuda_driver_api"], "target": info["target"],
-            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size(), **kw}
-
-
-def loop_time(fn, layers: int, reps: int) -> tuple[list[float], bool]:
-    """(per-layer milliseconds, graph?): `fn` captured `layers` times in one CUDA graph, `reps` replays
-    timed like bench's eager legs (host barrier, device all_reduce lining the GPUs up, events), after one
-    warm-up replay; replay time / layers. On a CPU process group: `layers` eager calls in a row timed by
-    the host clock, `reps` times."""
-    if not B._on_gpu():
-        ms = B._eager_time([lambda: [fn() for _ in range(layers)]], reps)[0]
-        return [m / layers for m in ms], False
-    B.warm_on_side_stream(fn)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            fn()
-    ms = B._eager_time([g.replay], reps, warmup=1)[0]
-    del g
-    return [m / layers for m in ms], True
-
-
-def _median_us(ms: list[float]) -> tuple[float, float]:
-    med, p99 = B._stats(ms)
-    return med * 1e3, p99 * 1e3
+QBLOCK = QUANT_BLOCK
 
 
 # --- (i) the layer loop --------------------------------------------------------------------------
@@ -117,13 +89,13 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
     """One layer-loop point (bf16) with the intranode wire protocol `protocol` (config intranode_protocol);
     collective; returns the record."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = EpDispatchCombineConfig(**B.point_config(rank, world, T, hidden, k, experts, torch.bfloat16, backend),
+    cfg = EpDispatchCombineConfig(**point_config(rank, world, T, hidden, k, experts, torch.bfloat16, backend),
                                   intranode_protocol=protocol)
     with EpDispatchCombineOp(cfg) as op:
         dev = op.device
-        s = B.make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=dev)[0]
+        s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=dev)[0]
         x, w, idx = s["x"], s["w"], s["idx"]
-        B.identity_gate(op, x, w, None, idx, point=f"layer loop T={T}")
+        identity_gate(op, x, w, None, idx, point=f"layer loop T={T}")
         view = op.combine_in_view()
         own = torch.empty_like(view)
 
@@ -134,8 +106,8 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
                 op.combine(dst, routing=h)
             return fn
 
-        sent = B.rows_per_destination(idx, world, cfg.num_experts_per_rank)
-        recv = [row[rank] for row in B._gather_counts(sent, dev)]
+        sent = rows_per_destination(idx, world, cfg.num_experts_per_rank)
+        recv = [row[rank] for row in gather_counts(sent, dev)]
         send_x = torch.randn(sum(sent), hidden, device=dev).to(torch.bfloat16)
         got, mid = (torch.empty(sum(recv), hidden, dtype=torch.bfloat16, device=dev) for _ in range(2))
         back = torch.empty_like(send_x)
@@ -148,16 +120,16 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
         times, graph = {}, False
         for name, fn in (("epgen_own", layer(own)), ("epgen_view", layer(view)), ("nccl", nccl)):
             ms, graph = loop_time(fn, layers, reps)
-            times[name] = _median_us(ms)
+            times[name] = median_us(ms)
         ran = op.last_intranode_protocol  # the protocol of the timed calls
     own_us, view_us, nccl_us = times["epgen_own"][0], times["epgen_view"][0], times["nccl"][0]
-    return {**_meta(dev), "kind": "layer_loop", "backend": cfg.resolved_backend, "dtype": "bfloat16",
+    return {**meta(dev), "kind": "layer_loop", "backend": cfg.resolved_backend, "dtype": "bfloat16",
             "tokens_per_rank": T, "hidden": hidden, "topk": k, "experts": experts, "layers": layers,
             "intranode_protocol": protocol, "protocol": ran, "graph": graph, "graph_reps": reps, "rows_sent": sum(sent), "rows_received": sum(recv),
             "epgen_own_us": own_us, "epgen_own_p99_us": times["epgen_own"][1],
             "epgen_view_us": view_us, "epgen_view_p99_us": times["epgen_view"][1],
             "nccl_us": nccl_us, "nccl_p99_us": times["nccl"][1],
-            "nccl_over_epgen_view": B._ratio(nccl_us, view_us), "nccl_over_epgen_own": B._ratio(nccl_us, own_us),
+            "nccl_over_epgen_view": ratio(nccl_us, view_us), "nccl_over_epgen_own": ratio(nccl_us, own_us),
             "method": f"{layers} layers of dispatch -> identity copy -> combine in one graph, replay / {layers}, "
                       f"slowest rank's median of {reps} replays; NCCL: all_to_all_single, the same copy, "
                       f"all_to_all_single back, of the same rows",
@@ -220,7 +192,7 @@ def pack_rows(x: torch.Tensor, mode: str) -> torch.Tensor:
     scales, one row of H + H/32 bytes (viewed as bf16)."""
     if mode == "bf16":
         return x
-    q, s = B.quantize_blocks(x, x.shape[1] // QBLOCK)
+    q, s = quantize_blocks(x, x.shape[1] // QBLOCK)
     return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], dim=1).view(torch.bfloat16)
 
 
@@ -228,7 +200,7 @@ def unpack_rows(p: torch.Tensor, mode: str, hidden: int) -> torch.Tensor:
     if mode == "bf16":
         return p
     u = p.view(torch.uint8)
-    return B.dequantize_rows(u[:, :hidden].view(torch.float8_e4m3fn), u[:, hidden:].contiguous().view(torch.float32),
+    return dequantize_rows(u[:, :hidden].view(torch.float8_e4m3fn), u[:, hidden:].contiguous().view(torch.float32),
                              torch.bfloat16)
 
 
@@ -428,7 +400,7 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
     the a2a reference runs first: it gates the others and places the tokens of expert_us."""
     if mode not in LAYER_DTYPES:
         raise ValueError(f"mode must be one of {LAYER_DTYPES}, got {mode!r}")
-    dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     p = Problem(T, hidden, k, experts, inter, mode, dev, weights)
     ref_path = A2APath(p)
     ref = ref_path()
@@ -436,14 +408,14 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
     iters = layer_iters(T, eager_iters)
     expert = {"graph": None, "eager": None}
     expert_graph_error = None
-    if B._on_gpu():  # a capture failure is recorded (and every path then reports eager times), never fatal
+    if on_gpu():  # a capture failure is recorded (and every path then reports eager times), never fatal
         ms, expert_graph_error = collective_try(lambda: loop_time(lambda: experts_ffn(xs, ends, p.w13, p.w2),
                                                                   graph_layers, reps)[0])
         if ms:
-            expert["graph"] = _median_us(ms)[0]
-    expert["eager"] = _median_us(B._eager_time([lambda: experts_ffn(xs, ends, p.w13, p.w2)], iters)[0])[0]
+            expert["graph"] = median_us(ms)[0]
+    expert["eager"] = median_us(eager_time([lambda: experts_ffn(xs, ends, p.w13, p.w2)], iters)[0])[0]
     pairs = int(ends[-1]) if ends.numel() else 0
-    base = {**_meta(dev), "kind": "layer", "dtype": mode, "tokens_per_rank": T, "hidden": hidden, "topk": k,
+    base = {**meta(dev), "kind": "layer", "dtype": mode, "tokens_per_rank": T, "hidden": hidden, "topk": k,
             "experts": experts, "intermediate": inter, "graph_layers": graph_layers, "graph_reps": reps,
             "eager_iters": iters, "grouped_gemm": "torch._grouped_mm" if grouped_ok(xs) else "loop over experts",
             "placed_rows": pairs, "expert_us": None, "expert_graph_us": expert["graph"],
@@ -474,21 +446,21 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
             path.close()
             records.append(_failed(rec, reason))
             continue
-        err = B._stats([float(_rel_err(got, ref))])[0]  # the largest of every rank's worst token
+        err = stats([float(_rel_err(got, ref))])[0]  # the largest of every rank's worst token
         rec.update(gate_max_rel_err=err if math.isfinite(err) else None,  # strict JSON: no Infinity / NaN
                    gate_tol=LAYER_TOL[mode], gate="output vs the a2a path's, per token")
         if err > LAYER_TOL[mode]:
             path.close()
             if name == "epgen":
-                raise B.GateError(f"layer gate failed at T={T} {mode}: epgen's output differs from the a2a path's "
+                raise GateError(f"layer gate failed at T={T} {mode}: epgen's output differs from the a2a path's "
                                   f"(largest per-token relative error {err:.3g} > {LAYER_TOL[mode]})")
             records.append(_failed(rec, f"gate: largest per-token relative error {err:.3g} > {LAYER_TOL[mode]}"))
             continue
         layer_graph = None
-        if path.capturable and B._on_gpu():
+        if path.capturable and on_gpu():
             ms, reason = collective_try(lambda: loop_time(path, graph_layers, reps)[0])
-            layer_graph, rec["graph_error"] = (_median_us(ms) if ms else None), reason
-        eager = _median_us(B._eager_time([path], iters)[0])
+            layer_graph, rec["graph_error"] = (median_us(ms) if ms else None), reason
+        eager = median_us(eager_time([path], iters)[0])
         path.close()
         graph = layer_graph is not None and expert["graph"] is not None  # comm_us: graph minus graph only
         rec.update(graph=graph, graph_modes=(["graph", "eager"] if graph else ["eager"]),
@@ -560,8 +532,8 @@ def _time_launches(fn, iters: int, reps: int) -> tuple[float, float]:
     """Slowest rank's median (and p99) microseconds of one fn() among `iters` back-to-back calls (bench's
     eager timing: every round after a barrier, a synchronize and a device all_reduce, so a peer's
     previous method cannot overlap; one untimed round first)."""
-    ms = B._eager_time([lambda: [fn() for _ in range(iters)]], reps, warmup=1)[0]
-    return _median_us([m / iters for m in ms])
+    ms = eager_time([lambda: [fn() for _ in range(iters)]], reps, warmup=1)[0]
+    return median_us([m / iters for m in ms])
 
 
 def copy_engine(nbytes: int):
@@ -601,7 +573,7 @@ def run_ceiling(sms_list=CEILING_SMS, mib: int = 64, iters: int = 10, reps: int 
     torch.cuda.synchronize()
     dist.barrier()
     n16 = nbytes // 16
-    base = {**_meta(dev), "kind": "ceiling", "bytes": nbytes, "peer": "(rank + 1) % world, every rank at once",
+    base = {**meta(dev), "kind": "ceiling", "bytes": nbytes, "peer": "(rank + 1) % world, every rank at once",
             "buffers": "runtime.ipc workspace (cudaMalloc + CUDA IPC, peer pointers)"}
     records = []
 
@@ -669,24 +641,11 @@ def run_ceiling(sms_list=CEILING_SMS, mib: int = 64, iters: int = 10, reps: int 
 
 
 # --- tables --------------------------------------------------------------------------------------
-def _latest(records: list[dict], kind: str, key) -> list[dict]:
-    """The last record of each key among records of `kind` (a point measured again: its later record)."""
-    last = {}
-    for r in records:
-        if r.get("kind") == kind:
-            last[key(r)] = r
-    return [last[kk] for kk in sorted(last)]
-
-
-def _c(v, fmt):
-    return B.cell(v, fmt, missing="–")
-
-
 def _x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
-def _protocol(r: dict) -> str:
+def requested_protocol(r: dict) -> str:
     """The intranode protocol a record's epgen calls asked for ("bw" for records older than the field)."""
     return r.get("intranode_protocol") or "bw"
 
@@ -694,7 +653,7 @@ def _protocol(r: dict) -> str:
 def layer_column(r: dict) -> str:
     """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll",
     with the fused grouped combine (grouped_combine "fused") "epgen_fused"."""
-    if r["path"] == "epgen" and _protocol(r) == "ll":
+    if r["path"] == "epgen" and requested_protocol(r) == "ll":
         return "epgen_ll"
     return "epgen_fused" if r["path"] == "epgen" and r.get("grouped_combine") == "fused" else r["path"]
 
@@ -704,9 +663,9 @@ def loop_table(records: list[dict]) -> list[str]:
     protocol measured, NCCL, NCCL / epgen."""
     out = ["| tokens/rank | protocol | epgen, expert → own tensor | epgen, expert → combine_in_view | NCCL "
            "| NCCL / epgen (in view) |", "|---|---|---|---|---|---|"]
-    for r in _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r))):
-        out.append(f"| {r['tokens_per_rank']} | {_protocol(r)} | {_c(r['epgen_own_us'], '.1f')} µs "
-                   f"| {_c(r['epgen_view_us'], '.1f')} µs | {_c(r['nccl_us'], '.1f')} µs "
+    for r in latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], requested_protocol(r))):
+        out.append(f"| {r['tokens_per_rank']} | {requested_protocol(r)} | {md_cell(r['epgen_own_us'], '.1f')} µs "
+                   f"| {md_cell(r['epgen_view_us'], '.1f')} µs | {md_cell(r['nccl_us'], '.1f')} µs "
                    f"| {_x(r.get('nccl_over_epgen_view'))} |")
     return out
 
@@ -714,7 +673,7 @@ def loop_table(records: list[dict]) -> list[str]:
 def layer_table(records: list[dict]) -> list[str]:
     """Issue 17's table: per (dtype, tokens) the layer and its communication-only time on each path, and
     footnotes naming why a path has no time."""
-    recs = _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
+    recs = latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
     points: dict = {}
     for r in recs:
         points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[layer_column(r)] = r
@@ -739,11 +698,11 @@ def layer_table(records: list[dict]) -> list[str]:
                 cells.append(f"failed [{notes[r['error']]}]")
             else:
                 mode = "" if r.get("graph") else " eager"
-                cells.append(f"{_c(r['layer_us'], '.1f')} ({_c(r['comm_us'], '.1f')}){mode}")
+                cells.append(f"{md_cell(r['layer_us'], '.1f')} ({md_cell(r['comm_us'], '.1f')}){mode}")
         e, a = row.get("epgen", {}), row.get("a2a", {})
-        ratio = B._ratio(a.get("layer_us"), e.get("layer_us"))
+        speedup = ratio(a.get("layer_us"), e.get("layer_us"))
         gemm = any_rec.get("expert_graph_us") or any_rec.get("expert_eager_us")
-        out.append(f"| {dtype} | {T} | {_c(gemm, '.1f')} | " + " | ".join(cells) + f" | {_x(ratio)} |")
+        out.append(f"| {dtype} | {T} | {md_cell(gemm, '.1f')} | " + " | ".join(cells) + f" | {_x(speedup)} |")
     for reason, n in notes.items():
         out.append(f"\n[{n}] {reason}")
     return out
@@ -752,13 +711,13 @@ def layer_table(records: list[dict]) -> list[str]:
 def ceiling_table(records: list[dict]) -> list[str]:
     out = ["| method | SMs | GB/s per direction | µs | distinct SMs |", "|---|---|---|---|---|"]
     order = {"sm_push": 0, "sm_pull": 1, "copy_engine_push": 2, "copy_engine_pull": 3, "nccl": 4}
-    for r in sorted(_latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)),
+    for r in sorted(latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)),
                     key=lambda r: (order.get(r["method"], 9), r.get("sms_used") or 0)):
         if r.get("error"):
             out.append(f"| {r['method']} | – | failed: {r['error']} | – | – |")
             continue
-        out.append(f"| {r['method']} | {_c(r.get('sms_used'), 'd')} | {_c(r['GBps'], '.0f')} | {_c(r['us'], '.1f')} "
-                   f"| {_c(r.get('distinct_sms'), 'd')} |")
+        out.append(f"| {r['method']} | {md_cell(r.get('sms_used'), 'd')} | {md_cell(r['GBps'], '.0f')} | {md_cell(r['us'], '.1f')} "
+                   f"| {md_cell(r.get('distinct_sms'), 'd')} |")
     return out
 
 
@@ -782,7 +741,7 @@ def run(args, emit=lambda recs: None) -> list[dict]:
                                     protocol=protocol)])
     gate_error = None
     if args.layer:
-        dev = torch.device("cuda", torch.cuda.current_device()) if B._on_gpu() else torch.device("cpu")
+        dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
         inter, hidden = args.intermediate, args.hidden[0]
         weights = make_weights(args.experts // dist.get_world_size(), hidden, inter, dev)  # once: every point's experts
         try:
@@ -794,7 +753,7 @@ def run(args, emit=lambda recs: None) -> list[dict]:
                                         or ["reduce"]))
                     if dev.type == "cuda":  # the point's graph pools back to the device: no growth across points,
                         torch.cuda.empty_cache()  # and room for the next op's workspace (cudaMalloc, outside torch)
-        except B.GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs
+        except GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs
             gate_error = e
         del weights
     if args.ceiling:  # last: a sticky device error in its raw peer copies cannot cost the layer points

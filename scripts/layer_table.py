@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from bench.core import read_records  # noqa: E402
+from bench.records import read_records  # noqa: E402
 from bench.layer import ceiling_table, layer_table, loop_table  # noqa: E402
 
 

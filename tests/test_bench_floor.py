@@ -207,14 +207,14 @@ def _stubbed_main(argv, patches):
 
     import torch
 
-    from bench import layer
+    from bench import records
 
     with ExitStack() as stack:
         for obj, name, value in [(torch.cuda, "set_device", lambda *a: None), (torch.cuda, "current_device", lambda: 0),
                                  (cli.dist, "init_process_group", lambda *a, **kw: None),
                                  (cli.dist, "destroy_process_group", lambda *a, **kw: None),
-                                 (cli.core, "require_gpus", lambda prog: None),
-                                 (layer, "_meta", lambda dev, **kw: dict(META)), *patches]:
+                                 (cli, "require_gpus", lambda prog: None),
+                                 (records, "meta", lambda dev, **kw: dict(META)), *patches]:
             stack.enter_context(mock.patch.object(obj, name, value))
         out = io.StringIO()
         with redirect_stdout(out):

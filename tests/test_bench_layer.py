@@ -16,8 +16,10 @@ import torch
 
 from ep_dist import get_world
 from generator.abi import LL_MAX_TOKENS
-from bench import cli, core as bench
+from bench import cli
 from bench import layer as L
+from bench.gate import GateError
+from bench.inputs import dequantize_rows, quantize_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,8 +52,8 @@ def test_fp8_rows_pack_and_unpack():
     x = torch.randn(5, 256).to(torch.bfloat16)
     p = L.pack_rows(x, "fp8")
     assert p.dtype == torch.bfloat16 and p.shape == (5, (256 + 256 // 32) // 2)
-    q, s = bench.quantize_blocks(x, 2)
-    assert torch.equal(L.unpack_rows(p, "fp8", 256), bench.dequantize_rows(q, s, torch.bfloat16))
+    q, s = quantize_blocks(x, 2)
+    assert torch.equal(L.unpack_rows(p, "fp8", 256), dequantize_rows(q, s, torch.bfloat16))
     assert L.pack_rows(x, "bf16") is x
 
 
@@ -297,14 +299,14 @@ def scn_gate_stop_keeps_the_ceiling(rank, world):
     saved = L.run_layer_point, L.run_ceiling
 
     def gate_fails(*a, **kw):
-        raise bench.GateError("layer gate failed (test)")
+        raise GateError("layer gate failed (test)")
 
     L.run_layer_point, L.run_ceiling = gate_fails, lambda *a, **kw: [{"kind": "ceiling", "method": "nccl"}]
     emitted = []
     try:
         L.run(cli.build_parser().parse_args(["--layer", "--ceiling", "--hidden", "256", "--experts", "8",
                                                "--intermediate", "64", "--tokens", "4"]), emitted.append)
-    except bench.GateError as e:
+    except GateError as e:
         return str(e), emitted
     finally:
         L.run_layer_point, L.run_ceiling = saved
