@@ -159,7 +159,7 @@ def layer_main(args) -> int:
             print(f"NVSHMEM backend not set: {type(e).__name__}: {e}", file=sys.stderr)
     records = bench_layer.run(args, _emitter(args))
     if dist.get_rank() == 0:
-        for table in (bench_layer.loop_table, bench_layer.layer_table, bench_layer.ceiling_table):
+        for table in (tables.loop_table, tables.layer_table, tables.ceiling_table):
             lines = table(records)
             if len(lines) > 2:
                 print("\n".join(lines) + "\n")

@@ -19,7 +19,7 @@ cuda_driver_api, torch, world_size, target, sms):
                 kernels of the replay, kineto median, slowest rank).
   empty_graph   L empty kernels in one graph: the same fields; the launch and the gap alone.
 
-The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.layer.compile_source,
+The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
 wait is bounded (--floor-timeout-s): a method that times out, or cannot run (an odd world size, a target
 without these kernels), is a record with its reason (``error``) and the run goes on. ``floor_table`` prints the
@@ -122,7 +122,7 @@ class Kernels:
     def __init__(self, dev):
         from runtime.kernels import CudaKernel, device_arch
 
-        from .layer import compile_source
+        from .kernels import compile_source
 
         arch = device_arch(dev)
         if not arch.startswith("sm_"):

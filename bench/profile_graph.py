@@ -5,7 +5,7 @@ torchrun --nproc-per-node 2 -m bench --profile-graph [--tokens 1 8 32 128] [--pr
                                                      [--reps 30] [--hidden 7168] [--topk 8] [--experts 256]
 
 Per (tokens, protocol): L layers of dispatch -> identity copy into combine_in_view() -> combine (bf16) captured in
-one CUDA graph (bench.layer's layer loop, expert -> combine_in_view), gated first (bench.gate.identity_gate);
+one CUDA graph (bench.layer_loop's layer loop, expert -> combine_in_view), gated first (bench.gate.identity_gate);
 --reps replays timed (per_layer_us: replay / L, slowest rank's median), then a third as many replays profiled
 by kineto (torch.profiler, CUPTI). Every device event of a replay gets a role by its name (``role_of``): the
 op's dispatch and combine kernels (by their symbols), "copy" (the identity expert's copy: a memcpy or torch's

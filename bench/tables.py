@@ -1,9 +1,12 @@
 """Records into tables: the sweep's printed summary (``format_table``) and its points (``sweep_points``: what
 scripts/sweep_table.py and scripts/plot_bench.py show), a profiled point's kernels (``format_profile``), and the
-cells of every table (``cell``, ``md_cell``). A point measured more than once shows its latest record
-(``latest``)."""
+layer modes' markdown tables (``loop_table``, ``layer_table``, ``ceiling_table``: scripts/layer_table.py). A
+point measured more than once shows its latest record (``latest``)."""
 
 from __future__ import annotations
+
+from .moe_layer import LAYER_DTYPES, LAYER_PATHS
+from .records import ratio
 
 
 def cell(v, fmt: str, missing: str = "-") -> str:
@@ -94,3 +97,83 @@ def format_profile(rec: dict, top: int = 12) -> list[str]:
     for r in (rec.get("profile") or [])[:top]:
         lines.append(f"{r['us_per_round']:9.1f}  x{r['calls']:<3d} {r['name']}")
     return lines
+
+# --- the layer modes -----------------------------------------------------------------------------
+def _x(v) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def requested_protocol(r: dict) -> str:
+    """The intranode protocol a record's epgen calls asked for ("bw" for records older than the field)."""
+    return r.get("intranode_protocol") or "bw"
+
+
+def layer_column(r: dict) -> str:
+    """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll",
+    with the fused grouped combine (grouped_combine "fused") "epgen_fused"."""
+    if r["path"] == "epgen" and requested_protocol(r) == "ll":
+        return "epgen_ll"
+    return "epgen_fused" if r["path"] == "epgen" and r.get("grouped_combine") == "fused" else r["path"]
+
+
+def loop_table(records: list[dict]) -> list[str]:
+    """Issue 19's table: per layer µs, epgen (expert -> own tensor / -> combine_in_view) with each intranode
+    protocol measured, NCCL, NCCL / epgen."""
+    out = ["| tokens/rank | protocol | epgen, expert → own tensor | epgen, expert → combine_in_view | NCCL "
+           "| NCCL / epgen (in view) |", "|---|---|---|---|---|---|"]
+    for r in latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], requested_protocol(r))):
+        out.append(f"| {r['tokens_per_rank']} | {requested_protocol(r)} | {md_cell(r['epgen_own_us'], '.1f')} µs "
+                   f"| {md_cell(r['epgen_view_us'], '.1f')} µs | {md_cell(r['nccl_us'], '.1f')} µs "
+                   f"| {_x(r.get('nccl_over_epgen_view'))} |")
+    return out
+
+
+def layer_table(records: list[dict]) -> list[str]:
+    """Issue 17's table: per (dtype, tokens) the layer and its communication-only time on each path, and
+    footnotes naming why a path has no time."""
+    recs = latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
+    points: dict = {}
+    for r in recs:
+        points.setdefault((r["dtype"], r["tokens_per_rank"]), {})[layer_column(r)] = r
+    extra = {"epgen_ll": " epgen, low-latency protocol, layer µs (comm) |",
+             "epgen_fused": " epgen, fused grouped combine, layer µs (comm) |"}
+    columns = list(LAYER_PATHS) + [c for c in extra if any(layer_column(r) == c for r in recs)]
+    head = ("| dispatch | tokens/rank | expert GEMMs µs | epgen layer µs (comm) | all_to_all_single layer µs (comm) "
+            "| all_to_all_vdev_2d layer µs (comm) |" + "".join(extra[c] for c in columns if c in extra)
+            + " a2a / epgen (layer) |")
+    out, notes = [head, "|---" * (len(columns) + 4) + "|"], {}
+    for (dtype, T) in sorted(points, key=lambda key: (LAYER_DTYPES.index(key[0]) if key[0] in LAYER_DTYPES else 9,
+                                                      key[1])):
+        row = points[(dtype, T)]
+        any_rec = next(iter(row.values()))
+        cells = []
+        for path in columns:
+            r = row.get(path)
+            if r is None:
+                cells.append("–")
+            elif r.get("error"):
+                notes.setdefault(r["error"], len(notes) + 1)
+                cells.append(f"failed [{notes[r['error']]}]")
+            else:
+                mode = "" if r.get("graph") else " eager"
+                cells.append(f"{md_cell(r['layer_us'], '.1f')} ({md_cell(r['comm_us'], '.1f')}){mode}")
+        e, a = row.get("epgen", {}), row.get("a2a", {})
+        speedup = ratio(a.get("layer_us"), e.get("layer_us"))
+        gemm = any_rec.get("expert_graph_us") or any_rec.get("expert_eager_us")
+        out.append(f"| {dtype} | {T} | {md_cell(gemm, '.1f')} | " + " | ".join(cells) + f" | {_x(speedup)} |")
+    for reason, n in notes.items():
+        out.append(f"\n[{n}] {reason}")
+    return out
+
+
+def ceiling_table(records: list[dict]) -> list[str]:
+    out = ["| method | SMs | GB/s per direction | µs | distinct SMs |", "|---|---|---|---|---|"]
+    order = {"sm_push": 0, "sm_pull": 1, "copy_engine_push": 2, "copy_engine_pull": 3, "nccl": 4}
+    for r in sorted(latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)),
+                    key=lambda r: (order.get(r["method"], 9), r.get("sms_used") or 0)):
+        if r.get("error"):
+            out.append(f"| {r['method']} | – | failed: {r['error']} | – | – |")
+            continue
+        out.append(f"| {r['method']} | {md_cell(r.get('sms_used'), 'd')} | {md_cell(r['GBps'], '.0f')} | {md_cell(r['us'], '.1f')} "
+                   f"| {md_cell(r.get('distinct_sms'), 'd')} |")
+    return out

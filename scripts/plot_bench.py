@@ -16,9 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from bench.layer import LAYER_PATHS, layer_column, requested_protocol  # noqa: E402
+from bench.moe_layer import LAYER_PATHS  # noqa: E402
 from bench.records import read_records  # noqa: E402
-from bench.tables import latest, sweep_points  # noqa: E402
+from bench.tables import latest, layer_column, requested_protocol, sweep_points  # noqa: E402
 
 COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple",
           "epgen_fused": "tab:red"}

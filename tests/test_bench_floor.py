@@ -135,7 +135,7 @@ def test_floor_arguments_are_validated(argv, msg):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_floor_kernels_compile_for_sm90a():
-    from bench.layer import compile_source
+    from bench.kernels import compile_source
 
     cubin = compile_source("sm_90", floor.FLOOR_KERNELS, "floor")
     assert cubin[:4] == b"\x7fELF" and all(s.encode() in cubin for s in floor.SYMBOLS)
