@@ -1,12 +1,12 @@
-"""The benchmark's command line: ``python -m bench`` (the sweep, bench/core.py's module docstring), its
+"""The benchmark's command line: ``python -m bench`` (the sweep, bench/sweep.py's module docstring), its
 layer modes (--layer-loop / --layer / --ceiling: bench/layer.py, docs/LAYER.md), the floor (--floor:
-bench/floor.py) and kernel durations inside graph replays (--profile-graph: bench/profile_graph.py)."""
+bench/floor.py) and kernel durations inside graph replays (--profile-graph: bench/profile_graph.py); and
+``require_gpus``, the GPU tools' first check (this command's and ``python -m bench.tune``'s)."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -17,13 +17,29 @@ import torch.distributed as dist
 from generator.abi import LL_MAX_TOKENS
 from runtime.config import EMULATE_NODES_ENV
 
-from . import core, floor as bench_floor, layer as bench_layer, profile_graph as bench_profile
-from .core import (MAX_INPUT_SETS, ROUTINGS, _commit, collective_try, dtype_name, format_profile, format_table,
-                   run_lowprec, run_point)
+from . import floor as bench_floor, layer as bench_layer, profile_graph as bench_profile, sweep, tables
+from .inputs import MAX_INPUT_SETS, ROUTINGS, dtype_name
+from .measure import collective_try
+from .records import commit, write_records
+from .sweep import run_lowprec, run_point
+
+
+def require_gpus(prog: str) -> None:
+    """Exit with one line, not a traceback, where the GPU tools cannot run: no GPU, or not started by torchrun."""
+    module = prog.removeprefix("python -m ")  # "bench", "bench.tune", or "epgen bench" / "epgen tune"
+    launch = f"launch one process per GPU: torchrun --nproc-per-node N -m {module} ... (README: Performance)"
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None and torch.version.hip is None
+               else "this torch sees no GPU")
+        raise SystemExit(f"{prog}: needs GPUs (NVIDIA sm_90; the torch backend alone runs on CPU, in the tests), but "
+                         f"{why}; {launch}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if v not in os.environ]
+    if missing:
+        raise SystemExit(f"{prog}: not started by torchrun (no {', '.join(missing)} in the environment); {launch}")
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=core.__doc__.splitlines()[0] + " Needs GPUs, one process "
+    p = argparse.ArgumentParser(prog=prog, description=sweep.__doc__.splitlines()[0] + " Needs GPUs, one process "
                                 "per GPU: torchrun --nproc-per-node N -m bench ... (or -m epgen bench ...).")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens per rank (default: 128 4096; --layer / --layer-loop: their own lists)")
@@ -109,9 +125,7 @@ def _emitter(args):
     """A function writing records to --out (rank 0), each as soon as it exists."""
     def emit(recs):
         if dist.get_rank() == 0 and args.out:
-            with open(args.out, "a") as f:
-                for r in recs:
-                    f.write(json.dumps(r, sort_keys=True) + "\n")
+            write_records(args.out, recs)
     return emit
 
 
@@ -145,7 +159,7 @@ def layer_main(args) -> int:
             print(f"NVSHMEM backend not set: {type(e).__name__}: {e}", file=sys.stderr)
     records = bench_layer.run(args, _emitter(args))
     if dist.get_rank() == 0:
-        for table in (bench_layer.loop_table, bench_layer.layer_table, bench_layer.ceiling_table):
+        for table in (tables.loop_table, tables.layer_table, tables.ceiling_table):
             lines = table(records)
             if len(lines) > 2:
                 print("\n".join(lines) + "\n")
@@ -184,7 +198,7 @@ def run_planned(pt: dict, args) -> dict:
         protocol=pt["protocol"], combine_mode=pt["combine_mode"]))
     if why is None:
         return rec
-    return {"commit": _commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "kind": "point_failed",
+    return {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "kind": "point_failed",
             "error": why, "dtype": dtype_name(pt["dtype"]), "tokens_per_rank": pt["T"], "hidden": pt["hidden"],
             "topology": "intranode" if pt["topology"] is None else "internode", **(pt["topology"] or {}),
             "intranode_protocol": pt["protocol"], "combine_mode": pt["combine_mode"],
@@ -200,7 +214,7 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     if not 1 <= args.topk <= args.experts:
         raise SystemExit(f"--topk must be in [1, --experts={args.experts}] (a token picks k of the experts), "
                          f"got {args.topk}")
-    core.require_gpus(prog)
+    require_gpus(prog)
     if args.emulate_nodes:
         os.environ[EMULATE_NODES_ENV] = "1"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -224,10 +238,10 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     if dist.get_rank() == 0:
         for why in skipped:
             print(f"skipped: {why}")
+    write = _emitter(args)
+
     def emit(r):  # each record as soon as it exists: a run cut short keeps what it measured
-        if dist.get_rank() == 0 and args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+        write([r])
         return r
 
     rows = [emit(run_planned(pt, args)) for pt in points]
@@ -237,8 +251,8 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     if dist.get_rank() == 0:
         for r in rows:
             if r.get("profile"):
-                print("\n".join(format_profile(r)))
-        print("\n".join(format_table(rows)))
+                print("\n".join(tables.format_profile(r)))
+        print("\n".join(tables.format_table(rows)))
         for r in low:
             m = r["modes"]
             print(f"T={r['tokens_per_rank']} H={r['hidden']}: dispatch bf16 {m['bf16_gather']['dispatch_us']:.1f} us, "

@@ -19,7 +19,7 @@ cuda_driver_api, torch, world_size, target, sms):
                 kernels of the replay, kineto median, slowest rank).
   empty_graph   L empty kernels in one graph: the same fields; the launch and the gap alone.
 
-The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.layer.compile_source,
+The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
 wait is bounded (--floor-timeout-s): a method that times out, or cannot run (an odd world size, a target
 without these kernels), is a record with its reason (``error``) and the run goes on. ``floor_table`` prints the
@@ -34,9 +34,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import core as B, graphprof
-from .core import collective_try
-from .layer import _c as _cell, _latest
+from . import graphprof, records
+from .measure import collective_try, on_gpu, stats, warm_on_side_stream
+from .tables import latest, md_cell
 
 FLOOR_KERNELS = r"""
 // bench-only floor kernels (bench/floor.py): flags between partner GPUs, relaxed system-scope stores and
@@ -122,7 +122,7 @@ class Kernels:
     def __init__(self, dev):
         from runtime.kernels import CudaKernel, device_arch
 
-        from .layer import compile_source
+        from .kernels import compile_source
 
         arch = device_arch(dev)
         if not arch.startswith("sm_"):
@@ -139,7 +139,7 @@ def _max_over_ranks(v: float | None) -> float | None:
     """The largest of every rank's value; collective. None (on every rank) when any rank has none (kineto saw
     no kernel there)."""
     t = torch.tensor([0.0 if v is None else v, float(v is None)], dtype=torch.float64,
-                     device="cuda" if B._on_gpu() else "cpu")
+                     device="cuda" if on_gpu() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return None if float(t[1]) else float(t[0])
 
@@ -199,12 +199,12 @@ def measure_graph(kern: Kernels, flags: Flags, method: str, blocks: int, layers:
         fn = lambda: kern.signal.launch(grid, THREADS, *args)  # noqa: E731
     else:
         fn = lambda: kern.empty.launch(grid, THREADS)  # noqa: E731
-    B.warm_on_side_stream(fn)
+    warm_on_side_stream(fn)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(layers):
             fn()
-    per_kernel = B._stats([ms / layers for ms in graphprof.replay_ms(g, reps)])
+    per_kernel = stats([ms / layers for ms in graphprof.replay_ms(g, reps)])
     events = [e for e in graphprof.graph_kernel_events(g, max(3, reps // 3), sync=dist.barrier) if "epg_floor" in e[0]]
     del g
     if int(flags.status.item()):
@@ -218,28 +218,26 @@ def measure_graph(kern: Kernels, flags: Flags, method: str, blocks: int, layers:
 
 def run(args, emit=lambda recs: None) -> list[dict]:
     """The floor (module docstring); collective; each record handed to emit() as it is made."""
-    from .layer import _meta
-
     dev = torch.device("cuda", torch.cuda.current_device())
-    meta = {**_meta(dev), "partner": "rank ^ 1 (ranks 2i and 2i + 1)", "threads": THREADS,
+    meta = {**records.meta(dev), "partner": "rank ^ 1 (ranks 2i and 2i + 1)", "threads": THREADS,
             "buffers": "runtime.ipc workspace (cudaMalloc + CUDA IPC, peer pointers)"}
     timeout_ns = int(args.floor_timeout_s * 1e9)
-    records: list[dict] = []
+    made: list[dict] = []
 
     def add(rec):
-        records.append(rec)
+        made.append(rec)
         emit([rec])
 
     points = plan(args)
     if dist.get_world_size() % 2:
         for pt in points:
             add(record(meta, pt, error=f"world_size={dist.get_world_size()}: the floor pairs ranks 2i and 2i + 1"))
-        return records
+        return made
     kern, why = collective_try(lambda: Kernels(dev))
     if kern is None:
         for pt in points:
             add(record(meta, pt, error=why))
-        return records
+        return made
     flags = Flags(dev)
     try:
         for pt in points:
@@ -252,7 +250,7 @@ def run(args, emit=lambda recs: None) -> list[dict]:
     finally:
         flags.close()
         kern.close()
-    return records
+    return made
 
 
 def floor_table(records: list[dict]) -> list[str]:
@@ -260,11 +258,13 @@ def floor_table(records: list[dict]) -> list[str]:
     out = ["| method | blocks | round trip µs | one way µs | per kernel (replay / L) µs | kernel in graph µs "
            "| gap µs |", "|---|---|---|---|---|---|---|"]
     key = lambda r: (METHODS.index(r["method"]) if r["method"] in METHODS else 9, r.get("blocks") or 0)  # noqa: E731
-    for r in _latest(records, "floor", key):
+    for r in latest(records, "floor", key):
         if r.get("error"):
-            out.append(f"| {r['method']} | {_cell(r.get('blocks'), 'd')} | failed: {r['error']} | – | – | – | – |")
+            out.append(f"| {r['method']} | {md_cell(r.get('blocks'), 'd')} | failed: {r['error']} "
+                       f"| – | – | – | – |")
             continue
-        out.append(f"| {r['method']} | {_cell(r.get('blocks_launched') or r.get('blocks'), 'd')} "
-                   f"| {_cell(r['round_trip_us'], '.2f')} | {_cell(r['one_way_us'], '.2f')} | {_cell(r['per_kernel_us'], '.2f')} "
-                   f"| {_cell(r['kernel_us'], '.2f')} | {_cell(r['gap_us'], '.2f')} |")
+        out.append(f"| {r['method']} | {md_cell(r.get('blocks_launched') or r.get('blocks'), 'd')} "
+                   f"| {md_cell(r['round_trip_us'], '.2f')} | {md_cell(r['one_way_us'], '.2f')} "
+                   f"| {md_cell(r['per_kernel_us'], '.2f')} | {md_cell(r['kernel_us'], '.2f')} "
+                   f"| {md_cell(r['gap_us'], '.2f')} |")
     return out

@@ -5,7 +5,7 @@ torchrun --nproc-per-node 2 -m bench --profile-graph [--tokens 1 8 32 128] [--pr
                                                      [--reps 30] [--hidden 7168] [--topk 8] [--experts 256]
 
 Per (tokens, protocol): L layers of dispatch -> identity copy into combine_in_view() -> combine (bf16) captured in
-one CUDA graph (bench.layer's layer loop, expert -> combine_in_view), gated first (bench.core.identity_gate);
+one CUDA graph (bench.layer_loop's layer loop, expert -> combine_in_view), gated first (bench.gate.identity_gate);
 --reps replays timed (per_layer_us: replay / L, slowest rank's median), then a third as many replays profiled
 by kineto (torch.profiler, CUPTI). Every device event of a replay gets a role by its name (``role_of``): the
 op's dispatch and combine kernels (by their symbols), "copy" (the identity expert's copy: a memcpy or torch's
@@ -25,9 +25,11 @@ import torch.distributed as dist
 from generator.abi import LL_MAX_TOKENS
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 
-from . import core as B, graphprof
-from .core import collective_try
-from .layer import _c as _cell, _latest
+from . import graphprof, records
+from .gate import identity_gate
+from .inputs import make_input_sets, point_config
+from .measure import collective_try, stats, warm_on_side_stream
+from .tables import latest, md_cell
 
 PROFILE_TOKENS = (1, 8, 32, 128)
 ROLES = ("dispatch", "combine", "copy", "other")
@@ -81,12 +83,12 @@ def profile_point(T: int, protocol: str, args, meta: dict) -> dict:
     """One (tokens, protocol) point on the GPU; collective; returns its record."""
     rank, world = dist.get_rank(), dist.get_world_size()
     hidden = args.hidden[0]
-    cfg = EpDispatchCombineConfig(**B.point_config(rank, world, T, hidden, args.topk, args.experts, torch.bfloat16),
+    cfg = EpDispatchCombineConfig(**point_config(rank, world, T, hidden, args.topk, args.experts, torch.bfloat16),
                                   intranode_protocol=protocol)
     with EpDispatchCombineOp(cfg) as op:
-        s = B.make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
+        s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
         x, w, idx = s["x"], s["w"], s["idx"]
-        B.identity_gate(op, x, w, None, idx, point=f"profile-graph T={T} protocol={protocol}")
+        identity_gate(op, x, w, None, idx, point=f"profile-graph T={T} protocol={protocol}")
         view = op.combine_in_view()
 
         def layer():
@@ -94,13 +96,13 @@ def profile_point(T: int, protocol: str, args, meta: dict) -> dict:
             view.copy_(out)
             op.combine(view, routing=h)
 
-        B.warm_on_side_stream(layer)
+        warm_on_side_stream(layer)
         ran = op.last_intranode_protocol
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(args.layers):
                 layer()
-        per_layer = B._stats([ms / args.layers for ms in graphprof.replay_ms(g, args.reps)])
+        per_layer = stats([ms / args.layers for ms in graphprof.replay_ms(g, args.reps)])
         replays = max(3, args.reps // 3)
         events = graphprof.graph_kernel_events(g, replays, sync=dist.barrier)
         op.check()
@@ -122,36 +124,35 @@ def _replays(events, layers: int, symbols: dict[str, str]) -> list[list]:
 def run(args, emit=lambda recs: None) -> list[dict]:
     """The profiled points (module docstring); collective; each record handed to emit() as it is made; a
     point that fails on any rank is a record with its reason (error) and the run goes on."""
-    from .layer import _meta
-
-    meta = _meta(torch.device("cuda", torch.cuda.current_device()))
+    meta = records.meta(torch.device("cuda", torch.cuda.current_device()))
     points, skipped = plan(args)
     if dist.get_rank() == 0:
         for why in skipped:
             print(f"skipped: {why}")
-    records = []
+    made = []
     for T, protocol in points:
         rec, why = collective_try(lambda: profile_point(T, protocol, args, meta))
         if why is not None:
             rec = {**meta, "kind": "kernel_profile", "tokens_per_rank": T, "intranode_protocol": protocol,
                    "protocol": None, "layers": args.layers, "error": why,
                    "date": time.strftime("%Y-%m-%d", time.gmtime())}
-        records.append(rec)
+        made.append(rec)
         emit([rec])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return records
+    return made
 
 
 def profile_table(records: list[dict]) -> list[str]:
     """Kernel durations inside the graph, per protocol and token count (the latest record of each)."""
     out = ["| protocol | tokens | dispatch kernel µs | combine kernel µs | copy µs | gap between kernels µs "
            "| per layer (replay / L) µs |", "|---|---|---|---|---|---|---|"]
-    for r in _latest(records, "kernel_profile", lambda r: (r.get("intranode_protocol") or "bw", r["tokens_per_rank"])):
+    for r in latest(records, "kernel_profile", lambda r: (r.get("intranode_protocol") or "bw", r["tokens_per_rank"])):
         key = (r.get("intranode_protocol") or "bw", r["tokens_per_rank"])
         if r.get("error"):
             out.append(f"| {key[0]} | {key[1]} | failed: {r['error']} | – | – | – | – |")
             continue
-        out.append(f"| {r.get('protocol') or key[0]} | {key[1]} | {_cell(r['dispatch_us'], '.2f')} | {_cell(r['combine_us'], '.2f')} "
-                   f"| {_cell(r['copy_us'], '.2f')} | {_cell(r['gap_us'], '.2f')} | {_cell(r['per_layer_us'], '.1f')} |")
+        out.append(f"| {r.get('protocol') or key[0]} | {key[1]} | {md_cell(r['dispatch_us'], '.2f')} "
+                   f"| {md_cell(r['combine_us'], '.2f')} | {md_cell(r['copy_us'], '.2f')} "
+                   f"| {md_cell(r['gap_us'], '.2f')} | {md_cell(r['per_layer_us'], '.1f')} |")
     return out

@@ -39,7 +39,8 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpgenError
 from runtime.kernels import device_arch
 
-from .core import _graph_time, _stats, require_gpus
+from .cli import require_gpus
+from .measure import graph_time, stats
 
 HEADER_END = "# `python -m bench.tune`"
 USER_HEADER = ("# Launch geometry tuned on this machine by `python -m bench.tune --write` (epgen tune): laid over the\n"
@@ -150,8 +151,8 @@ def measure(T: int, hidden: int, k: int, experts: int, blocks: int, threads: int
         def comb_leg():
             op.combine(view, routing=held["h"])
 
-        d_ms, c_ms = _graph_time([disp, comb_leg], 10, 20)
-        return _stats(d_ms)[0] * 1e3, _stats(c_ms)[0] * 1e3
+        d_ms, c_ms = graph_time([disp, comb_leg], 10, 20)
+        return stats(d_ms)[0] * 1e3, stats(c_ms)[0] * 1e3
 
 
 def build_parser(prog: str = "python -m bench.tune") -> argparse.ArgumentParser:

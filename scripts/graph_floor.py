@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
-from bench.core import _graph_time, _stats  # noqa: E402
+from bench.measure import graph_time, stats  # noqa: E402
 
 
 def main() -> int:
@@ -26,8 +26,8 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world = dist.get_rank(), dist.get_world_size()
     one = torch.zeros(1, device="cuda")
-    rows = {"add, 1 element": _graph_time([lambda: one.add_(1.0)], 20, 20)[0],
-            "NCCL all_reduce, 1 element": _graph_time([lambda: dist.all_reduce(one)], 20, 20)[0]}
+    rows = {"add, 1 element": graph_time([lambda: one.add_(1.0)], 20, 20)[0],
+            "NCCL all_reduce, 1 element": graph_time([lambda: dist.all_reduce(one)], 20, 20)[0]}
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=7168, max_num_inp_token_per_rank=1,
                                   num_experts_per_rank=256 // world, num_experts_per_token=8, data_type=torch.bfloat16)
     x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
@@ -38,9 +38,9 @@ def main() -> int:
         def disp():
             held["h"] = op.dispatch(x, None, None, idx, return_routing=True)[-1]
 
-        d, c = _graph_time([disp, lambda: op.combine(view, routing=held["h"])], 20, 20)
+        d, c = graph_time([disp, lambda: op.combine(view, routing=held["h"])], 20, 20)
         rows["native dispatch, 1 token"], rows["native combine, 1 token"] = d, c
-    out = {name: _stats(ms)[0] * 1e3 for name, ms in rows.items()}
+    out = {name: stats(ms)[0] * 1e3 for name, ms in rows.items()}
     if rank == 0:
         for name, us in out.items():
             print(f"{us:7.1f} us  {name}")

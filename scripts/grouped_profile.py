@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import core as B, graphprof  # noqa: E402
-from bench.layer import _meta  # noqa: E402
+from bench import graphprof  # noqa: E402
+from bench.inputs import make_input_sets, point_config  # noqa: E402
+from bench.measure import warm_on_side_stream  # noqa: E402
+from bench.records import meta as record_meta  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 
 
@@ -39,10 +41,10 @@ def _name(kernel: str) -> str:
 
 def point(T: int, form: str, args, meta: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = B.point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
+    base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
     cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
     with EpDispatchCombineOp(cfg) as op:
-        s = B.make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
+        s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
         x, w, idx = s["x"], s["w"], s["idx"]
         view = op.grouped_out_view() if form == "fused" else None
         y = view if view is not None else torch.empty(cfg.resolved_grouped_capacity, args.hidden,
@@ -53,7 +55,7 @@ def point(T: int, form: str, args, meta: dict) -> dict:
             y.copy_(layout.x)
             op.combine_grouped(y, h)
 
-        B.warm_on_side_stream(layer)
+        warm_on_side_stream(layer)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(args.layers):
@@ -94,7 +96,7 @@ def main() -> int:
     args = p.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    meta = _meta(torch.device("cuda", torch.cuda.current_device()))
+    meta = record_meta(torch.device("cuda", torch.cuda.current_device()))
     for T in args.tokens:
         for form in args.forms:
             rec = point(T, form, args, meta)

@@ -4,7 +4,7 @@ python scripts/layer_table.py [results/layer.jsonl ...]
 
 The layer loop (issue 19's table: per-layer µs of epgen with the expert writing its own tensor or into
 combine_in_view, and NCCL), the MoE layer on each EP path (layer µs and communication-only µs), and the
-link's ceiling; a point measured more than once shows its latest record (bench.layer).
+link's ceiling; a point measured more than once shows its latest record (bench.tables).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from bench.core import read_records  # noqa: E402
-from bench.layer import ceiling_table, layer_table, loop_table  # noqa: E402
+from bench.records import read_records  # noqa: E402
+from bench.tables import ceiling_table, layer_table, loop_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 python scripts/plot_bench.py [results/bench.jsonl] [results/bench.png]   (needs matplotlib)
 python scripts/plot_bench.py --layer [results/layer.jsonl] [results/layer.png]   (layer records: main_layer)
-Plots the sweep's points (bench.core.sweep_points: intranode, default routing and geometry, no
+Plots the sweep's points (bench.tables.sweep_points: intranode, default routing and geometry, no
 experiment note, of the commit with the most distinct points): one row of panels per hidden size,
 one colour per dtype, and the performance issue's targets on the hidden-7168 panels.
 """
@@ -16,8 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from bench.core import read_records, sweep_points  # noqa: E402
-from bench.layer import LAYER_PATHS, _latest, _protocol, layer_column  # noqa: E402
+from bench.moe_layer import LAYER_PATHS  # noqa: E402
+from bench.records import read_records  # noqa: E402
+from bench.tables import latest, layer_column, requested_protocol, sweep_points  # noqa: E402
 
 COLORS = {"epgen": "tab:blue", "a2a": "tab:orange", "vdev2d": "tab:green", "epgen_ll": "tab:purple",
           "epgen_fused": "tab:red"}
@@ -74,17 +75,17 @@ def main(src="results/bench.jsonl", dst="results/bench.png") -> int:
 def main_layer(src="results/layer.jsonl", dst="results/layer.png") -> int:
     """The layer loop, the MoE layer per EP path and the link's ceiling (bench.layer records), one panel each."""
     records = read_records(src)
-    loop = _latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], _protocol(r)))
+    loop = latest(records, "layer_loop", lambda r: (r["tokens_per_rank"], requested_protocol(r)))
     layer = [dict(r, path=layer_column(r))
-             for r in _latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
+             for r in latest(records, "layer", lambda r: (r["dtype"], r["tokens_per_rank"], layer_column(r)))
              if r.get("layer_us") is not None]
-    ceil = [r for r in _latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)) if r.get("GBps")]
+    ceil = [r for r in latest(records, "ceiling", lambda r: (r["method"], r.get("sms_used") or 0)) if r.get("GBps")]
     if not (loop or layer or ceil):
         print(f"no layer records in {src}")
         return 1
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.6))
-    bw = [r for r in loop if _protocol(r) == "bw"]
-    ll = [r for r in loop if _protocol(r) == "ll"]
+    bw = [r for r in loop if requested_protocol(r) == "bw"]
+    ll = [r for r in loop if requested_protocol(r) == "ll"]
     for pts, key, label, style in ((bw, "epgen_own_us", "epgen, expert → own tensor", "o-"),
                                    (bw, "epgen_view_us", "epgen, expert → combine_in_view", "s-"),
                                    (ll, "epgen_view_us", "epgen low-latency, expert → combine_in_view", "d-"),

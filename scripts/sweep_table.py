@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for runtime
-from bench.core import cell, read_records, sweep_points as sweep_rows  # noqa: E402
+from bench.records import read_records  # noqa: E402
+from bench.tables import cell, sweep_points as sweep_rows  # noqa: E402
 
 HEADER = ("| dtype | hidden | tokens/rank | dispatch µs | combine µs | staged µs | round µs | NCCL a2a µs (d / c) "
           "| vs NCCL (d / c) | link GB/s (d / c) | eager µs (d / c) | host µs (d / c) | torch backend µs (d / c) |")

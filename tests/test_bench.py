@@ -1,4 +1,5 @@
-"""The benchmark's accounting, bandwidth arithmetic and correctness gate (bench/core.py), on CPU.
+"""The benchmark's accounting, bandwidth arithmetic and correctness gate (bench/accounting.py, bench/gate.py), and
+its sweep (bench/sweep.py), on CPU.
 
 Accounting and bandwidths against hand-computed routings; the identity gate on the torch backend
 over 2 gloo ranks (tests/ep_dist.py): it passes on clean data and raises GateError, on every rank
@@ -19,9 +20,10 @@ import torch
 from ep_dist import get_world
 from ep_oracle import expected_received, experts_per_rank_for, make_inputs, multiplicity
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from bench import cli, core as bench
-from bench.core import (GateError, accounting, bandwidths, dequantize_rows, identity_expected, identity_gate,
-                           quantize_blocks, row_bytes, rows_per_destination)
+from bench import cli, sweep, tables
+from bench.accounting import accounting, bandwidths, row_bytes, rows_per_destination
+from bench.gate import GateError, check_gate_mode, identity_expected, identity_gate
+from bench.inputs import dequantize_rows, make_input_sets, point_config, quantize_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +97,7 @@ def test_accounting_rejects_inconsistent_counts():
 
 def test_row_bytes_bf16_fp32_fp8():
     def cfg(dtype, hidden=7168):
-        return EpDispatchCombineConfig(**bench.point_config(0, 2, 16, hidden, 8, 256, dtype, "torch"))
+        return EpDispatchCombineConfig(**point_config(0, 2, 16, hidden, 8, 256, dtype, "torch"))
 
     assert row_bytes(cfg(torch.bfloat16)) == (14336, 14336)
     assert row_bytes(cfg(torch.float32)) == (28672, 28672)
@@ -107,7 +109,7 @@ def test_row_bytes_bf16_fp32_fp8():
     assert (acc["dispatch_logical_bytes"], acc["dispatch_link_bytes"]) == (5 * 7392, 2 * 7392)
     assert (acc["combine_logical_bytes"], acc["combine_link_bytes"]) == (3 * 14336, 2 * 14336)
     with pytest.raises(ValueError, match="hidden % 128"):
-        bench.point_config(0, 2, 16, 100, 8, 256, torch.float8_e4m3fn)
+        point_config(0, 2, 16, 100, 8, 256, torch.float8_e4m3fn)
 
 
 def test_bandwidth_arithmetic():
@@ -166,11 +168,11 @@ def test_combine_threads_of_their_own_go_through_the_per_role_fields():
             ({"launch_blocks": 32, "combine_threads": 1024}, 64, {"dispatch": (32, 0), "combine": (32, 1024)}),
             ({"launch_blocks": 24, "launch_threads": 512, "combine_threads": 0}, 32,
              {"dispatch": (24, 512), "combine": (24, 512)})):
-        cfg = EpDispatchCombineConfig(**bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry=geometry,
-                                                           wave=wave))
+        cfg = EpDispatchCombineConfig(**point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry=geometry,
+                                                     wave=wave))
         assert {role: cfg.launch_override(role, 64, wave) for role in want} == want
     with pytest.raises(ValueError, match="whole 32-lane waves"):
-        bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"combine_threads": 100})
+        point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"combine_threads": 100})
 
 
 def test_plan_points_crosses_geometries_and_combines():
@@ -196,22 +198,22 @@ def test_plan_points_crosses_geometries_and_combines():
 
 
 def test_geometry_override_reaches_the_config():
-    kw = bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"launch_blocks": 32, "launch_threads": 96})
+    kw = point_config(0, 2, 64, 256, 4, 8, torch.bfloat16, geometry={"launch_blocks": 32, "launch_threads": 96})
     cfg = EpDispatchCombineConfig(**kw)
     assert (cfg.launch_blocks, cfg.launch_threads) == (32, 96)
     with pytest.raises(Exception, match="launch_threads"):
-        EpDispatchCombineConfig(**bench.point_config(0, 2, 64, 256, 4, 8, torch.bfloat16,
-                                                     geometry={"launch_threads": 100}))
+        EpDispatchCombineConfig(**point_config(0, 2, 64, 256, 4, 8, torch.bfloat16,
+                                               geometry={"launch_threads": 100}))
 
 
 def test_profile_table_lists_the_largest_kernels_first():
     rec = {"dtype": "bfloat16", "tokens_per_rank": 128, "internode_kernel": "v2",
            "profile": [{"name": "pack", "calls": 1, "us_per_round": 50.0},
                        {"name": "ncclDevKernel_SendRecv", "calls": 2, "us_per_round": 20.25}]}
-    lines = bench.format_profile(rec)
+    lines = tables.format_profile(rec)
     assert lines[0].startswith("-- profile bfloat16 T=128 v2")
     assert "50.0" in lines[1] and "pack" in lines[1] and "x2" in lines[2] and "20.2" in lines[2]
-    assert len(bench.format_profile(rec, top=1)) == 2
+    assert len(tables.format_profile(rec, top=1)) == 2
 
 
 def test_gate_rejects_lossy_modes():
@@ -219,9 +221,9 @@ def test_gate_rejects_lossy_modes():
                 num_experts_per_token=2, kernel_backend="torch")
     for extra in (dict(quant_type="fp8_blockwise"), dict(dispatch_quant_type="fp8_blockwise")):
         with pytest.raises(ValueError, match="lossy"):
-            bench._check_gate_mode(EpDispatchCombineConfig(**base, **extra))
+            check_gate_mode(EpDispatchCombineConfig(**base, **extra))
     with pytest.raises(ValueError, match="float32 block scales"):
-        bench._check_gate_mode(EpDispatchCombineConfig(**base, dispatch_data_type=torch.float8_e4m3fn,
+        check_gate_mode(EpDispatchCombineConfig(**base, dispatch_data_type=torch.float8_e4m3fn,
                                                        combine_data_type=torch.bfloat16, scale_dim=8,
                                                        scale_type_size=1))
 
@@ -385,7 +387,7 @@ def test_gate_single_rank_checks_total_recv_and_values():
 # A whole benchmark point on CPU (torch backend, gloo, eager only)
 # ---------------------------------------------------------------------------------------------
 def scn_point(rank, world, dtype_name, combine_mode="gather"):
-    return bench.run_point(8, 256, 4, 8, getattr(torch, dtype_name), 2, 2, backend="torch", eager_iters=3,
+    return sweep.run_point(8, 256, 4, 8, getattr(torch, dtype_name), 2, 2, backend="torch", eager_iters=3,
                            input_sets=3, combine_mode=combine_mode)
 
 
@@ -405,7 +407,7 @@ def test_a_failing_point_is_recorded_on_every_rank_and_the_run_goes_on():
         assert len(recs) == 1 and recs[0]["kind"] == "point_failed" and "launch_threads" in recs[0]["error"]
         assert recs[0]["launch_override"] == {"launch_threads": 100}
         json.dumps(recs[0], allow_nan=False)
-    line = bench.format_table(bad[0])[1]
+    line = tables.format_table(bad[0])[1]
     assert "failed" in line and "launch_threads" in line
     good = get_world(2).run(scn_planned, 0, timeout=120)
     assert all(not recs[0].get("error") and recs[0]["eager_combine_us"] > 0 for recs in good)
@@ -414,9 +416,9 @@ def test_a_failing_point_is_recorded_on_every_rank_and_the_run_goes_on():
 def test_scatter_point_is_gated_and_labelled():
     recs = get_world(2).run(scn_point, "bfloat16", "scatter", timeout=120)
     assert all(r["combine_mode"] == "scatter" and r["eager_combine_us"] > 0 for r in recs)
-    assert bench.format_table(recs[:1])[1].split()[0] == "bfloat16/scatter"  # the torch backend: no protocol
-    assert bench.sweep_points(recs + [dict(recs[0], combine_mode="gather", dispatch_us=1.0)])[1][0]["combine_mode"] == \
-        "gather"  # the sweep table keeps the gather combine's points
+    assert tables.format_table(recs[:1])[1].split()[0] == "bfloat16/scatter"  # the torch backend: no protocol
+    points = tables.sweep_points(recs + [dict(recs[0], combine_mode="gather", dispatch_us=1.0)])[1]
+    assert points[0]["combine_mode"] == "gather"  # the sweep table keeps the gather combine's points
 
 
 REQUIRED = ("commit", "backend", "target", "gpu", "driver", "world_size", "dtype", "quant", "tokens_per_rank",
@@ -453,7 +455,7 @@ def test_run_point_record_on_cpu(dtype, tmp_path):
             assert r[f"eager_{leg}_logical_GBps"] == pytest.approx(want, rel=1e-5)
             link = r["remote_rows"] * r[f"{leg}_row_bytes"] / (r[f"eager_{leg}_us"] * 1e-6) / 1e9
             assert r[f"eager_{leg}_link_GBps"] == pytest.approx(link, rel=1e-5)
-    lines = bench.format_table(recs[:1])
+    lines = tables.format_table(recs[:1])
     assert len(lines) == 2 and dtype in lines[1]
 
     # scripts/plot_bench.py reads the record (graph fields filled in, as a GPU run has them)
@@ -476,7 +478,7 @@ def scn_internode_point(rank, world, kind):
 
     os.environ["EPGEN_EMULATE_NODES"] = "1"  # 2 emulated nodes of 1 rank each
     try:
-        return bench.run_point(8, 256, 4, 8, torch.bfloat16, 2, 2, backend="torch", eager_iters=2, input_sets=2,
+        return sweep.run_point(8, 256, 4, 8, torch.bfloat16, 2, 2, backend="torch", eager_iters=2, input_sets=2,
                                topology={"gpu_per_node": 1, "internode_kernel": kind})
     finally:
         del os.environ["EPGEN_EMULATE_NODES"]
@@ -489,7 +491,7 @@ def test_internode_point_is_gated_and_labelled(kind):
         assert (r["topology"], r["gpu_per_node"], r["internode_kernel"], r["internode_route"]) == \
             ("internode", 1, kind, kind)
         assert r["gate"].endswith("(passed)") and r["eager_dispatch_us"] > 0
-    assert f"bfloat16/{kind}" in bench.format_table(recs[:1])[1]
+    assert f"bfloat16/{kind}" in tables.format_table(recs[:1])[1]
     assert cli.build_parser().parse_args(["--internode", "v2", "auto", "--emulate-nodes"]).internode == ["v2", "auto"]
 
 
@@ -499,7 +501,7 @@ def test_input_set_routings(routing, local):
     (the link alone); uniform: top-k of all experts. Every set permutes one routing."""
     cfg = EpDispatchCombineConfig(rank=1, world_size=4, hidden_dim=64, max_num_inp_token_per_rank=200,
                                   num_experts_per_rank=8, num_experts_per_token=6, kernel_backend="torch")
-    sets = bench.make_input_sets(cfg, 3, seed=5, device="cpu", routing=routing)
+    sets = make_input_sets(cfg, 3, seed=5, device="cpu", routing=routing)
     for s in sets:
         idx = s["idx"]
         assert all(len(set(row)) == 6 for row in idx.tolist())  # k distinct experts
@@ -507,11 +509,11 @@ def test_input_set_routings(routing, local):
         assert bool(on_me.any()) == local
         assert rows_per_destination(idx, 4, 8) == rows_per_destination(sets[0]["idx"], 4, 8)
     with pytest.raises(ValueError, match="routing must be one of uniform, remote"):
-        bench.make_input_sets(cfg, 1, seed=5, device="cpu", routing="skewed")
+        make_input_sets(cfg, 1, seed=5, device="cpu", routing="skewed")
     tight = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8,
                                     num_experts_per_rank=4, num_experts_per_token=5, kernel_backend="torch")
     with pytest.raises(ValueError, match="needs k <= the other ranks' experts \\(4\\), got k=5"):
-        bench.make_input_sets(tight, 1, seed=5, device="cpu", routing="remote")
+        make_input_sets(tight, 1, seed=5, device="cpu", routing="remote")
 
 
 def test_sweep_table_picks_one_commits_default_points():
@@ -550,7 +552,7 @@ def scn_main(rank, world, argv):
     from unittest import mock
 
     with mock.patch.object(torch.cuda, "set_device", lambda *a: None), \
-            mock.patch.object(cli.core, "require_gpus", lambda prog: None), \
+            mock.patch.object(cli, "require_gpus", lambda prog: None), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(cli.dist, "init_process_group", lambda *a, **kw: None), \
             mock.patch.object(cli.dist, "destroy_process_group", lambda *a, **kw: None):

@@ -135,7 +135,7 @@ def test_floor_arguments_are_validated(argv, msg):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_floor_kernels_compile_for_sm90a():
-    from bench.layer import compile_source
+    from bench.kernels import compile_source
 
     cubin = compile_source("sm_90", floor.FLOOR_KERNELS, "floor")
     assert cubin[:4] == b"\x7fELF" and all(s.encode() in cubin for s in floor.SYMBOLS)
@@ -207,14 +207,14 @@ def _stubbed_main(argv, patches):
 
     import torch
 
-    from bench import layer
+    from bench import records
 
     with ExitStack() as stack:
         for obj, name, value in [(torch.cuda, "set_device", lambda *a: None), (torch.cuda, "current_device", lambda: 0),
                                  (cli.dist, "init_process_group", lambda *a, **kw: None),
                                  (cli.dist, "destroy_process_group", lambda *a, **kw: None),
-                                 (cli.core, "require_gpus", lambda prog: None),
-                                 (layer, "_meta", lambda dev, **kw: dict(META)), *patches]:
+                                 (cli, "require_gpus", lambda prog: None),
+                                 (records, "meta", lambda dev, **kw: dict(META)), *patches]:
             stack.enter_context(mock.patch.object(obj, name, value))
         out = io.StringIO()
         with redirect_stdout(out):

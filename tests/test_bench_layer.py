@@ -1,4 +1,5 @@
-"""bench/layer.py on CPU: the pair placement and grouped-expert arithmetic, the fp8 row packing,
+"""The layer modes (bench/layer.py, bench/moe_layer.py, bench/layer_loop.py, bench/ceiling.py) on CPU: the pair
+placement and grouped-expert arithmetic, the fp8 row packing,
 the MoE-layer point (epgen on the torch backend and the all_to_all_single shuffle, 2 gloo ranks, gated
 against each other), a vdev2d path that cannot run (recorded with its reason, the run goes on), the
 layer loop's record, the tables and scripts/layer_table.py."""
@@ -16,15 +17,16 @@ import torch
 
 from ep_dist import get_world
 from generator.abi import LL_MAX_TOKENS
-from bench import cli, core as bench
-from bench import layer as L
+from bench import ceiling, cli, layer as L, layer_loop, moe_layer as M, tables
+from bench.gate import GateError
+from bench.inputs import dequantize_rows, quantize_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_place_groups_pairs_per_expert_padded():
     e = torch.tensor([2, 0, 3, 2, 3, 0, 2, 3])  # E = 3: 3 means no local expert
-    pos, slot_pair, ends, S = L.place(e, 3, align=4)
+    pos, slot_pair, ends, S = M.place(e, 3, align=4)
     assert S == 8 + 3 * 4 + 1
     assert ends.tolist() == [4, 4, 8]  # expert 0: 2 pairs -> 4 rows; expert 1: none -> 0; expert 2: 3 -> 4
     assert ends.dtype == torch.int32
@@ -40,26 +42,26 @@ def test_experts_ffn_loop_matches_each_expert():
     w2 = torch.randn(3, 8, 8, generator=g).to(torch.bfloat16)
     xs = torch.randn(12, 8, generator=g).to(torch.bfloat16)
     ends = torch.tensor([4, 4, 10], dtype=torch.int32)
-    out = L.experts_ffn(xs, ends, w13, w2)
+    out = M.experts_ffn(xs, ends, w13, w2)
     gate, up = (xs[4:10] @ w13[2].t()).chunk(2, dim=-1)
     assert torch.equal(out[4:10], (torch.nn.functional.silu(gate) * up) @ w2[2].t())
-    assert not L.grouped_ok(xs)
+    assert not M.grouped_ok(xs)
 
 
 def test_fp8_rows_pack_and_unpack():
     x = torch.randn(5, 256).to(torch.bfloat16)
-    p = L.pack_rows(x, "fp8")
+    p = M.pack_rows(x, "fp8")
     assert p.dtype == torch.bfloat16 and p.shape == (5, (256 + 256 // 32) // 2)
-    q, s = bench.quantize_blocks(x, 2)
-    assert torch.equal(L.unpack_rows(p, "fp8", 256), bench.dequantize_rows(q, s, torch.bfloat16))
-    assert L.pack_rows(x, "bf16") is x
+    q, s = quantize_blocks(x, 2)
+    assert torch.equal(M.unpack_rows(p, "fp8", 256), dequantize_rows(q, s, torch.bfloat16))
+    assert M.pack_rows(x, "bf16") is x
 
 
 SMALL = dict(hidden=256, k=4, experts=8, inter=64)
 
 
 def scn_layer(rank, world, mode, paths):
-    recs = L.run_layer_point(8, SMALL["hidden"], SMALL["k"], SMALL["experts"], SMALL["inter"], mode, paths,
+    recs = M.run_layer_point(8, SMALL["hidden"], SMALL["k"], SMALL["experts"], SMALL["inter"], mode, paths,
                              reps=2, eager_iters=2, backend="torch")
     return recs
 
@@ -80,7 +82,7 @@ def test_layer_point_on_cpu_epgen_and_a2a_agree(mode):
             assert not missing, missing
             json.dumps(r, allow_nan=False)
             assert r["error"] is None and r["graph"] is False and r["graph_modes"] == ["eager"]
-            assert r["gate_max_rel_err"] <= L.LAYER_TOL[mode]
+            assert r["gate_max_rel_err"] <= M.LAYER_TOL[mode]
             assert r["layer_us"] == r["layer_eager_us"] > 0 and r["expert_us"] == r["expert_eager_us"] > 0
             assert r["comm_us"] == pytest.approx(r["layer_us"] - r["expert_us"])
             assert r["grouped_gemm"] == "loop over experts" and r["placed_rows"] > 0
@@ -88,21 +90,21 @@ def test_layer_point_on_cpu_epgen_and_a2a_agree(mode):
         vdev = recs[2]
         assert vdev["error"] and vdev["layer_us"] is None  # no NVSHMEM on a CPU: recorded, not raised
     assert per_rank[0][2]["error"] == per_rank[1][2]["error"]  # every rank records the same reason
-    lines = L.layer_table(per_rank[0])
+    lines = tables.layer_table(per_rank[0])
     assert any("failed [1]" in line for line in lines) and lines[-1].startswith("\n[1] rank 0:")
 
 
 def test_vdev2d_limits_are_torch_s():
-    assert L.vdev2d_limits(16, 2) is None and L.vdev2d_limits(1, 16) is None
-    why = L.vdev2d_limits(128, 2)  # 256 experts on 2 ranks: torch's all_to_all_vdev_2d refuses every call
+    assert M.vdev2d_limits(16, 2) is None and M.vdev2d_limits(1, 16) is None
+    why = M.vdev2d_limits(128, 2)  # 256 experts on 2 ranks: torch's all_to_all_vdev_2d refuses every call
     assert "at most 16 experts per rank" in why and "--experts 32" in why
-    assert "at most 16 ranks" in L.vdev2d_limits(1, 17)
+    assert "at most 16 ranks" in M.vdev2d_limits(1, 17)
     with pytest.raises(RuntimeError, match="at most 16 experts per rank"):  # before NVSHMEM or any allocation
-        L.Vdev2dPath(SimpleNamespace(epr=128, world=2))
+        M.Vdev2dPath(SimpleNamespace(epr=128, world=2))
 
 
 def scn_vdev2d_over_limit(rank, world):
-    return L.run_layer_point(4, 256, 4, 2 * 17, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
+    return M.run_layer_point(4, 256, 4, 2 * 17, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
 
 
 def test_vdev2d_over_the_expert_limit_is_recorded_with_the_reason():
@@ -127,12 +129,12 @@ class _NanPath:
 
 
 def scn_gate_failure(rank, world):
-    saved = L.PATH_CLASSES["vdev2d"]
-    L.PATH_CLASSES["vdev2d"] = _NanPath
+    saved = M.PATH_CLASSES["vdev2d"]
+    M.PATH_CLASSES["vdev2d"] = _NanPath
     try:
-        return L.run_layer_point(4, 256, 4, 8, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
+        return M.run_layer_point(4, 256, 4, 8, 64, "bf16", ["a2a", "vdev2d"], reps=2, eager_iters=2)
     finally:
-        L.PATH_CLASSES["vdev2d"] = saved
+        M.PATH_CLASSES["vdev2d"] = saved
 
 
 def test_a_failed_gate_is_recorded_as_strict_json():
@@ -146,12 +148,12 @@ def test_a_failed_gate_is_recorded_as_strict_json():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_copy_kernel_compiles_for_sm90a():
-    cubin = L.compile_copy_kernel("sm_90")
+    cubin = ceiling.compile_copy_kernel("sm_90")
     assert cubin[:4] == b"\x7fELF" and b"epg_copy16" in cubin
 
 
 def scn_loop(rank, world):
-    return L.run_layer_loop(4, 256, 4, 8, layers=3, reps=2, backend="torch")
+    return layer_loop.run_layer_loop(4, 256, 4, 8, layers=3, reps=2, backend="torch")
 
 
 def test_layer_loop_record_on_cpu():
@@ -161,7 +163,7 @@ def test_layer_loop_record_on_cpu():
     assert r["epgen_own_us"] > 0 and r["epgen_view_us"] > 0 and r["nccl_us"] > 0
     assert r["nccl_over_epgen_view"] == pytest.approx(r["nccl_us"] / r["epgen_view_us"])
     json.dumps(r, allow_nan=False)
-    assert L.loop_table(recs)[2].startswith("| 4 | ")
+    assert tables.loop_table(recs)[2].startswith("| 4 | ")
 
 
 def _loop(T, own, view, nccl, **kw):
@@ -183,14 +185,14 @@ def test_tables_format_the_latest_records():
             dict(kind="ceiling", method="sm_push", sms_used=32, GBps=280.0, us=240.0, distinct_sms=32),
             dict(kind="ceiling", method="nccl", sms_used=None, GBps=300.0, us=220.0),
             dict(kind="ceiling", method="sm_pull", sms_used=8, GBps=100.0, us=600.0, distinct_sms=8)]
-    loop = L.loop_table(recs)
+    loop = tables.loop_table(recs)
     assert loop[2] == "| 1 | bw | 9.0 µs | 8.5 µs | 19.5 µs | 2.29× |" and loop[3].startswith("| 128 | bw | 34.8 µs")
-    layer = L.layer_table(recs)
+    layer = tables.layer_table(recs)
     assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) eager | failed [1] | 2.50× |"
     assert layer[3] == "| fp8 | 8 | 70.0 | 90.0 (20.0) | – | – | – |"
     assert layer[4] == "\n[1] RuntimeError: no NVSHMEM"
     assert all(line.count("|") == layer[0].count("|") for line in layer[1:4])
-    ceil = L.ceiling_table(recs)
+    ceil = tables.ceiling_table(recs)
     assert [c.split("|")[1].strip() for c in ceil[2:]] == ["sm_push", "sm_pull", "nccl"]
     assert ceil[2] == "| sm_push | 32 | 280 | 240.0 | 32 |" and ceil[4] == "| nccl | – | 300 | 220.0 | – |"
 
@@ -201,9 +203,9 @@ def test_tables_with_the_low_latency_protocol():
     recs = [_loop(1, 20.0, 19.0, 19.5, intranode_protocol="bw"), _loop(1, 9.6, 9.2, 19.5, intranode_protocol="ll"),
             _layer("epgen", 8, 120.0, 100.0, intranode_protocol="bw"), _layer("a2a", 8, 300.0, 100.0),
             _layer("epgen", 8, 110.0, 100.0, intranode_protocol="ll")]
-    assert L.loop_table(recs)[2:] == ["| 1 | bw | 20.0 µs | 19.0 µs | 19.5 µs | 1.03× |",
+    assert tables.loop_table(recs)[2:] == ["| 1 | bw | 20.0 µs | 19.0 µs | 19.5 µs | 1.03× |",
                                       "| 1 | ll | 9.6 µs | 9.2 µs | 19.5 µs | 2.12× |"]
-    layer = L.layer_table(recs)
+    layer = tables.layer_table(recs)
     assert "low-latency" in layer[0] and layer[0].count("|") == layer[1].count("|") == layer[2].count("|")
     assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) | – | 110.0 (10.0) | 2.50× |"
 
@@ -213,8 +215,8 @@ def test_tables_with_the_fused_grouped_combine():
     reduce form's); the CLI flag reaches the points."""
     recs = [_layer("epgen", 8, 120.0, 100.0, intranode_protocol="bw", grouped_combine="reduce"),
             _layer("a2a", 8, 300.0, 100.0), _layer("epgen", 8, 105.0, 100.0, intranode_protocol="bw", grouped_combine="fused")]
-    assert [L.layer_column(r) for r in recs] == ["epgen", "a2a", "epgen_fused"]
-    layer = L.layer_table(recs)
+    assert [tables.layer_column(r) for r in recs] == ["epgen", "a2a", "epgen_fused"]
+    layer = tables.layer_table(recs)
     assert "fused grouped combine" in layer[0] and layer[0].count("|") == layer[1].count("|") == layer[2].count("|")
     assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) | – | 105.0 (5.0) | 2.50× |"
     args = cli.build_parser().parse_args(["--layer", "--grouped-combine", "reduce", "fused"])
@@ -223,7 +225,7 @@ def test_tables_with_the_fused_grouped_combine():
 
 
 def scn_layer_forms(rank, world):
-    return L.run_layer_point(8, SMALL["hidden"], SMALL["k"], SMALL["experts"], SMALL["inter"], "bf16", ["epgen", "a2a"],
+    return M.run_layer_point(8, SMALL["hidden"], SMALL["k"], SMALL["experts"], SMALL["inter"], "bf16", ["epgen", "a2a"],
                              reps=2, eager_iters=2, backend="torch", protocols=("bw", "ll"),
                              grouped_combines=("reduce", "fused"))
 
@@ -234,7 +236,7 @@ def test_layer_point_runs_each_grouped_combine_form():
         runs = [(r["path"], r["intranode_protocol"], r["grouped_combine"]) for r in recs]
         assert runs == [("epgen", "bw", "reduce"), ("epgen", "bw", "fused"), ("epgen", "ll", "reduce"),
                         ("a2a", None, None)]
-        assert all(r["error"] is None and r["gate_max_rel_err"] <= L.LAYER_TOL["bf16"] for r in recs)
+        assert all(r["error"] is None and r["gate_max_rel_err"] <= M.LAYER_TOL["bf16"] for r in recs)
 
 
 def test_cli_layer_flags():
@@ -297,14 +299,14 @@ def scn_gate_stop_keeps_the_ceiling(rank, world):
     saved = L.run_layer_point, L.run_ceiling
 
     def gate_fails(*a, **kw):
-        raise bench.GateError("layer gate failed (test)")
+        raise GateError("layer gate failed (test)")
 
     L.run_layer_point, L.run_ceiling = gate_fails, lambda *a, **kw: [{"kind": "ceiling", "method": "nccl"}]
     emitted = []
     try:
         L.run(cli.build_parser().parse_args(["--layer", "--ceiling", "--hidden", "256", "--experts", "8",
                                                "--intermediate", "64", "--tokens", "4"]), emitted.append)
-    except bench.GateError as e:
+    except GateError as e:
         return str(e), emitted
     finally:
         L.run_layer_point, L.run_ceiling = saved

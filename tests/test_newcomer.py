@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import epgen
-from bench import core as bench_core, tune
+from bench import cli as bench_cli, tune
 from generator import cli, specs as S, toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,16 +89,16 @@ def test_a_missing_disassembler_is_named_with_its_package(monkeypatch, specs):
 
 
 def test_gpu_tools_say_what_they_need_in_one_line(monkeypatch):
-    monkeypatch.setattr(bench_core.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_cli.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
-        bench_core.require_gpus("epgen tune")
+        bench_cli.require_gpus("epgen tune")
     msg = str(e.value.code)
     assert "\n" not in msg and "needs GPUs" in msg and "torchrun --nproc-per-node N -m epgen tune" in msg
-    monkeypatch.setattr(bench_core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_cli.torch.cuda, "is_available", lambda: True)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(SystemExit, match=r"python -m bench: not started by torchrun .*-m bench \.\.\."):
-        bench_core.require_gpus("python -m bench")
+        bench_cli.require_gpus("python -m bench")
 
 
 def test_tune_help_explains_every_option():

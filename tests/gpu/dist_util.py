@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.core import warm_on_side_stream
+from bench.measure import warm_on_side_stream
 
 
 def oversubscribed() -> bool:

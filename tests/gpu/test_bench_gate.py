@@ -1,4 +1,4 @@
-"""The benchmark's correctness gate (bench.core.identity_gate) on the native backend, real GPUs.
+"""The benchmark's correctness gate (bench.gate.identity_gate) on the native backend, real GPUs.
 
 The gate passes on clean data and raises GateError on every rank when a received row is damaged
 (a whole row: exactly its token comes back wrong; one bit: the received rows' checksum), for a bf16
@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from bench import core as bench
-from bench.core import GateError, identity_gate, quantize_blocks
+from bench import sweep
+from bench.gate import GateError, identity_gate
+from bench.inputs import quantize_blocks
 from tests.ep_oracle import random_routing
 from tests.gpu.dist_util import oversubscribed, run_collective
 
@@ -99,7 +100,7 @@ def test_gate_passes_clean_and_raises_on_a_corrupted_row(payload):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_bench_point_runs_both_modes(dtype):
     def check():
-        rec = bench.run_point(64, H, K, EPR * dist.get_world_size(), getattr(torch, dtype), 2, 2,
+        rec = sweep.run_point(64, H, K, EPR * dist.get_world_size(), getattr(torch, dtype), 2, 2,
                               torch_baseline=True, eager_iters=3, input_sets=2)
         assert rec["graph"] is True and rec["graph_modes"] == ["graph", "eager"], rec
         for key in ("dispatch_us", "combine_us", "combine_staged_us", "dispatch_replay_us", "eager_dispatch_us",

@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or not dist.is_available():
     pytest.skip("needs GPUs under torchrun", allow_module_level=True)
 
 from bench import floor, profile_graph as pg  # noqa: E402
-from bench.layer import _meta  # noqa: E402
+from bench.records import meta  # noqa: E402
 
 TIMEOUT_NS = 20 * 10**9
 
@@ -96,7 +96,7 @@ def test_profile_graph_point(protocol):
     args = types.SimpleNamespace(hidden=[2048], topk=8, experts=8 * dist.get_world_size(), layers=3, reps=3)
 
     def check():
-        r = pg.profile_point(4, protocol, args, _meta(_dev()))
+        r = pg.profile_point(4, protocol, args, meta(_dev()))
         assert r["kind"] == "kernel_profile" and r["protocol"] == protocol and r["error"] is None
         assert r["roles"]["dispatch"]["calls"] == 3 and r["roles"]["combine"]["calls"] == 3, r["roles"]
         assert r["dispatch_us"] > 0 and r["combine_us"] > 0 and r["per_layer_us"] > 0
