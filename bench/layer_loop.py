@@ -74,4 +74,4 @@ def run_layer_loop(T: int, hidden: int = 7168, k: int = 8, experts: int = 256, l
             "method": f"{layers} layers of dispatch -> identity copy -> combine in one graph, replay / {layers}, "
                       f"slowest rank's median of {reps} replays; NCCL: all_to_all_single, the same copy, "
                       f"all_to_all_single back, of the same rows",
-            "gate": "identity gate (bench.core.identity_gate) passed"}
+            "gate": "identity gate (bench.gate.identity_gate) passed"}
