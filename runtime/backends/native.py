@@ -113,8 +113,25 @@ class NativeBackend:
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
-        self.layout = lay = plan.layout(cfg)
-        self._ws = workspace.acquire(lay["total"], self.device, self.group)  # pooled: see runtime/workspace.py
+        peer_bases = self._setup_workspace()
+        self._setup_views()
+        self._setup_argument_blocks(peer_bases)
+        self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
+        self._std = self._std_moe_setup() if cfg.enable_std_moe else None
+        self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
+        self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
+        self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
+        self.id_check = id_check_mode()  # "async" | "sync" | "off"
+        self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
+        self._late_words = 0  # ids synced_check reported before their host-mapped words arrived
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def _setup_workspace(self) -> int:
+        """The peer-mapped workspace laid out by the plan, the state words, the host-mapped error word;
+        returns the device address of the peers' base pointers."""
+        self.layout = self.plan.layout(self.config)
+        self._ws = workspace.acquire(self.layout["total"], self.device, self.group)  # pooled: runtime/workspace.py
         self.buf, self.handle = self._ws.buf, self._ws.handle
         ptrs = getattr(self.handle, "buffer_ptrs_dev", None)
         self.peer_bases = None
@@ -127,13 +144,18 @@ class NativeBackend:
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self._error_words = (ctypes.c_int32 * ERROR_WORDS).from_address(self.error.data_ptr())
         self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return ptrs
+
+    def _view(self, region: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """A workspace region as a tensor (fp4_x2: 1 byte per element)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raw = self.buf[self.layout[region]:self.layout[region] + nbytes]
+        return (raw if dtype == torch.uint8 else raw.view(dtype)).view(shape)
+
+    def _setup_views(self) -> None:
+        """The receive buffers (and the gather combine's input) as tensors over the workspace."""
+        cfg, plan, view = self.config, self.plan, self._view
         R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
-
-        def view(region, dtype, shape):
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()  # fp4_x2: 1 byte per element
-            raw = self.buf[lay[region]:lay[region] + nbytes]
-            return (raw if dtype == torch.uint8 else raw.view(dtype)).view(shape)
-
         self.recv_x = view("recv_x", plan.out_dtype, (R, plan.out_cols))
         self.recv_scales = view("recv_scales", plan.scales_dtype, (R, plan.scale_cols)) if plan.scales_dtype else None
         self.recv_w, self.recv_idx = view("recv_w", torch.float32, (R, k)), view("recv_idx", torch.int32, (R, k))
@@ -142,7 +164,13 @@ class NativeBackend:
             self.comb_x = torch.empty((R, H), dtype=cfg.combine_dtype, device=self.device)  # pushed from directly
         else:
             self.comb_x = view("comb_x", cfg.combine_dtype, (R, H))
-        common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=ptrs,
+
+    def _setup_argument_blocks(self, peer_bases: int) -> None:
+        """The EP kernels' argument structs (specs/kernels.toml [args.ep]): dispatch's and combine's, filled with
+        everything a call does not change."""
+        cfg, plan, lay = self.config, self.plan, self.layout
+        R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
+        common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=peer_bases,
                       error_word=kernels.host_mapped_pointer(self.error),
                       timeout_ns=min(max(int(cfg.timeout_s * 1e9), 1), 1 << 62),
                       off_signal=lay["signal"], off_counter=lay["counter"], off_recv_x=lay["recv_x"],
@@ -158,16 +186,6 @@ class NativeBackend:
                     wire_row_bytes=plan.scat_row, scale_row_bytes=plan.scat_scale_row) if plan.scatter else \
             dict(off_comb_x=lay["comb_x"], off_comb_w=lay["comb_w"], wire_row_bytes=plan.comb_row)
         self.cargs = self.k.struct("combine", **common, row_bytes=plan.comb_row, **comb)
-        self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
-        self._std = self._std_moe_setup() if cfg.enable_std_moe else None
-        self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
-        self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
-        self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
-        self.id_check = id_check_mode()  # "async" | "sync" | "off"
-        self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
-        self._late_words = 0  # ids synced_check reported before their host-mapped words arrived
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
 
     @property
     def dispatch_out_dtype(self) -> torch.dtype:
