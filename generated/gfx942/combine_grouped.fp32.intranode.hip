@@ -456,35 +456,86 @@ EPG_KERNEL void epg_combine_grouped__fp32__intranode(EpArgs a) {
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
 
-  // One thread per (token, 8 elements), token-major. Per source (rank, row) in the token's k order: the
-  // row's value from its grouped rows, rounded once to fp32, then added in fp32 as the gather does.
+  // One wave per (token, segment of EPG_CH * EPG_WAVE units of 8 elements); each lane takes EPG_CH units, one
+  // wave width apart (every load instruction coalesced). The token's slots, and per source (rank, row) in the
+  // token's k order that row's pair map and weights, are read once by the wave (lane j holds entry j) and
+  // shared by shuffles, so no metadata load waits ahead of a row load. Per source: the row's value from its
+  // grouped rows (pairs in ascending column, EPG_PAIRS at a time: EPG_CH x EPG_PAIRS loads in flight per lane),
+  // rounded once to fp32, then added in fp32 as the gather does: the same bits as before.
+  constexpr int EPG_CH = 1, EPG_PAIRS = 2;  // sm_90 bf16: 71 registers (2 x 2: 116, past a 768-thread block's 85)
   constexpr int BYTES8 = 32;  // bytes of 8 elements
   const epg_i64 n8 = a.row_bytes / BYTES8;
   const int* slots = (const int*)a.slots;
-  for (epg_i64 i = gtid; i < a.num_tokens * n8; i += gthreads) {
-    const epg_i64 t = i / n8;
-    const epg_i64 off = BYTES8 * (i % n8);
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < a.k; ++j) {
-      const int sr = slots[t * a.k + j];  // slot * world + rank, or -1
-      if (sr < 0) continue;
-      const char* peer = epg_peer(a, sr % (int)a.world);
-      const epg_i64 row = sr / (int)a.world;
-      const int* pos = (const int*)(peer + a.off_comb_w + 16) + row * a.k;
-      const float* w = (const float*)(peer + a.off_recv_w) + row * a.k;
-      const bool apply = *(const int*)(peer + a.off_comb_w) != 0;
-      float r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int jj = 0; jj < a.k; ++jj) {
-        const int g = pos[jj];
-        if (g < 0) continue;  // not local to that rank, or dropped past its grouped buffer
-        float f[8];
-        epg_load8(peer + a.off_comb_x + (epg_i64)g * a.row_bytes + off, f);
-        const float wt = apply ? w[jj] : 1.0f;
-        for (int e = 0; e < 8; ++e) r[e] = epg_add_product(r[e], wt, f[e]);
-      }
+  const int lane = epg_lane();
+  const epg_i64 seg_units = (epg_i64)EPG_CH * EPG_WAVE;
+  const epg_i64 nseg = (n8 + seg_units - 1) / seg_units;
+  for (epg_i64 it = gtid / EPG_WAVE; it < a.num_tokens * nseg; it += gthreads / EPG_WAVE) {
+    const epg_i64 t = it / nseg;
+    const epg_i64 u0 = (it % nseg) * seg_units + lane;  // this lane's first unit
+    float acc[EPG_CH][8];
 #pragma unroll
-      for (int h = 0; h < 8; h += EPG_PER16) epg_acc16(acc + h, epg_pack16(r + h));  // the row's rounding
+    for (int c = 0; c < EPG_CH; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+    for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
+      const int mine_slot = j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1;  // slot * world + rank, or -1
+      epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loops below are uniform
+      while (live) {
+        const int sr = (int)epg_shfl((epg_u32)mine_slot, epg_popc((live & (~live + 1)) - 1));  // ascending k
+        live &= live - 1;
+        const char* peer = epg_peer(a, sr % (int)a.world);
+        const epg_i64 row = sr / (int)a.world;
+        const char* rows = peer + a.off_comb_x;
+        const bool apply = *(const int*)(peer + a.off_comb_w) != 0;
+        float r[EPG_CH][8];
+#pragma unroll
+        for (int c = 0; c < EPG_CH; ++c)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) r[c][e] = 0.f;
+        for (int p0 = 0; p0 < a.k; p0 += EPG_WAVE) {
+          const bool in = p0 + lane < a.k;
+          // not local to that rank, or dropped past its grouped buffer: -1
+          const int my_g = in ? ((const int*)(peer + a.off_comb_w + 16))[row * a.k + p0 + lane] : -1;
+          const float my_w = in && apply ? ((const float*)(peer + a.off_recv_w))[row * a.k + p0 + lane] : 1.0f;
+          epg_u64 pairs = epg_ballot(my_g >= 0);
+          while (pairs) {
+            int g[EPG_PAIRS];
+            float wt[EPG_PAIRS];
+#pragma unroll
+            for (int q = 0; q < EPG_PAIRS; ++q) {
+              g[q] = -1;
+              wt[q] = 0.f;
+              if (pairs) {
+                const int jj = epg_popc((pairs & (~pairs + 1)) - 1);  // ascending column
+                pairs &= pairs - 1;
+                g[q] = (int)epg_shfl((epg_u32)my_g, jj);
+                wt[q] = epg_bits_f32(epg_shfl(epg_f32_bits(my_w), jj));
+              }
+            }
+            float f[EPG_PAIRS][EPG_CH][8];
+#pragma unroll
+            for (int q = 0; q < EPG_PAIRS; ++q)
+#pragma unroll
+              for (int c = 0; c < EPG_CH; ++c)
+                if (g[q] >= 0 && u0 + c * EPG_WAVE < n8)
+                  epg_load8(rows + (epg_i64)g[q] * a.row_bytes + BYTES8 * (u0 + c * EPG_WAVE), f[q][c]);
+#pragma unroll
+            for (int q = 0; q < EPG_PAIRS; ++q)
+#pragma unroll
+              for (int c = 0; c < EPG_CH; ++c)
+                if (g[q] >= 0 && u0 + c * EPG_WAVE < n8)
+#pragma unroll
+                  for (int e = 0; e < 8; ++e) r[c][e] = epg_add_product(r[c][e], wt[q], f[q][c][e]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < EPG_CH; ++c)
+#pragma unroll
+          for (int h = 0; h < 8; h += EPG_PER16) epg_acc16(acc[c] + h, epg_pack16(r[c] + h));  // the row's rounding
+      }
     }
-    epg_store8((char*)a.out + t * a.row_bytes + off, acc);
+#pragma unroll
+    for (int c = 0; c < EPG_CH; ++c)
+      if (u0 + c * EPG_WAVE < n8) epg_store8((char*)a.out + t * a.row_bytes + BYTES8 * (u0 + c * EPG_WAVE), acc[c]);
   }
 }
