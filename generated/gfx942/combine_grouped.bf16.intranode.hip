@@ -466,7 +466,7 @@ EPG_KERNEL void epg_combine_grouped__bf16__intranode(EpArgs a) {
   // shared by shuffles, so no metadata load waits ahead of a row load. Per source: the row's value from its
   // grouped rows (pairs in ascending column, EPG_PAIRS at a time: EPG_CH x EPG_PAIRS loads in flight per lane),
   // rounded once to bf16, then added in fp32 as the gather does: the same bits as before.
-  constexpr int EPG_CH = 1, EPG_PAIRS = 2;  // sm_90 bf16: 71 registers (2 x 2: 116, past a 768-thread block's 85)
+  constexpr int EPG_CH = 1, EPG_PAIRS = 4;  // sm_90 bf16: 94 registers, one 512-thread block per SM (1 x 2: 71, 2 x 2: 116)
   constexpr int BYTES8 = 16;  // bytes of 8 elements
   const epg_i64 n8 = a.row_bytes / BYTES8;
   const int* slots = (const int*)a.slots;
