@@ -39,32 +39,36 @@ def _name(kernel: str) -> str:
     return kernel.split("<")[0].split("(")[0].strip()[:60]
 
 
-def point(T: int, form: str, args, meta: dict) -> dict:
+def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
+    """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
+    unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
+    the profiler."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
     cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
-    with EpDispatchCombineOp(cfg) as op:
-        s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
-        x, w, idx = s["x"], s["w"], s["idx"]
-        view = op.grouped_out_view() if form == "fused" else None
-        y = view if view is not None else torch.empty(cfg.resolved_grouped_capacity, args.hidden,
-                                                      dtype=torch.bfloat16, device=op.device)
+    op = EpDispatchCombineOp(cfg)
+    keep.append(op)
+    s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
+    x, w, idx = s["x"], s["w"], s["idx"]
+    view = op.grouped_out_view() if form == "fused" else None
+    y = view if view is not None else torch.empty(cfg.resolved_grouped_capacity, args.hidden,
+                                                  dtype=torch.bfloat16, device=op.device)
 
-        def layer():
-            layout, h = op.dispatch_grouped(x, w, None, idx)
-            y.copy_(layout.x)
-            op.combine_grouped(y, h)
+    def layer():
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        y.copy_(layout.x)
+        op.combine_grouped(y, h)
 
-        warm_on_side_stream(layer)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(args.layers):
-                layer()
-        per_layer = statistics.median(ms / args.layers for ms in graphprof.replay_ms(g, args.reps)) * 1e3
-        profiled = max(3, args.reps // 3)
-        events = graphprof.graph_kernel_events(g, profiled, sync=dist.barrier)
-        op.check()
-        del g
+    warm_on_side_stream(layer)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(args.layers):
+            layer()
+    per_layer = statistics.median(ms / args.layers for ms in graphprof.replay_ms(g, args.reps)) * 1e3
+    profiled = max(3, args.reps // 3)
+    events = graphprof.graph_kernel_events(g, profiled, sync=dist.barrier)
+    op.check()
+    del g
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
@@ -97,14 +101,17 @@ def main() -> int:
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     meta = record_meta(torch.device("cuda", torch.cuda.current_device()))
+    keep: list = []
     for T in args.tokens:
         for form in args.forms:
-            rec = point(T, form, args, meta)
+            rec = point(T, form, args, meta, keep)
             if dist.get_rank() == 0:
                 print("\n".join(table(rec)), flush=True)
                 if args.out:
                     with args.out.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
+    for op in keep:
+        op.close()
     dist.destroy_process_group()
     return 0
 
