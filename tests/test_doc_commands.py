@@ -251,7 +251,8 @@ def check(cmd: str) -> None:
 
 
 GPU_SCRIPTS = ("scripts/device_run.sh", "scripts/host_profile.py", "scripts/grouped_time.py")
-RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/plot_bench.py")  # records -> tables
+RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/grouped_profile_table.py",
+                  "scripts/plot_bench.py")  # records -> tables and plots
 WRITES_RESULTS = ("scripts/plot_bench.py",)  # writes a .png beside its records: run in a copy
 
 
