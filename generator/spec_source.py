@@ -87,6 +87,15 @@ class _Source:
             return heads[occurrence]
         return next((i for i, p, _ in self.entries if p[:len(header)] == header), 1)
 
+    def deepest_line(self, path: tuple[str, ...]) -> int:
+        """Line of the first table or key that reaches farthest along `path` (an inline table's keys have
+        none of their own: its key's line); 1 if nothing does."""
+        for n in range(len(path), 0, -1):
+            hit = next((i for i, p, _ in self.entries if p[:n] == path[:n]), None)
+            if hit is not None:
+                return hit
+        return 1
+
     def key_line(self, header: tuple[str, ...], key: str, occurrence: int = 0, start: int = 0) -> int:
         """Line of `key =` inside table `header` (also `key.x = ` or a `[header.key]` sub-table), searched
         from the occurrence-th `[header]` (or from line `start`); that line if not found."""
@@ -134,9 +143,14 @@ def _read(path: Path) -> tuple[_Source, dict[str, Any], bytes]:
     return src, data, raw
 
 
-def _check_lengths(src: _Source, text: str, node: Any, path: tuple[str, ...]) -> None:
+def _check_lengths(src: _Source, text: str, node: Any, path: tuple[str, ...], depth: int = 0) -> None:
     """Every key and string of the file within MAX_STRING characters (before any message quotes one), at
-    the line where it stands (found by its first characters; line 1 if an escape hides them)."""
+    the line where it stands (found by its first characters; line 1 if an escape hides them); tables and
+    arrays (dotted headers and keys included, which the text scan does not count) at most MAX_DEPTH deep,
+    at the line of the first key that goes deeper."""
+    if depth > spec_limits.MAX_DEPTH:
+        raise _fail(src, lambda: src.deepest_line(path),
+                    f"tables / arrays nested more than {spec_limits.MAX_DEPTH} deep (dotted keys count too)")
     items = node.items() if isinstance(node, dict) else ((None, v) for v in node) if isinstance(node, list) else ()
     for key, value in items:
         for s, what in ((key, "table or key name"), (value, f"[{show(path)}] {key}" if key else f"[{show(path)}]")):
@@ -145,4 +159,4 @@ def _check_lengths(src: _Source, text: str, node: Any, path: tuple[str, ...]) ->
                 at = text.find(s[:64])
                 raise _fail(src, text.count("\n", 0, at) + 1 if at >= 0 else 1, f"{what}: {why}")
         if isinstance(value, (dict, list)):
-            _check_lengths(src, text, value, path + ((key,) if key is not None else ()))
+            _check_lengths(src, text, value, path + ((key,) if key is not None else ()), depth + 1)

@@ -36,6 +36,17 @@ def local_expert_count(out_indices, total_recv, rank: int, experts_per_rank: int
     return counts[:experts_per_rank].to(torch.int32)
 
 
+def routed_pairs(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [num_experts]: (token, column) pairs of `indices` [T, k] per expert id, before any receive cap
+    drops a row (ids outside 0..num_experts-1 name no expert). A source's share of routed_expert_count:
+    summed over the sources, the slice of rank r's experts is r's routed count."""
+    e = indices.long().reshape(-1)
+    e = torch.where((e >= 0) & (e < num_experts), e, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=indices.device)
+    counts.scatter_add_(0, e, torch.ones_like(e))
+    return counts[:num_experts].to(torch.int32)
+
+
 def pack(out, out_weights, out_indices, total_recv, rank: int, experts_per_rank: int, capacity: int):
     """Dispatch output -> (packed_x [E, C, H], packed_count int32 [E], packed_src int32 [E, C],
     packed_weights float32 [E, C], dropped int32 scalar). See the module docstring."""

@@ -46,15 +46,20 @@ _UIDS = itertools.count(1)
 class EpDispatchCombineOp:
     """Expert-parallel dispatch/combine over one process group (see the module docstring)."""
 
-    def __init__(self, config: EpDispatchCombineConfig, group=None, *, combine_weights: str = "values"):
+    def __init__(self, config: EpDispatchCombineConfig, group=None, *, combine_weights: str = "values",
+                 count_routed: bool = False):
         """combine_weights: what combine's ``weights`` means. "values" (epgen): the rows passed are summed per
         token like the expert output. "fold" (the seed library's; runtime.seed_compat's op uses it): any non-None
         ``weights`` asks for the sum of the last dispatch's forwarded weights; the values passed, and
-        ``indices``, are unused."""
+        ``indices``, are unused. count_routed: keep routed_expert_count() under a receive cap on a backend
+        that does not gather every rank's ids (the native ones): one more small all-gather per dispatch."""
         if not isinstance(config, EpDispatchCombineConfig):
             raise ConfigError(f"config must be an EpDispatchCombineConfig, got {type(config).__name__}")
         aliases.check_op_args(group, combine_weights)
+        if not isinstance(count_routed, bool):
+            raise ConfigError(f"count_routed must be a bool, got {aliases.type_name(count_routed)}")
         self._combine_weights = combine_weights
+        self._count_routed = count_routed
         check_config_agreement(config, group)  # collective; before anything is allocated
         check_host_layout(config, group)  # collective
         self.config = config
@@ -191,6 +196,7 @@ class EpDispatchCombineOp:
                 raise InputError(f"dispatch: routing replay needs the same token count: the handle has "
                                  f"{routing.num_tokens} tokens, x has {num_tokens}")
         self._last = self._packed = self._grouped = None  # the buffers are about to change
+        routed = self._routed_across(indices)  # before the backend, which may raise on some ranks only
         try:
             *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
         except CapacityError:
@@ -198,7 +204,8 @@ class EpDispatchCombineOp:
             raise
         self._seq += 1
         out, out_w, out_s, out_i, total = outs
-        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_s": out_s, "out_i": out_i, "total": total}
+        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_s": out_s, "out_i": out_i, "total": total,
+                      "routed": routed}
         if not return_routing:
             return tuple(outs)
         handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, seq=self._seq, **fields)
@@ -245,7 +252,8 @@ class EpDispatchCombineOp:
     def local_expert_count(self) -> torch.Tensor:
         """int32 [num_experts_per_rank] on the device: after the last dispatch, the (received row, column)
         pairs whose expert id is local (id // num_experts_per_rank == rank), per local expert; every
-        column counts (a token naming a local expert twice counts twice). No host sync."""
+        column counts (a token naming a local expert twice counts twice). Rows dropped past the receive cap
+        are not counted (the pairs the experts get: routed_expert_count() counts them too). No host sync."""
         self._check_open("local_expert_count")
         last = self._need_dispatch("local_expert_count")
         own = getattr(self._backend, "local_expert_count", None)
@@ -253,6 +261,47 @@ class EpDispatchCombineOp:
             return own()
         cfg = self.config
         return moe.local_expert_count(last["out_i"], last["total"], cfg.rank, cfg.num_experts_per_rank)
+
+    def routed_expert_count(self) -> torch.Tensor:
+        """int32 [num_experts_per_rank] on the device: after the last dispatch, the (token, column) pairs that
+        every rank routed to each local expert, rows dropped past the receive cap included (the seed library's
+        local_expert_count). Equals local_expert_count() when nothing was dropped. No host sync. A native
+        backend under a receive cap needs the op built with count_routed=True."""
+        self._check_open("routed_expert_count")
+        last = self._need_dispatch("routed_expert_count")
+        own = getattr(self._backend, "routed_expert_count", None)
+        if own is not None:
+            return own()
+        if last["routed"] is not None:
+            return last["routed"]
+        if not self._capped:  # nothing can be dropped: every routed pair was received
+            return self.local_expert_count()
+        raise InputError("routed_expert_count: under a receive cap (max_total_recv_tokens below the worst case) "
+                         f"the {self._backend.name} backend counts routed pairs only for an op built with "
+                         "count_routed=True")
+
+    @property
+    def _capped(self) -> bool:
+        cfg = self.config
+        return cfg.max_recv_tokens < cfg.world_size * cfg.max_num_inp_token_per_rank
+
+    def _routed_across(self, indices: torch.Tensor) -> torch.Tensor | None:
+        """routed_expert_count of this dispatch where the backend keeps none and the op was asked to (under a
+        cap): every rank's pairs per expert (moe.routed_pairs) in one all-gather on the backend's group, this
+        rank's slice summed on the device. None where not needed."""
+        if not (self._count_routed and self._capped) or getattr(self._backend, "routed_expert_count", None):
+            return None
+        from .workspace import all_gather_single
+
+        cfg = self.config
+        mine = moe.routed_pairs(indices, cfg.num_experts)
+        group = getattr(self._backend, "group", None)
+        if group is not None and cfg.world_size > 1:
+            every = torch.empty(cfg.world_size * cfg.num_experts, dtype=mine.dtype, device=mine.device)
+            all_gather_single(every, mine, group)
+            mine = every.view(cfg.world_size, cfg.num_experts).sum(0, dtype=torch.int32)
+        epr = cfg.num_experts_per_rank
+        return mine[cfg.rank * epr:(cfg.rank + 1) * epr]
 
     def convert_dispatch_output(self):
         """Standard-MoE layout of the last dispatch (needs enable_std_moe=True; bf16/fp32 payloads).

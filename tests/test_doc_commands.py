@@ -1,7 +1,15 @@
-"""Every command README.md and docs/ show (```bash blocks and inline `code` that starts with a command) runs as
-written: the cheap ones are run (pip wheel, the generator's list / explain / check / --help, epgen doctor), the
-others have their flags checked against the parser or script they name (the generator's and bench's argparse
-parsers, the scripts' and examples' own flags and environment variables, pip's extras in pyproject.toml)."""
+"""Every command README.md and docs/ show (```bash blocks and inline `code` that starts with a command) works as
+written. Each case says what it does with its command (plan()):
+
+* run: executed as written, and its exit status checked: every command that needs no GPU and finishes in a
+  reasonable time on a small CPU machine (the generator's list / explain / check / build / --help, epgen doctor,
+  pip wheel, the CPU run of examples/moe_layer.py on 2 gloo ranks, the scripts that turn committed records into
+  tables and plots). Outputs that would land in the checkout go to temporary folders.
+* parsed: its flags checked against the parser or script it names (the generator's and bench's argparse
+  parsers, the scripts' and examples' own flags and environment variables, pip's extras in pyproject.toml,
+  what .ci/run installs), with the reason it is not run: it needs a GPU, installs onto the machine, runs the
+  whole suite, names a placeholder, or reads a GPU run's output that is not committed.
+"""
 
 from __future__ import annotations
 
@@ -146,12 +154,7 @@ def _pip_wheel(argv: list[str]) -> None:
     """Run it, as written, in a copy of the checkout's tracked files: exactly epgen's wheel lands in its -w folder."""
     key = " ".join(argv)
     if key not in WHEELS:
-        work = Path(_tmp()) / f"wheel{len(WHEELS)}"
-        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True).stdout.split("\0")
-        for f in filter(None, files):
-            if (ROOT / f).is_file() and not f.startswith(("generated/", "results/")):
-                (work / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / f, work / f)
+        work = _tracked_copy(f"wheel{len(WHEELS)}", skip=("generated/", "results/"))
         r = subprocess.run([sys.executable, "-m", "pip", *argv, "-q"], cwd=work, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, f"pip {key}: {r.stderr[-2000:]}"
@@ -160,7 +163,47 @@ def _pip_wheel(argv: list[str]) -> None:
     assert len(WHEELS[key]) == 1 and WHEELS[key][0].startswith("epgen-"), f"pip {key} made {WHEELS[key]}"
 
 
+def _build(argv: list[str]) -> None:
+    """The build as written, its sources and code objects in temporary folders (not the checkout's generated/)."""
+    from generator import build
+
+    if not any(shutil.which(c) for c in ("clang++-22", "clang++-21", "clang++-20", "clang++", "hipcc")):
+        pytest.skip("no clang: the build would only render (CI installs clang-22)")
+    out = Path(_tmp()) / f"build{len(_RAN)}"
+    env = {build.GENERATED_ENV: str(out / "generated"), "EPGEN_CACHE_DIR": str(out / "cache")}
+    _run([sys.executable, "-m", "generator", *argv], env=env)
+
+
+def _run(argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> str:
+    """Run a command of the docs (once, however many docs show it); this checkout's packages first on the path
+    (not an installed copy)."""
+    import os
+
+    key = " ".join(argv[1:])
+    if key in _RAN:
+        return _RAN[key]
+    full = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                    os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(argv)}: exit {r.returncode}\n{(r.stdout + r.stderr)[-3000:]}"
+    _RAN[key] = r.stdout
+    return r.stdout
+
+
+def _tracked_copy(name: str, skip: tuple[str, ...] = ("generated/",)) -> Path:
+    """A copy of the checkout's tracked files but those under `skip`, for a command that writes into it."""
+    work = Path(_tmp()) / name
+    if not work.exists():
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True).stdout.split("\0")
+        for f in filter(None, files):
+            if (ROOT / f).is_file() and not f.startswith(skip):
+                (work / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / f, work / f)
+    return work
+
+
 _TMP: list[str] = []
+_RAN: dict[str, str] = {}  # command -> its output
 
 
 def _tmp() -> str:
@@ -207,15 +250,87 @@ def check(cmd: str) -> None:
         raise AssertionError(f"{cmd!r}: a command this test does not know how to check")
 
 
+GPU_SCRIPTS = ("scripts/device_run.sh", "scripts/host_profile.py", "scripts/grouped_time.py")
+RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/grouped_profile_table.py",
+                  "scripts/plot_bench.py")  # records -> tables and plots
+WRITES_RESULTS = ("scripts/plot_bench.py",)  # writes a .png beside its records: run in a copy
+
+
+def plan(cmd: str):
+    """-> ("run", runner or None: check() itself runs it) or ("parsed", why it is not run)."""
+    words = shlex.split(cmd)
+    while words and ENV.match(words[0]):
+        words.pop(0)
+    head, argv = words[0], words[1:]
+    if head in ("python", "python3") and argv[:2] == ["-m", "pip"]:
+        head, argv = "pip", argv[2:]
+    if head == "apt-get":
+        return "parsed", "installs system packages"
+    if head == "pip":
+        return ("run", None) if argv[0] == "wheel" else ("parsed", "installs into the Python environment")
+    if head in ("python", "python3") and argv[0] == "-m" and argv[1] == "generator" or head == "epgen":
+        sub = argv[2:] if head != "epgen" else argv
+        if sub[:1] in (["bench"], ["tune"]):
+            return "parsed", "needs a GPU"
+        return ("run", lambda: _build(sub)) if sub[:1] == ["build"] else ("run", None)
+    script = argv[0] if head in ("python", "python3", "bash") else head
+    if head == "torchrun":
+        i = 0
+        while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+            i += 1 if "=" in argv[i] or argv[i] == "--standalone" else 2
+        nproc = argv[argv.index("--nproc-per-node") + 1]
+        script, rest = (f"-m {argv[i + 1]}", argv[i + 2:]) if argv[i] == "-m" else (argv[i], argv[i + 1:])
+        if not nproc.isdigit() or "--nnodes" in argv:
+            return "parsed", "a placeholder for the ranks"
+        if script in PLACEHOLDER_SCRIPTS:
+            return "parsed", "the reader's own script"
+        if script == "examples/moe_layer.py" and "--hidden" in rest:
+            return "run", lambda: _run([sys.executable, "-m", "torch.distributed.run", *argv])
+        return "parsed", "needs a GPU"
+    if script == "scripts/test.sh":
+        return "parsed", "the whole test suite (CI runs it)"
+    if head == "python3" and argv[0] == "-m" or head == "python" and argv[0] == "-m" or script in GPU_SCRIPTS:
+        return "parsed", "needs a GPU"
+    if script in RECORD_SCRIPTS:
+        missing = [a for a in argv[1:] if a.endswith(".jsonl") and not (ROOT / a).is_file()]
+        if missing:
+            return "parsed", f"reads a GPU run's output, not committed ({missing[0]})"
+        writes = script in WRITES_RESULTS
+        return "run", lambda: _run([sys.executable, *argv], cwd=_tracked_copy("records") if writes else ROOT)
+    raise AssertionError(f"{cmd!r}: neither run nor parsed: say which in plan()")
+
+
+CASES = [(doc, cmd, *plan(cmd)) for doc, cmd in all_commands()]
+RUN = [(doc, cmd, runner) for doc, cmd, kind, runner in CASES if kind == "run"]
+PARSED = [(doc, cmd, why) for doc, cmd, kind, why in CASES if kind == "parsed"]
+
+
 def test_the_docs_show_commands():
     cmds = [c for _, c in all_commands()]
     assert any("pip wheel" in c for c in cmds) and any("-m generator build" in c for c in cmds)
     assert any(c.startswith("torchrun") and "-m bench" in c for c in cmds)
 
 
-@pytest.mark.parametrize("doc,cmd", all_commands(), ids=lambda v: v if "/" not in v or " " in v else v)
-def test_documented_command_runs_as_written(doc, cmd):
+@pytest.mark.parametrize("doc,cmd,runner", RUN, ids=[f"run: {d}: {c}" for d, c, _ in RUN])
+def test_documented_command_runs_as_written(doc, cmd, runner):
+    check(cmd)  # its flags; the generator's cheap commands, epgen doctor and pip wheel run here
+    if runner is not None:
+        runner()
+
+
+@pytest.mark.parametrize("doc,cmd,why", PARSED, ids=[f"parsed ({w}): {d}: {c}" for d, c, w in PARSED])
+def test_documented_command_parses(doc, cmd, why):
     check(cmd)
+
+
+def test_every_command_that_needs_no_gpu_is_run():
+    ran = {c for _, c, _ in RUN}
+    for cmd in ("python3 -m generator build --arch gfx950", "epgen doctor", "pip wheel --no-deps -w dist .",
+                "torchrun --nproc-per-node 2 examples/moe_layer.py --hidden 512 --experts 16 --intermediate 128",
+                "python scripts/sweep_table.py", "python scripts/plot_bench.py",
+                "python scripts/layer_table.py results/2026-12-01-2xH200-7b1a81d/layer.jsonl"):
+        assert cmd in ran, f"{cmd}: documented, needs no GPU, and is not run"
+    assert all(why for _, _, why in PARSED)
 
 
 def test_the_checker_rejects_what_does_not_exist():

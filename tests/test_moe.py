@@ -181,9 +181,16 @@ def scn_cap(rank, world, cap, seed):
         assert out.shape[0] == cap and h.recv_src.tolist() == [list(p) for p in kept]
         for i, (s, t) in enumerate(kept):
             assert torch.equal(out[i], inputs[s][0][t]) and torch.equal(out_w[i], inputs[s][1][t])
-        # local expert counts see only the kept rows
+        # local expert counts see only the kept rows; routed counts every rank's pairs, dropped rows included
         pairs = _local_pairs([inputs[s][2][t].tolist() for s, t in kept], rank, cfg.num_experts_per_rank)
         assert op.local_expert_count().tolist() == [len(p) for p in pairs]
+        routed = [len(p) for p in _local_pairs([r.tolist() for _, _, i in inputs for r in i], rank,
+                                               cfg.num_experts_per_rank)]
+        got = op.routed_expert_count()
+        assert got.dtype == torch.int32 and got.device == op.device and got.tolist() == routed
+        lost = _local_pairs([inputs[s][2][t].tolist() for s, t in full[cap:]], rank, cfg.num_experts_per_rank)
+        assert routed == [len(a) + len(b) for a, b in zip(pairs, lost)]  # each dropped row had a local pair
+        scn_routed_on_the_op(rank, world, cap, inputs, routed)
         # identity combine: a token gets one copy per destination rank that kept its row
         kept_all = {d: set(_exp_received(inputs, d)[:cap]) for d in range(world)}
         u = torch.tensor([[sum((rank, t) in kept_all[d] for d in range(world))] for t in range(T)], dtype=torch.float32)
@@ -192,6 +199,23 @@ def scn_cap(rank, world, cap, seed):
         assert any(int(u[t]) < len(destination_ranks(idx[t].tolist(), cfg.num_experts_per_rank))
                    for t in range(T)) or not int(dropped)
     return int(dropped)
+
+
+def scn_routed_on_the_op(rank, world, cap, inputs, routed):
+    """routed_expert_count where the backend keeps none (the native ones): the op gathers every rank's pairs
+    when built with count_routed=True, refuses under a cap without it, and needs nothing without a cap."""
+    x, w, idx = inputs[rank]
+    for count_routed, c in ((True, cap), (False, cap), (False, 0)):
+        with EpDispatchCombineOp(_cfg(rank, world, max_total_recv_tokens=c), count_routed=count_routed) as op:
+            op._backend.routed_expert_count = None  # as a backend without its own count
+            op.dispatch(x, w, None, idx)
+            if c and not count_routed:
+                with pytest.raises(InputError, match=r"^routed_expert_count: under a receive cap .* count_routed=True"):
+                    op.routed_expert_count()
+                continue
+            got = op.routed_expert_count()
+            assert got.dtype == torch.int32 and got.tolist() == routed
+            assert c or torch.equal(got, op.local_expert_count())
 
 
 def scn_strict(rank, world):
@@ -298,9 +322,11 @@ def test_bad_inputs(no_env):
     op, other = _one_rank_op(enable_std_moe=True), _one_rank_op(enable_std_moe=True)
     for call, what in ((op.convert_dispatch_output, "convert_dispatch_output"),
                        (op.local_expert_count, "local_expert_count"), (op.dropped_count, "dropped_count"),
-                       (op.std_moe_dropped, "std_moe_dropped")):
+                       (op.routed_expert_count, "routed_expert_count"), (op.std_moe_dropped, "std_moe_dropped")):
         with pytest.raises(InputError, match=f"^{what}: no dispatch yet"):
             call()
+    with pytest.raises(ConfigError, match=r"^count_routed must be a bool, got str$"):
+        EpDispatchCombineOp(_cfg(0, 1), count_routed="yes")
     y = torch.zeros(EPR1, op.config.resolved_expert_capacity, H, dtype=torch.bfloat16)
     *_, h = op.dispatch(x, w, None, idx, return_routing=True)
     other_h = other.dispatch(x, w, None, idx, return_routing=True)[-1]
@@ -397,6 +423,7 @@ def test_build_close_ten_times_then_closed(no_env):
         "dispatch": lambda: op.dispatch(x, w, None, idx), "combine": lambda: op.combine(out, routing=h),
         "combine_in_view": op.combine_in_view, "check": op.check, "reset": op.reset,
         "dropped_count": op.dropped_count, "local_expert_count": op.local_expert_count,
+        "routed_expert_count": op.routed_expert_count,
         "convert_dispatch_output": op.convert_dispatch_output, "std_moe_dropped": op.std_moe_dropped,
         "convert_combine_input": lambda: op.convert_combine_input(y, h), "memory_report": op.memory_report,
         "scale_stride_bytes": op.scale_stride_bytes, "grouped_layout": op.grouped_layout,

@@ -150,7 +150,9 @@ def test_op_check(monkeypatch):
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
     op = EpDispatchCombineOp(_cfg(0, 1))
     op.check()  # the torch backend has no device-side waits
-    assert check_round(op, 0, 1, 3, [4]) >= 0
+    # four tokens, k = 4: three name an expert (with repeats and -1s), one names none and sends no row
+    ids = torch.tensor([[0, -1, -1, -1], [3, 3, 0, -1], [-1, -1, -1, -1], [-1, 2, -1, 1]], dtype=torch.int32)
+    assert check_round(op, 0, 1, 3, [4], indices_fn=lambda n: ids[:n]) == 3
     op.check()
 
     def expired():

@@ -1,5 +1,11 @@
 """Rendering: deterministic, strict, thin per-target differences, write-on-change, tree fresh."""
 
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jinja2
 import pytest
 
@@ -7,20 +13,61 @@ from generator import build as B
 from generator import render
 from generator.model import enumerate_variants
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _one(specs, key):
     target = key.split("/")[0]
     return next(v for v in enumerate_variants(specs, [target], "all")[0] if v.key == key)
 
 
-def test_generated_tree_is_fresh(specs):
+def _git_blob(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_generated_tree_is_fresh(specs, tmp_path):
+    """generated/ as git holds it (the index: what a commit takes) is a fresh render, file for file. Not the
+    working tree: scripts/test.sh rebuilds that before the tests run, so it would always pass."""
+    listed = subprocess.run(["git", "ls-files", "-s", "-z", "--", "generated"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: no committed generated/ tree to compare")
+    committed = {}
+    for entry in filter(None, listed.stdout.split(b"\0")):
+        meta, path = entry.split(b"\t", 1)
+        committed[path.decode().removeprefix("generated/")] = meta.split()[1].decode()
     for arch in specs.targets:
-        assert B.freshness(specs, arch) == [], "run: python -m generator build --arch all --no-compile"
+        B.write_target(specs, arch, tmp_path)
+    fresh = {p.relative_to(tmp_path).as_posix(): _git_blob(p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()}
+    assert fresh, "nothing rendered"
+    problems = [f"missing {n}" for n in sorted(fresh.keys() - committed.keys())]
+    problems += [f"stale {n}" for n in sorted(committed.keys() - fresh.keys())]
+    problems += [f"out of date {n}" for n in sorted(fresh.keys() & committed.keys()) if fresh[n] != committed[n]]
+    assert problems == [], "run: python -m generator build --arch all --no-compile, then commit generated/"
 
 
-def test_render_is_deterministic(specs):
-    v = _one(specs, "gfx950/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise")
-    assert render.render(v) == render.render(v)
+_RENDER_ALL = """
+import hashlib, sys
+from generator import specs as S, render
+from generator.model import enumerate_variants
+specs = S.load()
+h = hashlib.sha256()
+for v in enumerate_variants(specs, list(specs.targets), "all")[0]:
+    h.update(v.key.encode() + b"\\0" + render.render(v).encode() + b"\\0")
+print(h.hexdigest())
+"""
+
+
+def test_render_is_deterministic():
+    """Every variant of every target rendered in two processes with different string hashing (set and dict
+    orders built from names differ between them): the same text."""
+    digests = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}  # conftest's EPGEN_TUNING_FILE="" too: the specs' tables
+        r = subprocess.run([sys.executable, "-c", _RENDER_ALL], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        digests.append(r.stdout.strip())
+    assert len(digests[0]) == 64 and digests[0] == digests[1]
 
 
 @pytest.mark.parametrize("key,present,absent", [

@@ -102,7 +102,15 @@ def test_tuner_rewrite_round_trip(spec_copy):
     assert text.startswith("# Launch geometry")  # the header comment is kept
 
 
-def test_native_geometry_takes_table_and_override():
+def test_native_geometry_takes_table_and_override(spec_copy, monkeypatch):
+    # a table of known buckets: dispatch up to 128 tokens 32 blocks x 256 threads, then the whole GPU x 512;
+    # combine the whole GPU x 512 (blocks = 0: one per multiprocessor)
+    _write(spec_copy, _table({("sm_90", "dispatch"): ["max_tokens = 128\nblocks = 32\nthreads = 256",
+                                                      "max_tokens = 0\nblocks = 0\nthreads = 512"]}))
+    import runtime.backends.native as native
+
+    specs = S.load(spec_copy)
+    monkeypatch.setattr(native, "load_specs", lambda: specs)
     occupancy = {"dispatch": 1, "combine": 1}  # resident blocks per multiprocessor, as the driver says
     fake = types.SimpleNamespace(arch="sm_90", num_sms=132, wave=32, _dispatch_converts=False,
                                  config=_config(launch_blocks=0, launch_threads=0, launch_rows="wave", world_size=2),
@@ -110,19 +118,13 @@ def test_native_geometry_takes_table_and_override():
                                     "combine": types.SimpleNamespace(blocks_per_sm=lambda t: occupancy["combine"])})
     fake._block_rows = lambda tokens: NativeBackend._block_rows(fake, tokens)
     geo = NativeBackend._geometry
-    from runtime.config import load_specs
-
-    def table(role, tokens):
-        b = S.geometry(load_specs(), "sm_90", role, tokens)
-        return b.blocks or 132, b.threads
-
-    blocks, threads = table("combine", 4096)
-    assert geo(fake, "combine", 4096, 4096) == (min(blocks, 132), threads)  # combine: at most one block per SM
-    blocks, threads = table("dispatch", 1)
-    assert geo(fake, "dispatch", 1, 8) == (min(blocks, -(-8 // (threads // 32))), threads)  # no more blocks than work
-    assert geo(fake, "dispatch", 1, 8)[0] < 132
-    blocks, threads = table("dispatch", 4096)
-    assert geo(fake, "dispatch", 4096, 32768) == (min(blocks, -(-32768 // (threads // 32))), threads)
+    assert geo(fake, "combine", 4096, 4096) == (132, 512)  # one block per SM (occupancy 1)
+    # dispatch, 256 threads = 8 waves a block, a row per wave: no more blocks than the rows need
+    assert geo(fake, "dispatch", 1, 8) == (1, 256)  # 8 rows: one block
+    assert geo(fake, "dispatch", 100, 200) == (25, 256)  # 200 rows: 25 blocks
+    assert geo(fake, "dispatch", 128, 1024) == (32, 256)  # 1024 rows: the bucket's 32
+    assert geo(fake, "dispatch", 4096, 32768) == (132, 512)  # past 128 tokens: the whole GPU, 16 waves a block
+    assert geo(fake, "dispatch", 4096, 160) == (10, 512)  # 160 rows / 16 waves: 10 blocks
     fake.config = _config(launch_blocks=500, launch_threads=256, launch_rows="wave", world_size=2)
     assert geo(fake, "combine", 1, 1) == (132, 256)  # capped at what stays resident: one block per SM here
     assert geo(fake, "dispatch", 4096, 32768) == (132, 256)

@@ -29,6 +29,8 @@ A backend is built as ``Backend(config, group)`` and provides:
   MoE integration (each optional; without one the op uses the plain-torch reference in runtime/moe.py
   on the last dispatch's outputs, except dropped_count, which the backend must provide):
   dropped_count() -> int32 scalar tensor; local_expert_count() -> int32 [num_experts_per_rank];
+  routed_expert_count() -> int32 [num_experts_per_rank] (without it the op gathers the counts itself when
+  built with count_routed=True, under a receive cap);
   convert_dispatch_output() -> (packed_x, packed_count, packed_src, packed_weights);
   std_moe_dropped() -> int32 scalar tensor; convert_combine_input(expert_out, routing) -> [R, H];
   memory_report() -> dict (else the op reports the native workspace formula of docs/RUNTIME.md)

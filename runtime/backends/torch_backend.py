@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import collectives, numerics
+from .. import collectives, moe, numerics
 from ..config import EpDispatchCombineConfig
 from ..errors import CapacityError, ConfigError, InputError
 
@@ -186,6 +186,7 @@ class TorchBackend:
             self.device = torch.device("cpu")
         self._in_view: torch.Tensor | None = None
         self._dropped: torch.Tensor | None = None
+        self._routed: torch.Tensor | None = None  # routed_expert_count of the last dispatch
         self.last_internode_kernel: str | None = None
 
     @property
@@ -409,6 +410,7 @@ class TorchBackend:
                 if out_s is not None:
                     out_s[sel] = all_s[src][tok]
         self._dropped = torch.tensor(dropped, dtype=torch.int32, device=dev)
+        self._routed = moe.routed_pairs(torch.cat(all_idx), cfg.num_experts)[me * epr:(me + 1) * epr]
         if dropped and cfg.strict_capacity:
             raise CapacityError(f"dispatch: rank {me} dropped {dropped} received row(s) past its receive "
                                 f"capacity max_recv_tokens={rows_max} (strict_capacity=True)",
@@ -422,6 +424,11 @@ class TorchBackend:
         if self._dropped is None:
             raise InputError("dropped_count: no dispatch yet")
         return self._dropped
+
+    def routed_expert_count(self) -> torch.Tensor:
+        """int32 [num_experts_per_rank]: the last dispatch's (token, k) pairs of every rank per local expert,
+        dropped rows included (every source's ids are gathered here anyway)."""
+        return self._routed
 
     # --- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out, weights, indices, routing):
@@ -536,10 +543,10 @@ class TorchBackend:
                            "P*(wire_row + scale_row))"}
 
     def reset(self) -> None:
-        """Nothing persists between calls in this backend but the last drop count."""
-        self._dropped = None
+        """Nothing persists between calls in this backend but the last drop and routed counts."""
+        self._dropped = self._routed = None
 
     def close(self) -> None:
         self._in_view = None
-        self._dropped = None
+        self._dropped = self._routed = None
         self.group = None  # a closed op keeps no process group alive (to interpreter exit, say)

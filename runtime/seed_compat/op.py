@@ -148,7 +148,7 @@ class EpDispatchCombineOp:
         self._plan = plan = sconfig.epgen_plan(cfg, self._name)
         self._comm = comm if isinstance(comm, Communicator) else None
         group = comm.group if self._comm is not None else comm
-        self._core = EpgenOp(plan.config, group, combine_weights="fold")
+        self._core = EpgenOp(plan.config, group, combine_weights="fold", count_routed=True)
         self._closed = False
         self._made: dict[int, tuple] = {}  # id(dest map) -> (weakref to it, epgen handle)
         self._last = None  # the last dispatch's outputs (recv_tokens() ...) and its epgen handle
@@ -291,11 +291,12 @@ class EpDispatchCombineOp:
 
     # --- MoE integration ---------------------------------------------------------------------------------
     def local_expert_count(self) -> torch.Tensor:
-        """int32 [num_experts_per_rank]: the last dispatch's (received row, k) pairs per local expert."""
+        """int32 [num_experts_per_rank]: the last dispatch's routed (token, k) pairs per local expert, as the
+        seed counts them: rows dropped past the receive cap included (epgen's routed_expert_count)."""
         self._check_open("local_expert_count")
         if self._name == "hip":
             raise NotImplementedError("local_expert_count is flydsl-only; use backend='flydsl'")
-        return self._core.local_expert_count()
+        return self._core.routed_expert_count()
 
     def convert_dispatch_output(self):
         """-> (packed_x [E, C, hidden], packed_count int32 [E], packed_src int32 [E * C]), the seed's three.
