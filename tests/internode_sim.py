@@ -130,6 +130,19 @@ def k_reduce(route, back, slots, T, k, W, out, out_w, has_w, row_bytes, brec):
 
 
 KERNELS = {"pack": k_pack, "forward": k_forward, "unpack": k_unpack, "cpack": k_cpack, "reduce": k_reduce}
+FAMILIES = {"pack": "internode_pack", "forward": "internode_forward", "unpack": "internode_unpack",
+            "cpack": "internode_combine_pack", "reduce": "internode_reduce"}
+
+
+def declared_order(role: str, args: dict) -> list:
+    """The backend's named arguments in the family's declared order (specs/kernels.toml [args.NAME]): exactly the
+    declared names, as the real launch (runtime.kernels.Kernel) requires."""
+    from runtime.config import load_specs
+
+    specs = load_specs()
+    names = [f.name for f in specs.arglists[specs.families[FAMILIES[role]].args].fields]
+    assert sorted(args) == sorted(names), (role, sorted(set(args) ^ set(names)))
+    return [args[n] for n in names]
 
 
 class SimBackend(NativeInternodeBackend):
@@ -147,9 +160,9 @@ class SimBackend(NativeInternodeBackend):
             if buf is not None:  # garbage, as fresh device memory may hold
                 buf.copy_(torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8))
 
-    def _launch(self, route, role, items, *args, threads=0):
+    def _launch(self, route, role, items, threads=0, **args):
         if items > 0:
-            KERNELS[role](route, *args)
+            KERNELS[role](route, *declared_order(role, args))
 
     def _gather_pairs(self, mine):
         return [[int(v) for v in pair] for pair in self.world.exchange(self.config.rank, mine.clone())]
