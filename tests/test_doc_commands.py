@@ -116,6 +116,9 @@ def _epgen(argv: list[str]) -> None:
 
     if argv and argv[0] in epgen.BENCH_COMMANDS:
         _bench(epgen.BENCH_COMMANDS[argv[0]].replace(".cli", ""), argv[1:])
+    elif argv == ["--version"]:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert epgen.main(argv) == 0
     elif argv == ["doctor"]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

@@ -188,3 +188,37 @@ def test_a_generator_only_install_is_told_to_add_the_runtime_extra(monkeypatch):
     rc, _, err = run_cli(["bench"], epgen.main)
     assert rc == 2 and err.strip().endswith("pip install 'epgen[runtime]')"), err
     assert generator.foreign("generator") is None
+
+
+def test_version_is_printed_by_the_command_and_by_doctor():
+    from generator import __version__
+
+    rc, out, _ = run_cli(["--version"], epgen.main)
+    assert rc == 0 and out == f"epgen {__version__}\n"
+    rc, out, _ = run_cli(["--help"], epgen.main)
+    assert "epgen --version" in out
+
+
+def test_doctor_of_the_epgen_script_names_a_foreign_generator_in_this_folder(tmp_path):
+    """The `epgen` script imports from its own bin/, not the current folder, so a foreign `generator/` here
+    is seen only by Python run here (python -m, -c): doctor names it as `python -m epgen doctor` does
+    (python -P: the script's sys.path, the current folder left out)."""
+    where = _foreign(tmp_path, "generator")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = [sys.executable, "-P", "-c", "import sys, epgen; sys.exit(epgen.main(['doctor']))"]
+    for argv in (script, [sys.executable, "-m", "epgen", "doctor"]):
+        r = subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout.startswith("epgen "), (argv, r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and f"'generator' package Python" in r.stderr, (argv, r.stderr)
+        assert f"{where / 'generator' / '__init__.py'}, is not epgen's" in r.stderr, (argv, r.stderr)
+
+
+def test_only_a_foreign_package_in_this_folder_counts_as_shadowing(tmp_path, monkeypatch):
+    monkeypatch.chdir(_foreign(tmp_path, "generator"))  # not on sys.path here, as for the epgen script
+    assert "is not epgen's" in epgen._shadowed_here("generator")
+    (tmp_path / "generator" / "__init__.py").unlink()  # a namespace folder: a regular package later on wins
+    assert epgen._shadowed_here("generator") is None
+    (tmp_path / "generator" / "__init__.py").write_text((ROOT / "generator" / "__init__.py").read_text())
+    assert epgen._shadowed_here("generator") is None  # a copy of epgen's own
+    (tmp_path / "bench.py").write_text("")
+    assert f"{tmp_path / 'bench.py'}, is not epgen's" in epgen._shadowed_here("bench")
