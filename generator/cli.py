@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -118,7 +119,9 @@ def cmd_explain(specs: S.Specs, args) -> int:
                 return _explain_variant(v, _out_root(specs, args))
         for r in rejected:
             if r.key == args.key:
-                print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}")
+                fix = _passing_keys(specs, target, name)
+                print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}" +
+                      (f"\n  would pass: {' or '.join(fix)}" if fix else ""))
                 return 1
         print(f"{args.key}: not a combination of any family's declared axes; try: python -m generator list --arch {target}")
         return 1
@@ -143,18 +146,57 @@ def cmd_explain(specs: S.Specs, args) -> int:
             return 1
     rule = rejecting_rule(specs.rules, combination_facts(**{k: v for k, v in picked.items() if v is not None}))
     if rule is not None:
-        print(f"rejected by rule '{rule.name}' ({rule.where})\n  {rule.message}")
+        fix = _passing_flags(specs, picked)
+        print(f"rejected by rule '{rule.name}' ({rule.where})\n  {rule.message}" +
+              (f"\n  would pass: {' or '.join(fix)}" if fix else ""))
         return 1
-    variants, _ = enumerate_variants(specs, [args.target], "all")
-    match = [v for v in variants if v.family.name == fam.name and all(
-        getattr(v, ns) is None or picked.get(ns) is None or getattr(v, ns).name == picked[ns].name
-        for ns in ("dtype", "wire", "quant", "topology"))]
+    match = _matching(enumerate_variants(specs, [args.target], "all")[0], picked)
     if not match:
         print("no variant matches")
         return 1
     for v in match:
         _explain_variant(v, _out_root(specs, args))
     return 0
+
+
+AXES = ("dtype", "wire", "quant", "topology")  # explain's flags besides --family and --target
+
+
+def _matching(variants, picked: dict) -> list:
+    """The variants of picked's family (and target, when picked) that agree with every axis picked names."""
+    return [v for v in variants if v.family.name == picked["family"].name and all(
+        getattr(v, ns) is None or picked.get(ns) is None or getattr(v, ns).name == picked[ns].name
+        for ns in ("target", *AXES))]
+
+
+def _passing_flags(specs: S.Specs, picked: dict, most: int = 4) -> list[str]:
+    """The fewest flags (`--wire fp8_e4m3fn`; two or three where no one flag does) that turn a rejected combination into a
+    variant: axes set or changed to values some variant of the family has, the rest as picked; at most `most`."""
+    variants, _ = enumerate_variants(specs, specs.targets, "all")
+    mine = [v for v in variants if v.family.name == picked["family"].name]
+    given = {k: v for k, v in picked.items() if v is not None}
+    values = {ns: [r for r in dict.fromkeys(getattr(v, ns) for v in mine)
+                   if r is not None and (ns not in given or r.name != given[ns].name)] for ns in ("target", *AXES)}
+    for n in (1, 2, 3):
+        flags = []
+        for axes in itertools.combinations(values, n):
+            for recs in itertools.product(*(values[ns] for ns in axes)):
+                trial = {**given, **dict(zip(axes, recs))}
+                if rejecting_rule(specs.rules, combination_facts(**trial)) is None and _matching(mine, trial):
+                    flags.append(" ".join(f"--{ns} {r.name}" for ns, r in zip(axes, recs)))
+        if flags:
+            return flags[:most] + (["..."] if len(flags) > most else [])
+    return []
+
+
+def _passing_keys(specs: S.Specs, target: str, name: str, most: int = 4) -> list[str]:
+    """Variants one step from a rejected key: the same name on another target, or one part of the name changed on
+    this one (at most `most`)."""
+    parts = name.split(".")
+    variants, _ = enumerate_variants(specs, specs.targets, "all")
+    near = [v.key for v in variants if v.name == name and v.target.name != target or v.target.name == target and
+            len(p := v.name.split(".")) == len(parts) and p[0] == parts[0] and sum(a != b for a, b in zip(p, parts)) == 1]
+    return near[:most] + (["..."] if len(near) > most else [])
 
 
 def _out_root(specs: S.Specs, args) -> Path:

@@ -222,3 +222,17 @@ def test_only_a_foreign_package_in_this_folder_counts_as_shadowing(tmp_path, mon
     assert epgen._shadowed_here("generator") is None  # a copy of epgen's own
     (tmp_path / "bench.py").write_text("")
     assert f"{tmp_path / 'bench.py'}, is not epgen's" in epgen._shadowed_here("bench")
+
+
+def test_an_explain_rejection_names_what_would_pass():
+    rc, out, _ = run_cli(["explain", "--family", "dispatch", "--target", "sm_90", "--dtype", "bf16", "--quant",
+                          "fp8_blockwise"])
+    assert rc == 1 and "rejected by rule 'quant_fp8_wire'" in out
+    assert out.rstrip().endswith("\n  would pass: --wire fp8_e4m3fn")
+    rc, out, _ = run_cli(["explain", "--family", "dispatch", "--target", "sm_90", "--dtype", "bf16", "--quant",
+                          "fp8_blockwise", "--wire", "fp8_e4m3fn"])  # the flag it named: a variant
+    assert rc == 0 and out.startswith("sm_90/dispatch.bf16.fp8_e4m3fn.fp8_blockwise.intranode: variant")
+    rc, out, _ = run_cli(["explain", "--family", "quantize_fp8", "--target", "gfx942", "--wire", "fp8_e4m3fn"])
+    assert rc == 1 and "--wire fp8_e4m3fnuz" in out.splitlines()[-1] and "--target gfx950" in out.splitlines()[-1]
+    rc, out, _ = run_cli(["explain", "gfx942/quantize_fp8.bf16.fp8_e4m3fn.fp8_blockwise"])
+    assert rc == 1 and "gfx942/quantize_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise" in out.splitlines()[-1]
