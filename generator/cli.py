@@ -71,6 +71,7 @@ def cmd_build(specs: S.Specs, args) -> int:
 
     def progress(i: int, n: int, r: B.Result) -> None:
         state = STATUS[r.status] + ("" if r.verified is None else (", verified" if r.verified else ", VERIFY FAILED"))
+        state += f" (the cached record's verdict, by {r.recorded_by}: no disassembler here)" if r.recorded_by else ""
         print(f"[{i:>{len(str(n))}}/{n}] {r.variant.key:<60} {state} ({r.seconds:.2f}s)", file=sys.stderr, flush=True)
 
     out_root = Path(args.out) if args.out else B.generated_root(specs)
@@ -81,13 +82,19 @@ def cmd_build(specs: S.Specs, args) -> int:
         print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
         return 1
     print(_table([[r.variant.key, "yes", STATUS[r.status] if r.status != "rendered" else "-",
-                   {None: "-", True: "yes", False: "NO"}[r.verified]] for r in results],
+                   {None: "-", True: "yes", False: "NO"}[r.verified] + (" (record)" if r.recorded_by else "")]
+                  for r in results],
                  ["variant", "rendered", "compiled", "verified"]))
     failed = [r for r in results if r.status != "rendered" and not r.ok]
     n_ok = len(results) - len(failed)
     print(f"\n{len(results)} variant(s) for {', '.join(archs)} (profile {args.profile}): {n_ok} ok, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s; sources in {out_root}" +
           ("" if args.no_compile else f"; code objects in {Path(args.cache_dir) if args.cache_dir else default_dir()}"))
+    recorded = sorted({r.recorded_by for r in results if r.recorded_by})
+    if recorded:
+        n = sum(bool(r.recorded_by) for r in results)
+        print(f"  verified: {n} cached variant(s) by the cached record's verdict only (by {'; '.join(recorded)}): "
+              f"this machine has no disassembler to check them (epgen doctor names what is missing)")
     missing = sorted({r.message for r in failed if r.status == "missing-toolchain"})
     for m in missing:
         print(f"  toolchain: {m}")

@@ -236,3 +236,37 @@ def test_an_explain_rejection_names_what_would_pass():
     assert rc == 1 and "--wire fp8_e4m3fnuz" in out.splitlines()[-1] and "--target gfx950" in out.splitlines()[-1]
     rc, out, _ = run_cli(["explain", "gfx942/quantize_fp8.bf16.fp8_e4m3fn.fp8_blockwise"])
     assert rc == 1 and "gfx942/quantize_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise" in out.splitlines()[-1]
+
+
+def test_a_cached_verdict_without_a_disassembler_says_whose_it_is(monkeypatch, tmp_path):
+    """With no disassembler here, a cached entry's ISA verdict is its record's: the build says so and names the
+    toolchain the record names (an older record without one: the compiler, the disassembler not recorded)."""
+    import json
+
+    import attrs
+
+    from generator import build as B
+
+    argv = ["build", "--arch", "gfx950", "--only", "dequantize_fp4.bf16.*", "--cache-dir", str(tmp_path / "c"),
+            "--out", str(tmp_path / "g")]
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "(record)" not in out and "no disassembler here" not in err
+    real = toolchain.find
+    monkeypatch.setattr(B.toolchain, "find", lambda tc: attrs.evolve(real(tc), disassembler=None, missing="none"))
+    dis = Path(real(S.load().toolchains["amd"]).disassembler).name
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "cached, verified (the cached record's verdict, by " in err and f", {dis}: no disassembler" in err
+    assert "yes (record)" in out and "by the cached record's verdict only" in out and "cached, verified (" not in out
+    for rec in (tmp_path / "c" / "gfx950").glob("*.json"):  # a record written before verdicts named their toolchain
+        data = json.loads(rec.read_text())
+        data["verified"] = {k: {"ok": r["ok"], "message": r["message"]} for k, r in data["verified"].items()}
+        rec.write_text(json.dumps(data))
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "cached, verified" in err and "the disassembler not recorded: no disassembler here" in err
+    from generator.cache import valid_record
+
+    rec = json.loads(next((tmp_path / "c" / "gfx950").glob("*.json")).read_text())
+    for toolchain_text, ok in (("clang 22, llvm-objdump", True), ("two\nlines", False), ("\x1b[2J", False),
+                               ("x" * 501, False), (7, False)):
+        rec["verified"] = {"k": {"ok": True, "message": "", "toolchain": toolchain_text}}
+        assert valid_record(rec) is ok, toolchain_text  # what a terminal shows: one printable line
