@@ -270,3 +270,13 @@ def test_a_cached_verdict_without_a_disassembler_says_whose_it_is(monkeypatch, t
                                ("x" * 501, False), (7, False)):
         rec["verified"] = {"k": {"ok": True, "message": "", "toolchain": toolchain_text}}
         assert valid_record(rec) is ok, toolchain_text  # what a terminal shows: one printable line
+
+
+def test_an_expert_id_error_shows_the_product_that_made_num_experts():
+    """256 experts over 3 ranks at 256 // 3 per rank: the id error shows the truncation (issue 39, item 3)."""
+    from runtime import EpDispatchCombineConfig
+
+    cfg = EpDispatchCombineConfig(rank=0, world_size=3, hidden_dim=64, max_num_inp_token_per_rank=8,
+                                  num_experts_per_rank=256 // 3, num_experts_per_token=8, kernel_backend="torch")
+    assert cfg.expert_id_bound() == ("num_experts=255 (world_size × num_experts_per_rank = 3 × 85 = 255; valid ids: "
+                                     "0..254, negative = no expert)")
