@@ -65,6 +65,7 @@ def version() -> str:
 def doctor() -> int:
     """Print where everything epgen uses comes from; 1 when one of its packages is shadowed."""
     import importlib
+    import importlib.util
 
     print(f"epgen {version()} (python {sys.version.split()[0]}, {sys.executable})")
     why = _clash(("generator",)) or _shadowed_here("generator")
@@ -81,7 +82,8 @@ def doctor() -> int:
         except Exception as e:  # noqa: BLE001 - a package that fails to import: say so, go on
             why = f"'{name}' fails to import: {type(e).__name__}: {e}"
         if why and "epgen[runtime]" in why:
-            print(f"  {name:<10} needs torch: pip install 'epgen[runtime]' (README: Install)")
+            needs = " and ".join(m for m in ("torch", "numpy") if importlib.util.find_spec(m) is None) or "torch"
+            print(f"  {name:<10} needs {needs}: pip install 'epgen[runtime]' (README: Install)")
             continue
         bad += why is not None
         print(f"  {name:<10} {why or importlib.import_module(name).__file__}")
@@ -103,6 +105,12 @@ def doctor() -> int:
                   f"disassembler {dis}")
         except toolchain.ToolchainMissing as e:
             print(f"toolchain {tc.name} ({targets}): MISSING: {e}")
+    try:
+        import numpy
+    except ImportError:
+        print("numpy      not installed (the runtime needs it: pip install 'epgen[runtime]')")
+    else:
+        print(f"numpy      {numpy.__version__}")
     try:
         import torch
     except ImportError:

@@ -280,3 +280,30 @@ def test_an_expert_id_error_shows_the_product_that_made_num_experts():
                                   num_experts_per_rank=256 // 3, num_experts_per_token=8, kernel_backend="torch")
     assert cfg.expert_id_bound() == ("num_experts=255 (world_size × num_experts_per_rank = 3 × 85 = 255; valid ids: "
                                      "0..254, negative = no expert)")
+
+
+def test_a_missing_numpy_is_one_line_naming_the_fix():
+    """torch imports without numpy (it only warns), but the op's config agreement needs it: `import runtime` says so
+    in one line, `epgen bench` too, and `epgen doctor` lists it (issue 39: the wheel installed without [runtime])."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    fix = "pip install 'epgen[runtime]'"
+
+    def run(code):
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.modules['numpy'] = None; {code}"],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    r = run("import runtime")
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == (
+        f"ImportError: epgen's runtime needs numpy (torch.distributed's object collectives, which every op's "
+        f"construction uses), and it is not installed: {fix} (README: Install)"), r.stderr
+    r = run("import epgen; sys.exit(epgen.main(['bench']))")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs numpy" in r.stderr, r.stderr
+    assert r.stderr.count(fix) == 1, r.stderr
+    r = run("import epgen; sys.exit(epgen.main(['doctor']))")
+    assert f"  runtime    needs numpy: {fix} (README: Install)\n" in r.stdout, r.stdout
+    assert f"numpy      not installed (the runtime needs it: {fix})\n" in r.stdout, r.stdout
+    import numpy
+
+    _, out, _ = run_cli(["doctor"], epgen.main)
+
+    assert f"numpy      {numpy.__version__}\n" in out

@@ -74,3 +74,13 @@ def test_performance_tables_are_the_committed_records():
     assert [row for row in rows if row not in made] == [], "README tables differ from scripts/layer_table.py's"
     commit = re.search(r"\(commit (\w+);", r.stdout).group(1)
     assert f"commit {commit}" in section and f"-{commit}/" in section  # the commit named, its records' folder
+
+
+def test_the_wheel_line_installs_what_the_runtime_needs():
+    """The README's wheel path ends with the runtime usable: the wheel installed with its [runtime] extra (torch,
+    numpy), as scripts/wheel_check.sh installs it."""
+    text = README.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("pip wheel "))
+    install = line.split("&&")[1].split("#")[0].strip()
+    assert install == 'pip install "$(ls dist/epgen-*.whl)[runtime]"', install
+    assert '"$whl[runtime]"' in (ROOT / "scripts" / "wheel_check.sh").read_text()
