@@ -84,3 +84,18 @@ def test_the_wheel_line_installs_what_the_runtime_needs():
     install = line.split("&&")[1].split("#")[0].strip()
     assert install == 'pip install "$(ls dist/epgen-*.whl)[runtime]"', install
     assert '"$whl[runtime]"' in (ROOT / "scripts" / "wheel_check.sh").read_text()
+
+
+def test_command_one_says_what_it_needs_and_what_to_do_otherwise():
+    """README command 1 runs apt-get: one comment line says it needs root and an apt source with the clang it names,
+    and what to do without them (the clang the AMD toolchain accepts, per specs/targets.toml)."""
+    from generator import specs as gspecs
+
+    block = re.search(r"^```bash\n(.*?)^```$", README.read_text(), flags=re.S | re.M).group(1).splitlines()
+    command = next(i for i, line in enumerate(block) if line.startswith("apt-get "))
+    note = block[command - 1]
+    clang = re.search(r"install -y -q --no-install-recommends (clang-\d+) ", block[command]).group(1)
+    assert note.startswith("# needs root and an apt source with ") and f" {clang} " in note, note
+    amd = gspecs.load().toolchains["amd"]
+    assert f"else install clang ≥ {amd.min_clang} + llvm-objdump (or ROCm) and run the two python3 commands" in note
+    assert block[command].count("python3 ") == 2
