@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "epgen ", "apt-get ", "scripts/")
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
-PLACEHOLDER_SCRIPTS = {"your_script.py", "ep_example.py"}  # the reader's own script (README: save the block as ...)
+PLACEHOLDER_SCRIPTS = {"your_script.py", "ep_example.py", "moe_example.py"}  # the reader's own script (README: save the block as ...)
 GENERATOR_RUN = ("list", "explain", "check")  # cheap: run them, not only parse them
 
 
