@@ -8,9 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH=${TORCH:-2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
-# torch first, pinned, so resolving the extras below keeps it (and never fetches a CUDA build on its own); pip's
-# configured indexes stay extra ones (an unreachable torch index costs pip's retries, then they serve it)
-python3 -m pip install -q "torch==$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+# torch first, pinned, so resolving the extras below keeps it (and never fetches a CUDA build on its own); only torch
+# itself comes from that index (--no-deps: its dependencies come with the extras, from pip's configured indexes, which
+# also serve torch where that index cannot be reached, after pip's retries)
+python3 -m pip install -q --no-deps "torch==$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python3 -m pip install -q -e ".[test]" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 python3 -m generator check
 # the variant matrix (variant x target: rendered / compiled / verified)
