@@ -4,6 +4,7 @@
   epgen bench ...                            the benchmark (python -m bench ...): torchrun, GPUs
   epgen tune ...                             the launch-geometry tuner (python -m bench.tune ...): torchrun, GPUs
   epgen doctor                               where epgen's packages, specs, cache and tools come from
+  epgen --version                            epgen's version
 
 `epgen COMMAND --help` describes each. epgen's Python packages are the top-level `generator`, `runtime` and
 `bench`; this command first checks that those Python finds are epgen's (README "Package names").
@@ -30,26 +31,59 @@ def _clash(names: tuple[str, ...]) -> str | None:
     return next((why for n in names if n != "generator" and (why := generator.foreign(n))), None)
 
 
+def _shadowed_here(name: str) -> str | None:
+    """Why `name` in the current folder shadows epgen's package for Python run here (python -m, python -c), when
+    this process does not import from that folder (the `epgen` script's sys.path starts at its own bin/), or None.
+    A copy of epgen's own package (its file carries the `__epgen__` mark) is not foreign."""
+    here = Path.cwd().resolve()
+    if here in {Path(p or ".").resolve() for p in sys.path}:
+        return None  # Python imports from here: _clash and generator.foreign see the same package
+    found = next((f for f in (here / name / "__init__.py", here / f"{name}.py") if f.is_file()), None)
+    try:
+        if found is None or f'__epgen__ = "{name}"' in found.read_text(errors="replace"):
+            return None
+    except OSError:
+        pass  # unreadable: Python run here would fail on it too
+    return (f"the '{name}' package Python run in this folder imports (python -m, python -c), {found}, is not epgen's: "
+            f"a package or folder named '{name}' here comes first on sys.path; run from another folder, or rename it")
+
+
+def version() -> str:
+    """epgen's version: its generator package's, else the installed distribution's."""
+    import generator
+
+    if getattr(generator, "__epgen__", None) == "generator":
+        return generator.__version__
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("epgen")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (its 'generator' package is shadowed and no epgen distribution is installed)"
+
+
 def doctor() -> int:
     """Print where everything epgen uses comes from; 1 when one of its packages is shadowed."""
     import importlib
+    import importlib.util
 
-    why = _clash(("generator",))
+    print(f"epgen {version()} (python {sys.version.split()[0]}, {sys.executable})")
+    why = _clash(("generator",)) or _shadowed_here("generator")
     if why:
         print(f"epgen: error: {why}", file=sys.stderr)
         return 2
-    from generator import __version__, build as gbuild, specs as gspecs, toolchain
+    from generator import build as gbuild, specs as gspecs, toolchain
     from generator.cache import default_dir
 
     bad = 0
-    print(f"epgen {__version__} (python {sys.version.split()[0]}, {sys.executable})")
     for name in ("generator", "runtime", "bench"):
         try:
-            why = __import__("generator").foreign(name)
+            why = __import__("generator").foreign(name) or _shadowed_here(name)
         except Exception as e:  # noqa: BLE001 - a package that fails to import: say so, go on
             why = f"'{name}' fails to import: {type(e).__name__}: {e}"
         if why and "epgen[runtime]" in why:
-            print(f"  {name:<10} needs torch: pip install 'epgen[runtime]' (README: Install)")
+            needs = " and ".join(m for m in ("torch", "numpy") if importlib.util.find_spec(m) is None) or "torch"
+            print(f"  {name:<10} needs {needs}: pip install 'epgen[runtime]' (README: Install)")
             continue
         bad += why is not None
         print(f"  {name:<10} {why or importlib.import_module(name).__file__}")
@@ -72,6 +106,12 @@ def doctor() -> int:
         except toolchain.ToolchainMissing as e:
             print(f"toolchain {tc.name} ({targets}): MISSING: {e}")
     try:
+        import numpy
+    except ImportError:
+        print("numpy      not installed (the runtime needs it: pip install 'epgen[runtime]')")
+    else:
+        print(f"numpy      {numpy.__version__}")
+    try:
         import torch
     except ImportError:
         print("torch      not installed (the runtime and bench need it: pip install 'epgen[runtime]')")
@@ -90,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     cmd = argv[0]
+    if cmd == "--version":
+        print(f"epgen {version()}")
+        return 0
     if cmd == "doctor":
         return doctor()
     if cmd in BENCH_COMMANDS:

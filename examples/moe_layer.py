@@ -94,13 +94,24 @@ class MoEBlock(torch.nn.Module):
         return out  # a fresh tensor per call
 
 
+def experts_per_rank(experts: int, world: int) -> int:
+    """The experts each rank holds; ValueError, naming counts that would pass, when `world` does not divide `experts`
+    (the ids a router draws from `experts` must all exist: world × experts // world of them do)."""
+    if experts < world or experts % world:
+        fit = sorted({max(world, experts // world * world), (experts // world + 1) * world})
+        raise ValueError(f"--experts {experts}: {world} rank(s) hold the experts in equal shares, so the world size must "
+                         f"divide the expert count ({world} × {experts // world} = {experts // world * world}); "
+                         f"try --experts {' or '.join(map(str, fit))}")
+    return experts // world
+
+
 def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, seed=0, device=None):
     """The rank's MoEBlock (torch.distributed initialised; world size divides `experts`). capacity: rows of
     the grouped layout, a multiple of 16 (0: the worst case, which never drops a pair; op.grouped_layout()'s
     dropped counts the pairs past a smaller one)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    per_rank = experts // world
+    per_rank = experts_per_rank(experts, world)
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
                                   num_experts_per_rank=per_rank, num_experts_per_token=topk, data_type=torch.bfloat16,
                                   enable_grouped_layout=True, expert_alignment=16, grouped_capacity=capacity)
@@ -134,6 +145,10 @@ def main() -> int:
     p.add_argument("--capacity", type=int, default=0, help="rows of the grouped layout, a multiple of 16 (0: the worst case)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
+    try:  # before any process group: every rank refuses the count alike, in one line
+        experts_per_rank(args.experts, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as e:
+        p.error(str(e))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

@@ -15,7 +15,8 @@ def foreign(name: str) -> str | None:
     try:
         mod = importlib.import_module(name)
     except ImportError as e:
-        extra = " (the runtime and bench need it: pip install 'epgen[runtime]')" if e.name in ("torch", "numpy") else ""
+        extra = (" (the runtime and bench need it: pip install 'epgen[runtime]')"
+                 if e.name in ("torch", "numpy") and "epgen[runtime]" not in str(e) else "")
         return f"'{name}' cannot be imported: {e}{extra}"
     if getattr(mod, "__epgen__", None) == name:
         return None

@@ -117,6 +117,8 @@ class Result:
     seconds: float = 0.0
     artifact: Path | None = None
     image: bytes | None = attrs.field(default=None, repr=False)  # compile_variant(image=True): the code object
+    # a cached verdict this machine could not check (no disassembler): the toolchain the record names
+    recorded_by: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -145,6 +147,13 @@ def verify(v: Variant, tools: toolchain.Tools, artifact: Path) -> tuple[bool | N
             parts.append(f"forbidden instructions present: {', '.join(present)}")
         return False, "; ".join(parts)
     return True, f"{len(v.expected_isa)} expected instruction(s) found" if v.expected_isa else "no ISA expectation"
+
+
+def _toolchain_line(tools: toolchain.Tools) -> str:
+    """The compiler (and version) and disassembler of a verdict, as its record names them."""
+    line = f"{Path(tools.compiler).name} {tools.compiler_version}".strip()
+    line += f", {Path(tools.disassembler).name}" if tools.disassembler else ""
+    return "".join(c for c in line if c.isprintable())[:500]
 
 
 def _compile(v: Variant, tools: toolchain.Tools, entry: Entry, code: bytes, source: Path) -> tuple[Path | None, str]:
@@ -203,10 +212,13 @@ def compile_variant(v: Variant, source: Path, cache_root: Path, tools: toolchain
             if done is None:
                 ok, msg = verify(v, tools, entry.artifact)
                 if ok is not None:  # a verdict; a failure of the disassembler itself is retried next time
-                    rec["verified"][isa_key] = {"ok": ok, "message": msg}
+                    rec["verified"][isa_key] = {"ok": ok, "message": msg, "toolchain": _toolchain_line(tools)}
                     entry.write_record(rec)
             else:
                 ok, msg = done["ok"], done["message"]
+                if tools.disassembler is None:  # the record's verdict: this machine cannot disassemble
+                    res.recorded_by = done.get("toolchain") or (f"{_toolchain_line(tools)}, the disassembler "
+                                                                "not recorded")
             res.verified, res.message = bool(ok), msg
     except toolchain.ToolchainMissing as e:
         res.status, res.message = "missing-toolchain", str(e)

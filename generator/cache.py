@@ -146,13 +146,20 @@ def read_regular(path: Path, limit: int) -> bytes | None:
 
 def valid_record(rec) -> bool:
     """A record as the writer makes it: a JSON object with the artifact's sha256 (64 hex digits) and
-    `verified`, an object of {"ok": bool, "message": str} results keyed by ISA-expectation hash."""
+    `verified`, an object of {"ok": bool, "message": str, "toolchain": str} results keyed by ISA-expectation hash
+    (toolchain: the compiler and disassembler that gave the verdict, one printable line; absent in older records)."""
     if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", rec["sha256"]):
         return False
     verified = rec.get("verified")
     return isinstance(verified, dict) and all(
-        isinstance(k, str) and isinstance(r, dict) and set(r) == {"ok", "message"} and isinstance(r["ok"], bool)
-        and isinstance(r["message"], str) for k, r in verified.items())
+        isinstance(k, str) and isinstance(r, dict) and set(r) - {"toolchain"} == {"ok", "message"}
+        and isinstance(r["ok"], bool) and isinstance(r["message"], str)
+        and _line_or_none(r.get("toolchain")) for k, r in verified.items())
+
+
+def _line_or_none(t) -> bool:
+    """None, or one printable line of at most 500 characters (a record's text a terminal shows)."""
+    return t is None or isinstance(t, str) and len(t) <= 500 and t.isprintable()
 
 
 def cache_key(v: Variant, tools: Tools, source_sha256: str) -> str:

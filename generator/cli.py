@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -70,6 +71,7 @@ def cmd_build(specs: S.Specs, args) -> int:
 
     def progress(i: int, n: int, r: B.Result) -> None:
         state = STATUS[r.status] + ("" if r.verified is None else (", verified" if r.verified else ", VERIFY FAILED"))
+        state += f" (the cached record's verdict, by {r.recorded_by}: no disassembler here)" if r.recorded_by else ""
         print(f"[{i:>{len(str(n))}}/{n}] {r.variant.key:<60} {state} ({r.seconds:.2f}s)", file=sys.stderr, flush=True)
 
     out_root = Path(args.out) if args.out else B.generated_root(specs)
@@ -80,13 +82,19 @@ def cmd_build(specs: S.Specs, args) -> int:
         print(f"no variant of profile {args.profile!r} matches" + (f" --only {args.only!r}" if args.only else ""))
         return 1
     print(_table([[r.variant.key, "yes", STATUS[r.status] if r.status != "rendered" else "-",
-                   {None: "-", True: "yes", False: "NO"}[r.verified]] for r in results],
+                   {None: "-", True: "yes", False: "NO"}[r.verified] + (" (record)" if r.recorded_by else "")]
+                  for r in results],
                  ["variant", "rendered", "compiled", "verified"]))
     failed = [r for r in results if r.status != "rendered" and not r.ok]
     n_ok = len(results) - len(failed)
     print(f"\n{len(results)} variant(s) for {', '.join(archs)} (profile {args.profile}): {n_ok} ok, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.1f}s; sources in {out_root}" +
           ("" if args.no_compile else f"; code objects in {Path(args.cache_dir) if args.cache_dir else default_dir()}"))
+    recorded = sorted({r.recorded_by for r in results if r.recorded_by})
+    if recorded:
+        n = sum(bool(r.recorded_by) for r in results)
+        print(f"  verified: {n} cached variant(s) by the cached record's verdict only (by {'; '.join(recorded)}): "
+              f"this machine has no disassembler to check them (epgen doctor names what is missing)")
     missing = sorted({r.message for r in failed if r.status == "missing-toolchain"})
     for m in missing:
         print(f"  toolchain: {m}")
@@ -118,7 +126,9 @@ def cmd_explain(specs: S.Specs, args) -> int:
                 return _explain_variant(v, _out_root(specs, args))
         for r in rejected:
             if r.key == args.key:
-                print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}")
+                fix = _passing_keys(specs, target, name)
+                print(f"{args.key}: rejected by rule '{r.rule.name}' ({r.rule.where})\n  {r.rule.message}" +
+                      (f"\n  would pass: {' or '.join(fix)}" if fix else ""))
                 return 1
         print(f"{args.key}: not a combination of any family's declared axes; try: python -m generator list --arch {target}")
         return 1
@@ -143,18 +153,57 @@ def cmd_explain(specs: S.Specs, args) -> int:
             return 1
     rule = rejecting_rule(specs.rules, combination_facts(**{k: v for k, v in picked.items() if v is not None}))
     if rule is not None:
-        print(f"rejected by rule '{rule.name}' ({rule.where})\n  {rule.message}")
+        fix = _passing_flags(specs, picked)
+        print(f"rejected by rule '{rule.name}' ({rule.where})\n  {rule.message}" +
+              (f"\n  would pass: {' or '.join(fix)}" if fix else ""))
         return 1
-    variants, _ = enumerate_variants(specs, [args.target], "all")
-    match = [v for v in variants if v.family.name == fam.name and all(
-        getattr(v, ns) is None or picked.get(ns) is None or getattr(v, ns).name == picked[ns].name
-        for ns in ("dtype", "wire", "quant", "topology"))]
+    match = _matching(enumerate_variants(specs, [args.target], "all")[0], picked)
     if not match:
         print("no variant matches")
         return 1
     for v in match:
         _explain_variant(v, _out_root(specs, args))
     return 0
+
+
+AXES = ("dtype", "wire", "quant", "topology")  # explain's flags besides --family and --target
+
+
+def _matching(variants, picked: dict) -> list:
+    """The variants of picked's family (and target, when picked) that agree with every axis picked names."""
+    return [v for v in variants if v.family.name == picked["family"].name and all(
+        getattr(v, ns) is None or picked.get(ns) is None or getattr(v, ns).name == picked[ns].name
+        for ns in ("target", *AXES))]
+
+
+def _passing_flags(specs: S.Specs, picked: dict, most: int = 4) -> list[str]:
+    """The fewest flags (`--wire fp8_e4m3fn`; two or three where no one flag does) that turn a rejected combination into a
+    variant: axes set or changed to values some variant of the family has, the rest as picked; at most `most`."""
+    variants, _ = enumerate_variants(specs, specs.targets, "all")
+    mine = [v for v in variants if v.family.name == picked["family"].name]
+    given = {k: v for k, v in picked.items() if v is not None}
+    values = {ns: [r for r in dict.fromkeys(getattr(v, ns) for v in mine)
+                   if r is not None and (ns not in given or r.name != given[ns].name)] for ns in ("target", *AXES)}
+    for n in (1, 2, 3):
+        flags = []
+        for axes in itertools.combinations(values, n):
+            for recs in itertools.product(*(values[ns] for ns in axes)):
+                trial = {**given, **dict(zip(axes, recs))}
+                if rejecting_rule(specs.rules, combination_facts(**trial)) is None and _matching(mine, trial):
+                    flags.append(" ".join(f"--{ns} {r.name}" for ns, r in zip(axes, recs)))
+        if flags:
+            return flags[:most] + (["..."] if len(flags) > most else [])
+    return []
+
+
+def _passing_keys(specs: S.Specs, target: str, name: str, most: int = 4) -> list[str]:
+    """Variants one step from a rejected key: the same name on another target, or one part of the name changed on
+    this one (at most `most`)."""
+    parts = name.split(".")
+    variants, _ = enumerate_variants(specs, specs.targets, "all")
+    near = [v.key for v in variants if v.name == name and v.target.name != target or v.target.name == target and
+            len(p := v.name.split(".")) == len(parts) and p[0] == parts[0] and sum(a != b for a, b in zip(p, parts)) == 1]
+    return near[:most] + (["..."] if len(near) > most else [])
 
 
 def _out_root(specs: S.Specs, args) -> Path:

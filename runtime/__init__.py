@@ -8,6 +8,12 @@ if getattr(_generator, "__epgen__", None) != "generator":  # a foreign 'generato
                       f"({getattr(_generator, '__file__', None) or 'a namespace package'}): a package or folder "
                       f"named 'generator' comes first on sys.path; run from another folder, or install epgen in a "
                       f"venv of its own")
+try:  # torch imports without numpy, but its object collectives (the ranks' config agreement) need it
+    import numpy as _numpy  # noqa: F401
+except ImportError:
+    raise ImportError("epgen's runtime needs numpy (torch.distributed's object collectives, which every op's "
+                      "construction uses), and it is not installed: pip install 'epgen[runtime]' (README: Install)",
+                      name="numpy") from None
 
 from .config import EpDispatchCombineConfig
 from .errors import (CapacityError, ClosedError, ConfigError, EpgenError, EpTimeoutError, InputError, InputWarning,

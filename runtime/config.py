@@ -216,6 +216,13 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     def num_experts(self) -> int:
         return self.world_size * self.num_experts_per_rank
 
+    def expert_id_bound(self) -> str:
+        """num_experts as an expert-id error states it, its product spelled out: a total the world size does not
+        divide shows where it was truncated (256 // 3 ranks: 3 × 85 = 255)."""
+        n = self.num_experts
+        return (f"num_experts={n} (world_size × num_experts_per_rank = {self.world_size} × "
+                f"{self.num_experts_per_rank} = {n}; valid ids: 0..{n - 1}, negative = no expert)")
+
     @property
     def resolved_gpu_per_node(self) -> int:
         """GPUs per node, resolved (0 -> world_size)."""

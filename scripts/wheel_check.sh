@@ -24,9 +24,11 @@ step "fresh venv"
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -c 'import sys; assert sys.prefix != sys.base_prefix'
-# torch: the one scripts/test.sh tests (TORCH, default 2.13.0: the CPU build on this machine's package index),
-# pinned first so resolving the extra does not fetch a CUDA build
-"$py" -m pip install -q "torch==${TORCH:-2.13.0}"
+# torch: the one scripts/test.sh tests, as it installs it (TORCH, default 2.13.0; TORCH_INDEX_URL, default torch's
+# CPU-build index as README "Install" says; --no-deps: the extra brings its dependencies), pinned first so resolving
+# the extra does not fetch a CUDA build
+index=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
+"$py" -m pip install -q --no-deps "torch==${TORCH:-2.13.0}" ${index:+--index-url "$index"}
 "$py" -m pip install -q "$whl[runtime]"
 
 step "generator from outside the checkout (python -m generator and the epgen command)"

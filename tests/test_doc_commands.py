@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "epgen ", "apt-get ", "scripts/")
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
-PLACEHOLDER_SCRIPTS = {"your_script.py", "ep_example.py"}  # the reader's own script (README: save the block as ...)
+PLACEHOLDER_SCRIPTS = {"your_script.py", "ep_example.py", "moe_example.py"}  # the reader's own script (README: save the block as ...)
 GENERATOR_RUN = ("list", "explain", "check")  # cheap: run them, not only parse them
 
 
@@ -124,6 +124,9 @@ def _epgen(argv: list[str]) -> None:
 
     if argv and argv[0] in epgen.BENCH_COMMANDS:
         _bench(epgen.BENCH_COMMANDS[argv[0]].replace(".cli", ""), argv[1:])
+    elif argv == ["--version"]:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert epgen.main(argv) == 0
     elif argv == ["doctor"]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -142,8 +145,9 @@ def _pip(argv: list[str]) -> None:
         return
     assert argv[0] == "install", f"pip {argv[0]}: not documented here"
     for arg in argv[1:]:
-        m = re.fullmatch(r"\.\[([\w,]+)\]|[^\s\[]+\.whl\[([\w,]+)\]", arg)
-        for extra in (m.group(1) or m.group(2)).split(",") if m else ():
+        m = re.fullmatch(r"\.\[([\w,]+)\]|[^\s\[]+\.whl\[([\w,]+)\]|\$\(ls [^\s)]*epgen-\*\.whl\)\[([\w,]+)\]", arg)
+        assert m or not arg.endswith((".whl", "]")), f"pip install {arg}: not a form this test knows"
+        for extra in next(g for g in m.groups() if g).split(",") if m else ():
             assert extra in _extras(), f"pip install {arg}: pyproject.toml has no extra {extra!r}"
 
 
@@ -335,7 +339,8 @@ def test_every_command_that_needs_no_gpu_is_run():
 
 def test_the_checker_rejects_what_does_not_exist():
     for bad in ("python -m generator build --arch gfx950 --profiles all", "python -m bench --layer-looop",
-                "pip install '.[cuda]'", "python scripts/layer_table.py --nope", "bash scripts/nothing.sh",
+                "pip install '.[cuda]'", 'pip install "$(ls dist/epgen-*.whl)[cuda]"', "python scripts/layer_table.py --nope",
+                "bash scripts/nothing.sh",
                 "python -m generator explain gfx950/no_such_variant", "torchrun --nproc-per-node 2 -m bench.tune --writ"):
         with pytest.raises(AssertionError):
             check(bad)

@@ -35,8 +35,8 @@ def lagging_op(monkeypatch):
 
 def test_check_reads_the_device_count_when_the_words_lag(lagging_op):
     op, queued = lagging_op
-    with pytest.raises(InputError, match=r"^dispatch: an expert id >= num_experts=2 \(valid ids: 0\.\.1, negative = "
-                                         r"no expert\), found on rank 0 by the dispatch kernel of an earlier call of "
+    with pytest.raises(InputError, match=r"^dispatch: an expert id >= num_experts=2 \(world_size × num_experts_per_rank "
+                                         r"= 1 × 2 = 2; valid ids: 0\.\.1, negative = no expert\), found on rank 0 by the dispatch kernel of an earlier call of "
                                          r"this op \(1 such id\(s\);"):
         op.check()
     op.check()  # reported once

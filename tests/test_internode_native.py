@@ -165,7 +165,9 @@ def test_bad_expert_id_raises_on_every_rank_naming_the_rank():
             be.dispatch(x, w, None, bad, None)
             return "no error"
         except InputError as e:
-            assert f"expert id {EPR * world + 7} >= num_experts={EPR * world} passed by rank 2" in str(e), str(e)
+            n = EPR * world
+            assert (f"expert id {n + 7} >= num_experts={n} (world_size × num_experts_per_rank = {world} × {EPR} = {n}; "
+                    f"valid ids: 0..{n - 1}, negative = no expert), passed by rank 2") in str(e), str(e)
         out, _, _, _, total, _ = be.dispatch(x, w, None, idx, None)
         return int(total) == len(expected_received([_inputs(30, r, 4, world)[2] for r in range(world)], rank, EPR))
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -77,3 +78,20 @@ def test_example_verdict_measures_the_distance_from_the_dense_layer():
     want = dense_reference(ex, x, hidden, experts, 2, inter)
     assert ex.dense_error(x, want, block, hidden, inter) == 0.0
     assert ex.dense_error(x, torch.zeros_like(x), block, hidden, inter) == 1.0 > ex.TOLERANCE
+
+
+def test_an_expert_count_the_world_size_does_not_divide_is_refused_up_front():
+    ex = load_example()
+    assert ex.experts_per_rank(16, 2) == 8 and ex.experts_per_rank(255, 3) == 85
+    for experts, world, fix in ((15, 2, "2 × 7 = 14); try --experts 14 or 16"),
+                                (256, 3, "3 × 85 = 255); try --experts 255 or 258"), (1, 2, "2 × 0 = 0); try --experts 2")):
+        with pytest.raises(ValueError, match=rf"^--experts {experts}: .*world size must divide .*\({re.escape(fix)}$"):
+            ex.experts_per_rank(experts, world)
+    # the command refuses before any process group is made: each rank one line (no torchrun needed to see it)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2")
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "moe_layer.py"), "--experts", "15"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1] == ("moe_layer.py: error: --experts 15: 2 rank(s) hold the experts in equal "
+                                          "shares, so the world size must divide the expert count (2 × 7 = 14); try "
+                                          "--experts 14 or 16"), res.stderr

@@ -97,7 +97,7 @@ def test_noted_bad_expert_id_is_reported_once():
     fake.error[5], fake.error[6], fake.error[7] = 3, 999, 1
     n = fake.config.num_experts
     NativeBackend.check(fake, ids="skip")  # after a launch: left for the next report
-    with pytest.raises(InputError, match=rf"expert id 999 >= num_experts={n} .*\(3 such id\(s\)"):
+    with pytest.raises(InputError, match=rf"expert id 999 >= num_experts={n} \(world_size × num_experts_per_rank = 2 × 8 = {n};.*\(3 such id\(s\)"):
         NativeBackend.check(fake)
     assert fake.error[5:8].tolist() == [0, 0, 0]
     NativeBackend.check(fake)  # reported once

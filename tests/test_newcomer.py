@@ -188,3 +188,122 @@ def test_a_generator_only_install_is_told_to_add_the_runtime_extra(monkeypatch):
     rc, _, err = run_cli(["bench"], epgen.main)
     assert rc == 2 and err.strip().endswith("pip install 'epgen[runtime]')"), err
     assert generator.foreign("generator") is None
+
+
+def test_version_is_printed_by_the_command_and_by_doctor():
+    from generator import __version__
+
+    rc, out, _ = run_cli(["--version"], epgen.main)
+    assert rc == 0 and out == f"epgen {__version__}\n"
+    rc, out, _ = run_cli(["--help"], epgen.main)
+    assert "epgen --version" in out
+
+
+def test_doctor_of_the_epgen_script_names_a_foreign_generator_in_this_folder(tmp_path):
+    """The `epgen` script imports from its own bin/, not the current folder, so a foreign `generator/` here
+    is seen only by Python run here (python -m, -c): doctor names it as `python -m epgen doctor` does
+    (python -P: the script's sys.path, the current folder left out)."""
+    where = _foreign(tmp_path, "generator")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = [sys.executable, "-P", "-c", "import sys, epgen; sys.exit(epgen.main(['doctor']))"]
+    for argv in (script, [sys.executable, "-m", "epgen", "doctor"]):
+        r = subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout.startswith("epgen "), (argv, r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and f"'generator' package Python" in r.stderr, (argv, r.stderr)
+        assert f"{where / 'generator' / '__init__.py'}, is not epgen's" in r.stderr, (argv, r.stderr)
+
+
+def test_only_a_foreign_package_in_this_folder_counts_as_shadowing(tmp_path, monkeypatch):
+    monkeypatch.chdir(_foreign(tmp_path, "generator"))  # not on sys.path here, as for the epgen script
+    assert "is not epgen's" in epgen._shadowed_here("generator")
+    (tmp_path / "generator" / "__init__.py").unlink()  # a namespace folder: a regular package later on wins
+    assert epgen._shadowed_here("generator") is None
+    (tmp_path / "generator" / "__init__.py").write_text((ROOT / "generator" / "__init__.py").read_text())
+    assert epgen._shadowed_here("generator") is None  # a copy of epgen's own
+    (tmp_path / "bench.py").write_text("")
+    assert f"{tmp_path / 'bench.py'}, is not epgen's" in epgen._shadowed_here("bench")
+
+
+def test_an_explain_rejection_names_what_would_pass():
+    rc, out, _ = run_cli(["explain", "--family", "dispatch", "--target", "sm_90", "--dtype", "bf16", "--quant",
+                          "fp8_blockwise"])
+    assert rc == 1 and "rejected by rule 'quant_fp8_wire'" in out
+    assert out.rstrip().endswith("\n  would pass: --wire fp8_e4m3fn")
+    rc, out, _ = run_cli(["explain", "--family", "dispatch", "--target", "sm_90", "--dtype", "bf16", "--quant",
+                          "fp8_blockwise", "--wire", "fp8_e4m3fn"])  # the flag it named: a variant
+    assert rc == 0 and out.startswith("sm_90/dispatch.bf16.fp8_e4m3fn.fp8_blockwise.intranode: variant")
+    rc, out, _ = run_cli(["explain", "--family", "quantize_fp8", "--target", "gfx942", "--wire", "fp8_e4m3fn"])
+    assert rc == 1 and "--wire fp8_e4m3fnuz" in out.splitlines()[-1] and "--target gfx950" in out.splitlines()[-1]
+    rc, out, _ = run_cli(["explain", "gfx942/quantize_fp8.bf16.fp8_e4m3fn.fp8_blockwise"])
+    assert rc == 1 and "gfx942/quantize_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise" in out.splitlines()[-1]
+
+
+def test_a_cached_verdict_without_a_disassembler_says_whose_it_is(monkeypatch, tmp_path):
+    """With no disassembler here, a cached entry's ISA verdict is its record's: the build says so and names the
+    toolchain the record names (an older record without one: the compiler, the disassembler not recorded)."""
+    import json
+
+    import attrs
+
+    from generator import build as B
+
+    argv = ["build", "--arch", "gfx950", "--only", "dequantize_fp4.bf16.*", "--cache-dir", str(tmp_path / "c"),
+            "--out", str(tmp_path / "g")]
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "(record)" not in out and "no disassembler here" not in err
+    real = toolchain.find
+    monkeypatch.setattr(B.toolchain, "find", lambda tc: attrs.evolve(real(tc), disassembler=None, missing="none"))
+    dis = Path(real(S.load().toolchains["amd"]).disassembler).name
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "cached, verified (the cached record's verdict, by " in err and f", {dis}: no disassembler" in err
+    assert "yes (record)" in out and "by the cached record's verdict only" in out and "cached, verified (" not in out
+    for rec in (tmp_path / "c" / "gfx950").glob("*.json"):  # a record written before verdicts named their toolchain
+        data = json.loads(rec.read_text())
+        data["verified"] = {k: {"ok": r["ok"], "message": r["message"]} for k, r in data["verified"].items()}
+        rec.write_text(json.dumps(data))
+    rc, out, err = run_cli(argv)
+    assert rc == 0 and "cached, verified" in err and "the disassembler not recorded: no disassembler here" in err
+    from generator.cache import valid_record
+
+    rec = json.loads(next((tmp_path / "c" / "gfx950").glob("*.json")).read_text())
+    for toolchain_text, ok in (("clang 22, llvm-objdump", True), ("two\nlines", False), ("\x1b[2J", False),
+                               ("x" * 501, False), (7, False)):
+        rec["verified"] = {"k": {"ok": True, "message": "", "toolchain": toolchain_text}}
+        assert valid_record(rec) is ok, toolchain_text  # what a terminal shows: one printable line
+
+
+def test_an_expert_id_error_shows_the_product_that_made_num_experts():
+    """256 experts over 3 ranks at 256 // 3 per rank: the id error shows the truncation (issue 39, item 3)."""
+    from runtime import EpDispatchCombineConfig
+
+    cfg = EpDispatchCombineConfig(rank=0, world_size=3, hidden_dim=64, max_num_inp_token_per_rank=8,
+                                  num_experts_per_rank=256 // 3, num_experts_per_token=8, kernel_backend="torch")
+    assert cfg.expert_id_bound() == ("num_experts=255 (world_size × num_experts_per_rank = 3 × 85 = 255; valid ids: "
+                                     "0..254, negative = no expert)")
+
+
+def test_a_missing_numpy_is_one_line_naming_the_fix():
+    """torch imports without numpy (it only warns), but the op's config agreement needs it: `import runtime` says so
+    in one line, `epgen bench` too, and `epgen doctor` lists it (issue 39: the wheel installed without [runtime])."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    fix = "pip install 'epgen[runtime]'"
+
+    def run(code):
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.modules['numpy'] = None; {code}"],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    r = run("import runtime")
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == (
+        f"ImportError: epgen's runtime needs numpy (torch.distributed's object collectives, which every op's "
+        f"construction uses), and it is not installed: {fix} (README: Install)"), r.stderr
+    r = run("import epgen; sys.exit(epgen.main(['bench']))")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs numpy" in r.stderr, r.stderr
+    assert r.stderr.count(fix) == 1, r.stderr
+    r = run("import epgen; sys.exit(epgen.main(['doctor']))")
+    assert f"  runtime    needs numpy: {fix} (README: Install)\n" in r.stdout, r.stdout
+    assert f"numpy      not installed (the runtime needs it: {fix})\n" in r.stdout, r.stdout
+    import numpy
+
+    _, out, _ = run_cli(["doctor"], epgen.main)
+
+    assert f"numpy      {numpy.__version__}\n" in out

@@ -104,3 +104,23 @@ def test_test_extra_installs_what_the_cpu_tests_import():
     assert imported - declared == set(), f"imported by the tests but not in the [test] extra: {imported - declared}"
     assert {"nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"} <= {r.split(">")[0] for r in extras["nvidia"]}
     assert project["scripts"]["epgen"] == "epgen:main"
+
+
+def test_test_script_and_readme_agree_on_torch():
+    """scripts/test.sh (and wheel_check.sh) install torch's CPU build from the index README "Install" names, and
+    the version range their comments and the README state is pyproject's."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    index = re.search(r"`pip install torch --index-url (\S+)`", readme).group(1)
+    assert index.endswith("/cpu")
+    for script in ("test.sh", "wheel_check.sh"):
+        text = (ROOT / "scripts" / script).read_text()
+        assert f"TORCH_INDEX_URL-{index}}}" in text, script
+        assert re.search(r'pip install -q --no-deps "torch==\$\{?TORCH[^"]*" \$\{\w+:\+--index-url "\$\w+"\}', text), script
+    torch_req = {r for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "runtime"] if r.startswith("torch")}.pop()
+    major, minor, top_major, top_minor = map(int, re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", torch_req).groups())
+    span = f"{major}.{minor} to {top_major}.{top_minor - 1}"
+    assert f"extras admit {span}" in (ROOT / "scripts" / "test.sh").read_text()
+    assert f"The extras take torch {span}" in " ".join(readme.split())

@@ -1,6 +1,7 @@
-"""The README as a newcomer uses it: its usage block is a complete script, run as written under torchrun (2 CPU
-ranks on gloo here; tests/gpu/test_readme_gpu.py: 2 GPUs on NCCL), and its performance tables are what
-scripts/layer_table.py makes of the committed records they cite."""
+"""The README as a newcomer uses it: each python block (the usage example, the grouped-GEMM MoE layer) is a complete
+script, run as written under torchrun (2 CPU ranks on gloo here; tests/gpu/test_readme_gpu.py: GPUs on NCCL), its
+install lines and first command say what they need, and its performance tables are what scripts/layer_table.py makes
+of the committed records they cite."""
 
 from __future__ import annotations
 
@@ -15,17 +16,27 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 
+def scripts() -> list[tuple[str, str]]:
+    """Every python block of the README with the file name its prose saves it as ("save it as `NAME`"), in order."""
+    parts = re.split(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)  # prose, code, prose, ...
+    named = []
+    for prose, code in zip(parts[0::2], parts[1::2]):
+        names = re.findall(r"save it as `(\w+\.py)`", prose)
+        assert names, f"README.md: the prose before python block {len(named) + 1} names no file (save it as `NAME`)"
+        named.append((names[-1], code))
+    return named
+
+
 def usage_block() -> str:
-    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
-    assert len(blocks) == 1, f"README.md should have one python block (the usage example), found {len(blocks)}"
-    return blocks[0]
+    return scripts()[0][1]
 
 
-def run_usage(tmp_path: Path, nproc: int = 2, env: dict | None = None, timeout: float = 300) -> str:
-    """Save the block as the README says and run `torchrun --nproc-per-node N ep_example.py` from a folder outside
-    the checkout (epgen found as installed: the checkout on PYTHONPATH); its output, AssertionError on failure."""
-    script = tmp_path / "ep_example.py"
-    script.write_text(usage_block())
+def run_script(tmp_path: Path, name: str, code: str, nproc: int = 2, env: dict | None = None,
+               timeout: float = 300) -> str:
+    """Save the block as the README says and run `torchrun --nproc-per-node N NAME` from a folder outside the checkout
+    (epgen found as installed: the checkout on PYTHONPATH); its output, AssertionError on failure."""
+    script = tmp_path / name
+    script.write_text(code)
     torchrun = Path(sys.executable).with_name("torchrun")  # this interpreter's (a venv's), else the one on PATH
     torchrun = [str(torchrun)] if torchrun.is_file() else [shutil.which("torchrun") or "torchrun"]
     run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -35,6 +46,10 @@ def run_usage(tmp_path: Path, nproc: int = 2, env: dict | None = None, timeout: 
                        env=run_env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"torchrun exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r.stdout
+
+
+def run_usage(tmp_path: Path, nproc: int = 2, env: dict | None = None, timeout: float = 300) -> str:
+    return run_script(tmp_path, *scripts()[0], nproc=nproc, env=env, timeout=timeout)
 
 
 def test_usage_block_is_a_complete_script_on_the_public_api():
@@ -56,6 +71,23 @@ def test_usage_block_runs_verbatim_under_torchrun_on_cpu(tmp_path):
         assert 128 <= received <= 256  # every token reaches at least one rank, each rank at most once
 
 
+def test_every_python_block_runs_verbatim_under_torchrun_on_cpu(tmp_path):
+    """The blocks after the usage one (the grouped-GEMM MoE layer): each a complete script on the public API that
+    checks itself (the layer against its dense computation) and prints one line per rank."""
+    rest = scripts()[1:]
+    assert [name for name, _ in rest] == ["moe_example.py"]
+    for name, code in rest:
+        assert "from runtime import EpDispatchCombineConfig, EpDispatchCombineOp" in code
+        out = run_script(tmp_path, name, code, env={"CUDA_VISIBLE_DEVICES": ""})
+        lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+        assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], out
+    code = dict(rest)["moe_example.py"]
+    assert "enable_grouped_layout=True" in code and all(
+        f"op.{call}(" in code for call in ("dispatch_grouped", "combine_grouped"))
+    distances = [float(re.search(r"relative distance from the dense layer (\S+)$", line).group(1)) for line in lines]
+    assert all(d < 2e-2 for d in distances), out
+
+
 def _perf_section() -> str:
     text = README.read_text()
     return text[text.index("## Performance"):text.index("\n## ", text.index("## Performance") + 1)]
@@ -74,3 +106,28 @@ def test_performance_tables_are_the_committed_records():
     assert [row for row in rows if row not in made] == [], "README tables differ from scripts/layer_table.py's"
     commit = re.search(r"\(commit (\w+);", r.stdout).group(1)
     assert f"commit {commit}" in section and f"-{commit}/" in section  # the commit named, its records' folder
+
+
+def test_the_wheel_line_installs_what_the_runtime_needs():
+    """The README's wheel path ends with the runtime usable: the wheel installed with its [runtime] extra (torch,
+    numpy), as scripts/wheel_check.sh installs it."""
+    text = README.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("pip wheel "))
+    install = line.split("&&")[1].split("#")[0].strip()
+    assert install == 'pip install "$(ls dist/epgen-*.whl)[runtime]"', install
+    assert '"$whl[runtime]"' in (ROOT / "scripts" / "wheel_check.sh").read_text()
+
+
+def test_command_one_says_what_it_needs_and_what_to_do_otherwise():
+    """README command 1 runs apt-get: one comment line says it needs root and an apt source with the clang it names,
+    and what to do without them (the clang the AMD toolchain accepts, per specs/targets.toml)."""
+    from generator import specs as gspecs
+
+    block = re.search(r"^```bash\n(.*?)^```$", README.read_text(), flags=re.S | re.M).group(1).splitlines()
+    command = next(i for i, line in enumerate(block) if line.startswith("apt-get "))
+    note = block[command - 1]
+    clang = re.search(r"install -y -q --no-install-recommends (clang-\d+) ", block[command]).group(1)
+    assert note.startswith("# needs root and an apt source with ") and f" {clang} " in note, note
+    amd = gspecs.load().toolchains["amd"]
+    assert f"else install clang ≥ {amd.min_clang} + llvm-objdump (or ROCm) and run the two python3 commands" in note
+    assert block[command].count("python3 ") == 2

@@ -164,7 +164,8 @@ BAD_CASES = {
     "weights_shape": (InputError, r"weights must have shape \[6, 4\]",
                       lambda c: c.op.dispatch(c.x, c.w[:5].contiguous(), None, c.idx)),
     "scales": (InputError, "scales must be None", lambda c: c.op.dispatch(c.x, c.w, torch.ones(6, 1), c.idx)),
-    "expert_id_too_big": (InputError, r"rank 0 passed expert id (\d+) >= num_experts=\1",
+    "expert_id_too_big": (InputError, r"rank 0 passed expert id (\d+) >= num_experts=\1 "
+                                      r"\(world_size × num_experts_per_rank = \d+ × \d+ = \1;",
                           lambda c: c.op.dispatch(c.x, c.w, None, c.bad_idx)),
     "convert_without_std_moe": (InputError, r"requires enable_std_moe=True",
                                 lambda c: c.op.convert_dispatch_output()),

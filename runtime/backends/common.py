@@ -60,8 +60,7 @@ def check_expert_ids(cfg: EpDispatchCombineConfig, indices: torch.Tensor) -> Non
     """Eager dispatch: InputError for an id >= num_experts (one small reduction read by the host; the
     kernels also drop and count such ids, which is all that happens inside graph capture)."""
     if indices.numel() and bool((indices >= cfg.num_experts).any()):
-        raise InputError(f"dispatch: expert id {int(indices.max())} >= num_experts={cfg.num_experts} (valid ids: "
-                         f"0..{cfg.num_experts - 1}, negative = no expert)")
+        raise InputError(f"dispatch: expert id {int(indices.max())} >= {cfg.expert_id_bound()}")
 
 
 def raise_if_dropped(cfg: EpDispatchCombineConfig, dropped: torch.Tensor) -> None:

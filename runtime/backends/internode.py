@@ -215,8 +215,8 @@ class NativeInternodeBackend:
         E = self.config.num_experts
         bad = [(r, m) for r, (_, m) in enumerate(got) if m >= E]
         if indices is not None and bad:
-            raise InputError(f"dispatch: expert id {bad[0][1]} >= num_experts={E} passed by rank {bad[0][0]} "
-                             f"(valid ids: 0..{E - 1}, negative = no expert; raised on every rank)")
+            raise InputError(f"dispatch: expert id {bad[0][1]} >= {self.config.expert_id_bound()}, passed by rank "
+                             f"{bad[0][0]} (raised on every rank)")
         return [int(t) for t, _ in got]
 
     def _gather_pairs(self, mine: torch.Tensor) -> list[list[int]]:

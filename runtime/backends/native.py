@@ -40,9 +40,8 @@ BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the 
 
 def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
     """The report of `seen` expert ids >= num_experts a dispatch kernel noted (`bad`: the first, if known)."""
-    n = cfg.num_experts
     first = f"expert id {bad}" if bad is not None else "an expert id"
-    return (f"dispatch: {first} >= num_experts={n} (valid ids: 0..{n - 1}, negative = no expert), "
+    return (f"dispatch: {first} >= {cfg.expert_id_bound()}, "
             f"found on rank {cfg.rank} by the dispatch kernel of an earlier call of this op ({seen} "
             f"such id(s); their (token, k) pairs were dropped and nothing else changed: the op stays usable)")
 

@@ -342,9 +342,7 @@ class TorchBackend:
         for src, idx in enumerate(all_idx):
             bad = idx[idx >= cfg.num_experts]
             if bad.numel():
-                raise InputError(f"dispatch: rank {src} passed expert id {int(bad[0])} >= num_experts="
-                                 f"{cfg.num_experts} (world_size * num_experts_per_rank); negative ids mean "
-                                 f"'no expert'")
+                raise InputError(f"dispatch: rank {src} passed expert id {int(bad[0])} >= {cfg.expert_id_bound()}")
         if routing is None:
             masks = [destination_mask(idx, epr, world) for idx in all_idx]
             sent = torch.stack([m.sum(0) for m in masks])  # [src, dst] rows addressed

@@ -1,4 +1,4 @@
-"""The README's usage block, verbatim, under torchrun on GPUs (NCCL, the generated kernels): one rank per GPU,
+"""The README's python blocks (the usage example, the grouped-GEMM MoE layer), verbatim, under torchrun on GPUs (NCCL, the generated kernels): one rank per GPU,
 two where there are two (the README's command), else one.
 
 Run on a GPU machine: python -m pytest -m gpu tests/gpu/test_readme_gpu.py
@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.test_readme import run_usage
+from tests.test_readme import run_script, run_usage, scripts
 
 pytestmark = pytest.mark.gpu
 
@@ -23,3 +23,12 @@ def test_usage_block_runs_verbatim_under_torchrun_on_gpus(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("rank ")]
     assert sorted(line.split(":")[0] for line in lines) == [f"rank {r}" for r in range(nproc)], out
     assert all(128 <= int(re.search(r"received (\d+) rows", line).group(1)) <= 128 * nproc for line in lines)
+
+
+def test_grouped_layer_block_runs_verbatim_under_torchrun_on_gpus(tmp_path):
+    nproc = min(2, torch.cuda.device_count())
+    name, code = scripts()[1]
+    out = run_script(tmp_path, name, code, nproc=nproc, timeout=600)
+    lines = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert sorted(line.split(":")[0] for line in lines) == [f"rank {r}" for r in range(nproc)], out
+    assert all(float(line.rsplit(" ", 1)[1]) < 2e-2 for line in lines), out
