@@ -30,7 +30,9 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
-EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }
+EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
+// release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
+EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -479,7 +481,9 @@ EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
   // block 0 alone waits until every rank's word is full, then publishes total_recv.
   int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter);
   const int tid = epg_thread();
-  epg_fence_sys();
+  // the rows need only be ordered before the arrival (the receiver reads them after an acquire of the word
+  // full): a release fence, not a sequentially consistent one
+  epg_fence_release_sys();
   epg_syncthreads();
   const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
   for (int p = tid; p < a.world; p += epg_block_dim())
