@@ -9,15 +9,21 @@ expert: bf16) -> combine_grouped, captured in one graph; --reps replays timed (p
 profiled by kineto (bench/graphprof.py). The identity copy is the expert GEMMs' stand-in (what it costs is
 printed on its own row, "copy"); everything else is what the layer's communication runs on the device.
 Prints one table per point (kernel, calls per layer, median µs) and writes the records (jsonl) to --out.
+Each record also holds the eager layer's wall time ("eager_us": the same layer called --eager-iters times
+without a graph, synchronized at the ends: at small token counts the host's Python and launch work), and
+with --host-profile the functions that take the eager layer's host time (cProfile, "host_top").
 At one rank (W = 1) this is the glue with no link in the way, never a 2-GPU figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -69,13 +75,36 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     events = graphprof.graph_kernel_events(g, profiled, sync=dist.barrier)
     op.check()
     del g
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.eager_iters):
+        layer()
+    torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - t0) / args.eager_iters * 1e6
+    host_top = host_profile(layer, args.eager_iters) if args.host_profile else None
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "world_size": world,
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
-            "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows}
+            "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
+            "eager_iters": args.eager_iters, **({"host_top": host_top} if host_top else {})}
+
+
+def host_profile(layer, iters: int, top: int = 25) -> list[dict]:
+    """The functions that take an eager layer's host time: cProfile over `iters` layers, the `top` by own time
+    (µs per layer, own and cumulative)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        layer()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_layer": st[0] / iters,
+             "own_us": st[2] / iters * 1e6, "cum_us": st[3] / iters * 1e6} for (f, line, name), st in rows]
 
 
 def table(rec: dict) -> list[str]:
@@ -84,6 +113,10 @@ def table(rec: dict) -> list[str]:
            "| kernel | per layer | median µs | µs per layer |", "|---|---|---|---|"]
     ks = sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["per_layer"] * kv[1]["median_us"])
     out += [f"| {k} | {v['per_layer']:g} | {v['median_us']:.1f} | {v['per_layer'] * v['median_us']:.1f} |" for k, v in ks]
+    if "eager_us" in rec:  # records before 2026-12-02's eager timing have none
+        out.append(f"eager (no graph): {rec['eager_us']:.1f} µs per layer wall ({rec['eager_iters']} layers)")
+    for h in rec.get("host_top", [])[:12]:
+        out.append(f"  host {h['own_us']:7.2f} µs own {h['cum_us']:7.2f} µs cum  {h['calls_per_layer']:g}x  {h['function']}")
     return out
 
 
@@ -96,6 +129,8 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--eager-iters", type=int, default=200)
+    p.add_argument("--host-profile", action="store_true", help="cProfile the eager layer's host time")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")
