@@ -244,12 +244,19 @@ _POINTEE_DTYPES = {"i32": torch.int32, "f32": torch.float32}  # pointees a tenso
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
 
+def _block(n: int):
+    """An argument block of n 64-bit values and the array of their addresses the driver takes."""
+    values = (ctypes.c_int64 * n)()
+    return values, (ctypes.c_void_p * n)(*(ctypes.addressof(values) + 8 * i for i in range(n)))
+
+
 class Kernel:
     """A loaded variant of a family, launched with the arguments its family declares (specs/kernels.toml
     [args.NAME], `signature`): `launch(grid, block, name=value, ...)`, every declared name given once, a
     tensor (its device address; None where the argument is optional) for a pointer, whose dtype matches
     i32 / f32 pointees, an int for i64; a struct list takes its one ctypes struct (`struct_type`). Anything
-    else is a LaunchError naming the family and the argument, raised before the launch."""
+    else is a LaunchError naming the family and the argument, raised before the launch. `bind(**fixed)`
+    checks the arguments that stay the same once and returns a launcher taking only the others."""
 
     def __init__(self, raw: "CudaKernel | HipKernel", variant):
         signature = variant.family.signature
@@ -257,9 +264,7 @@ class Kernel:
         self.symbol, self.max_threads = raw.symbol, raw.max_threads
         self.launch_path = getattr(raw, "launch_path", "hip-python")
         self.limits = dict(signature.limits)
-        n = 1 if signature.struct else len(signature.fields)
-        self._values = (ctypes.c_int64 * n)()  # the argument block the driver copies at each launch
-        self._params = (ctypes.c_void_p * n)(*(ctypes.addressof(self._values) + 8 * i for i in range(n)))
+        self._values, self._params = _block(1 if signature.struct else len(signature.fields))
         self._struct = struct_type(signature) if signature.struct else None
         self._fields = tuple((i, a.name, a.pointer, a.optional, _POINTEE_DTYPES.get(a.pointee))
                              for i, a in enumerate(signature.fields))
@@ -271,18 +276,9 @@ class Kernel:
         return LaunchError(f"{self.family} ({self.symbol}): argument {name!r} {why} "
                            f"(specs/kernels.toml [args.{self.signature.name}])")
 
-    def launch(self, grid: int, block: int, args: ctypes.Structure | None = None, /, **kw) -> int:
-        """Launch on torch's current stream; returns the stream's handle."""
-        if self._struct is not None:
-            if kw or not isinstance(args, self._struct):
-                raise LaunchError(f"{self.family} ({self.symbol}) takes one {self.signature.struct} "
-                                  f"(runtime.kernels.struct_type), got {type(args).__name__}"
-                                  + (f" and {', '.join(kw)}" if kw else ""))
-            return self.raw.launch(grid, block, args)
-        if args is not None:
-            raise LaunchError(f"{self.family} ({self.symbol}) takes its arguments by name, not positionally")
-        values = self._values
-        for i, name, pointer, optional, dtype in self._fields:
+    def _fill(self, values, fields: tuple, kw: dict) -> None:
+        """Each of `fields` from kw into `values`, checked; kw must hold exactly those names."""
+        for i, name, pointer, optional, dtype in fields:
             try:
                 v = kw[name]
             except KeyError:
@@ -306,13 +302,48 @@ class Kernel:
                 if not _I64[0] <= v <= _I64[1]:
                     raise self._bad(name, f"= {v} does not fit in 64 bits")
                 values[i] = v
-        if len(kw) != len(self._fields):
-            unknown = sorted(set(kw) - {f[1] for f in self._fields})
-            raise self._bad(unknown[0], "is not declared")
+        if len(kw) != len(fields):
+            unknown = sorted(set(kw) - {f[1] for f in fields})
+            known = {f[1] for f in self._fields}
+            raise self._bad(unknown[0], "is not declared" if unknown[0] not in known else "is bound already")
+
+    def launch(self, grid: int, block: int, args: ctypes.Structure | None = None, /, **kw) -> int:
+        """Launch on torch's current stream; returns the stream's handle."""
+        if self._struct is not None:
+            if kw or not isinstance(args, self._struct):
+                raise LaunchError(f"{self.family} ({self.symbol}) takes one {self.signature.struct} "
+                                  f"(runtime.kernels.struct_type), got {type(args).__name__}"
+                                  + (f" and {', '.join(kw)}" if kw else ""))
+            return self.raw.launch(grid, block, args)
+        if args is not None:
+            raise LaunchError(f"{self.family} ({self.symbol}) takes its arguments by name, not positionally")
+        self._fill(self._values, self._fields, kw)
         return self.raw.launch_params(grid, block, self._params)
+
+    def bind(self, **fixed) -> "BoundKernel":
+        """A launcher with `fixed` checked and stored once (an op's persistent buffers and sizes: the tensors
+        must outlive it); its launch(grid, block, **rest) takes exactly the other declared arguments."""
+        if self._struct is not None:
+            raise LaunchError(f"{self.family} ({self.symbol}) takes one {self.signature.struct}: nothing to bind")
+        return BoundKernel(self, fixed)
 
     def close(self) -> None:
         self.raw.close()
+
+
+class BoundKernel:
+    """Kernel.bind's launcher: a block of its own with the bound arguments in place."""
+
+    def __init__(self, kernel: Kernel, fixed: dict):
+        self.kernel = kernel
+        self._values, self._params = _block(len(kernel._fields))
+        bound = tuple(f for f in kernel._fields if f[1] in fixed)
+        kernel._fill(self._values, bound, fixed)
+        self._rest = tuple(f for f in kernel._fields if f[1] not in fixed)
+
+    def launch(self, grid: int, block: int, **rest) -> int:
+        self.kernel._fill(self._values, self._rest, rest)
+        return self.kernel.raw.launch_params(grid, block, self._params)
 
 
 def load(v) -> Kernel:

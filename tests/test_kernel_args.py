@@ -216,3 +216,30 @@ def test_bad_argument_declaration_is_located(spec_copy, old, new, needle, messag
     assert m and m.group(1).endswith("kernels.toml"), str(e.value)
     assert message in m.group(3), str(e.value)
     assert int(m.group(2)) == line_of(path, needle), str(e.value)
+
+
+def test_bound_arguments_are_checked_once_and_the_rest_at_each_launch(monkeypatch):
+    monkeypatch.setattr(kernels, "on_gpu", lambda t: True)
+    kern = _kernel("grouped_reduce")
+    args = _grouped_reduce_args()
+    fixed = {n: args[n] for n in ("pair_pos", "recv_w", "total_recv", "k", "hidden")}
+    bound = kern.bind(**fixed)
+    rest = {n: v for n, v in args.items() if n not in fixed}
+    assert bound.launch(4, 128, **rest) == 7
+    order = [f.name for f in kern.signature.fields]
+    assert kern.raw.calls[-1][2] == [args[n].data_ptr() if isinstance(args[n], torch.Tensor) else args[n] for n in order]
+    other = torch.zeros(4, dtype=torch.bfloat16)
+    bound.launch(4, 128, **{**rest, "out": other})  # what changes per call goes in at each launch
+    assert kern.raw.calls[-1][2][order.index("out")] == other.data_ptr()
+    calls = len(kern.raw.calls)
+    with pytest.raises(LaunchError, match="argument 'k' is bound already"):
+        bound.launch(4, 128, **rest, k=8)
+    with pytest.raises(LaunchError, match="argument 'out' is missing"):
+        bound.launch(4, 128, **{n: v for n, v in rest.items() if n != "out"})
+    with pytest.raises(LaunchError, match="argument 'k' must be an int, got float"):
+        kern.bind(**{**fixed, "k": 8.0})
+    with pytest.raises(LaunchError, match="argument 'strid' is not declared"):
+        kern.bind(**fixed, strid=1)
+    with pytest.raises(LaunchError, match="nothing to bind"):
+        _kernel("dispatch").bind(k=1)
+    assert len(kern.raw.calls) == calls  # no refused launch reached the GPU

@@ -118,6 +118,8 @@ class NativeBackend:
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
         self._std = self._std_moe_setup() if cfg.enable_std_moe else None
         self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
+        if self._grp is not None:
+            self._grp.update(self._grouped_launchers(self._grp))
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
@@ -454,32 +456,43 @@ class NativeBackend:
         self._check_geometry((("combine", self.k["combine_grouped"]),))  # the combine role's geometry, at its own occupancy
         return {"pair_pos": pos[4:], "out_view": y, "fargs": args, "fused": True, "geo": {}}
 
+    def _grouped_launchers(self, g: dict) -> dict:
+        """The grouped layout's kernels with the op's persistent buffers and sizes bound once (host time per call:
+        only the arguments that change are checked and written), and the layout's drop-count view."""
+        cfg, plan = self.config, self.plan
+        k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
+        return {
+            "count_launch": self.k["grouped_count"].bind(recv_idx=self.recv_idx, total_recv=self.total_recv,
+                                                         pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k,
+                                                         first_expert=first),
+            "place_launch": self.k["grouped_place"].bind(
+                recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
+                total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], pair_pos=g["pair_pos"],
+                out_x=g["x"], out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"], src=g["src"],
+                m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
+                num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
+                row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
+                out_row_bytes=g["out_row"]),
+            "reduce_launch": self.k["grouped_reduce"].bind(pair_pos=g["pair_pos"], recv_w=self.recv_w,
+                                                           total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim),
+            "dropped_view": g["dropped"][0],
+        }
+
     def grouped_layout(self) -> grouped.GroupedLayout:
         """Two launches on the current stream, sized by the device's total_recv (no host sync)."""
-        g, cfg, plan = self._grp, self.config, self.plan
-        k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
-        self.k.launch("grouped_count", cfg.num_experts_per_rank, BLOCK, recv_idx=self.recv_idx,
-                      total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first)
-        self.k.launch("grouped_place", 2 * self.num_sms, BLOCK, recv_x=self.recv_x, recv_scales=self.recv_scales,
-                      recv_w=self.recv_w, recv_idx=self.recv_idx, total_recv=self.total_recv, pair_rel=g["pair_rel"],
-                      counts=g["raw_counts"], pair_pos=g["pair_pos"], out_x=g["x"], out_scales=g["scales"],
-                      offs=g["offs"], kept_counts=g["counts"], src=g["src"], m_indices=g["m_indices"],
-                      weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
-                      num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment,
-                      capacity=cfg.resolved_grouped_capacity, row_bytes=plan.wire_row,
-                      scale_bytes=plan.scale_row if plan.scales_dtype else 0, has_weights=int(self._had_weights),
-                      out_row_bytes=g["out_row"])
+        g = self._grp
+        g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
+        g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights))
         return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                      src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
-                                     dropped=g["dropped"][0], pair_pos=g["pair_pos"])
+                                     dropped=g["dropped_view"], pair_pos=g["pair_pos"])
 
     def grouped_reduce(self, expert_out, apply_weights: bool) -> torch.Tensor:
         """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
-        g, cfg = self._grp, self.config
+        g = self._grp
         dst = self._combine_dst(g)
-        self.k.launch("grouped_reduce", self._rows_grid(), BLOCK, expert_out=expert_out, pair_pos=g["pair_pos"],
-                      recv_w=self.recv_w, total_recv=self.total_recv, out=dst, k=cfg.num_experts_per_token,
-                      hidden=cfg.hidden_dim, apply_weights=int(apply_weights and self._had_weights))
+        g["reduce_launch"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, out=dst,
+                                  apply_weights=int(apply_weights and self._had_weights))
         return dst
 
     def grouped_out_view(self) -> torch.Tensor | None:
