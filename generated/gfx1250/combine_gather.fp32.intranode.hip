@@ -459,56 +459,67 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
 
-  // One wave per (token, segment of EPG_CH * EPG_WAVE 16-byte chunks). The token's slots are read once (lane
-  // j holds slot j0 + j) and shared by shuffles; each lane takes EPG_CH chunks of the segment, one wave width
-  // apart (every load instruction coalesced), and reads them from EPG_SRC sources at a time: EPG_CH x EPG_SRC
-  // loads in flight per lane, with no slot load ahead of them. Sources are added in k order, so the sums are
-  // bit-identical to one chunk at a time. (sm_90, bf16: 72 registers at 4 x 1, within the 85 of a 768-thread
-  // block; 4 x 2 takes 94.)
+  // One wave per (token, run of segments), a segment being EPG_CH * EPG_WAVE 16-byte chunks: the grid's waves
+  // split the tokens' segments evenly (a whole token per wave when there are more tokens than waves). The
+  // token's slots are read once per run (lane j holds slot j0 + j) and shared by shuffles; each lane takes
+  // EPG_CH chunks of a segment, one wave width apart (every load instruction coalesced), and reads them from
+  // EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight per lane, with no slot load ahead of them.
+  // Sources are added in k order, so the sums are bit-identical to one chunk at a time. (sm_90, bf16: 80
+  // registers at 4 x 1, within the 85 of a 768-thread block; 4 x 2 takes more.)
   constexpr int EPG_CH = 4, EPG_SRC = 1;
   const int* slots = (const int*)a.slots;
   const int lane = epg_lane();
   const epg_i64 seg_chunks = (epg_i64)EPG_CH * EPG_WAVE;
   const epg_i64 nseg = (n16 + seg_chunks - 1) / seg_chunks;
-  for (epg_i64 it = gtid / EPG_WAVE; it < a.num_tokens * nseg; it += gthreads / EPG_WAVE) {
-    const epg_i64 t = it / nseg;
-    const epg_i64 c0 = (it % nseg) * seg_chunks + lane;  // this lane's first chunk
-    float acc[EPG_CH][8];
+  const epg_i64 nwaves = gthreads / EPG_WAVE;
+  epg_i64 parts = a.num_tokens > 0 ? nwaves / a.num_tokens : 1;
+  parts = parts < 1 ? 1 : (parts > nseg ? nseg : parts);
+  const epg_i64 per = (nseg + parts - 1) / parts;  // segments of one run
+  parts = (nseg + per - 1) / per;
+  for (epg_i64 it = gtid / EPG_WAVE; it < a.num_tokens * parts; it += nwaves) {
+    const epg_i64 t = it / parts;
+    const epg_i64 s0 = (it % parts) * per, s1 = s0 + per < nseg ? s0 + per : nseg;
+    const int slot0 = lane < a.k ? slots[t * a.k + lane] : -1;  // slot * world + rank, or -1
+    for (epg_i64 seg = s0; seg < s1; ++seg) {
+      const epg_i64 c0 = seg * seg_chunks + lane;  // this lane's first chunk
+      float acc[EPG_CH][8];
 #pragma unroll
-    for (int c = 0; c < EPG_CH; ++c)
+      for (int c = 0; c < EPG_CH; ++c)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
-    for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
-      const int mine_slot = j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1;  // slot * world + rank, or -1
-      epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loop below is uniform
-      while (live) {
-        const char* src[EPG_SRC];
+        for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+      for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
+        const int mine_slot = j0 == 0 ? slot0 : (j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1);
+        epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loop below is uniform
+        while (live) {
+          const char* src[EPG_SRC];
 #pragma unroll
-        for (int u = 0; u < EPG_SRC; ++u) {
-          src[u] = nullptr;
-          if (live) {
-            const int j = epg_popc((live & (~live + 1)) - 1);  // the lowest live lane: ascending k
-            live &= live - 1;
-            const int sr = (int)epg_shfl((epg_u32)mine_slot, j);
-            src[u] = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
+          for (int u = 0; u < EPG_SRC; ++u) {
+            src[u] = nullptr;
+            if (live) {
+              const int j = epg_popc((live & (~live + 1)) - 1);  // the lowest live lane: ascending k
+              live &= live - 1;
+              const int sr = (int)epg_shfl((epg_u32)mine_slot, j);
+              src[u] = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
+            }
           }
+          epg_vec16 v[EPG_SRC][EPG_CH];
+#pragma unroll
+          for (int u = 0; u < EPG_SRC; ++u)
+#pragma unroll
+            for (int c = 0; c < EPG_CH; ++c)
+              if (src[u] && c0 + c * EPG_WAVE < n16) v[u][c] = epg_ld16(src[u] + 16 * (c0 + c * EPG_WAVE));
+#pragma unroll
+          for (int u = 0; u < EPG_SRC; ++u)
+#pragma unroll
+            for (int c = 0; c < EPG_CH; ++c)
+              if (src[u] && c0 + c * EPG_WAVE < n16) epg_acc16(acc[c], v[u][c]);
         }
-        epg_vec16 v[EPG_SRC][EPG_CH];
-#pragma unroll
-        for (int u = 0; u < EPG_SRC; ++u)
-#pragma unroll
-          for (int c = 0; c < EPG_CH; ++c)
-            if (src[u] && c0 + c * EPG_WAVE < n16) v[u][c] = epg_ld16(src[u] + 16 * (c0 + c * EPG_WAVE));
-#pragma unroll
-        for (int u = 0; u < EPG_SRC; ++u)
-#pragma unroll
-          for (int c = 0; c < EPG_CH; ++c)
-            if (src[u] && c0 + c * EPG_WAVE < n16) epg_acc16(acc[c], v[u][c]);
       }
-    }
 #pragma unroll
-    for (int c = 0; c < EPG_CH; ++c)
-      if (c0 + c * EPG_WAVE < n16) epg_st16((char*)a.out + t * a.row_bytes + 16 * (c0 + c * EPG_WAVE), epg_pack16(acc[c]));
+      for (int c = 0; c < EPG_CH; ++c)
+        if (c0 + c * EPG_WAVE < n16)
+          epg_st16((char*)a.out + t * a.row_bytes + 16 * (c0 + c * EPG_WAVE), epg_pack16(acc[c]));
+    }
   }
   if (a.has_weights) {
     for (epg_i64 i = gtid; i < a.num_tokens * a.k; i += gthreads) {
