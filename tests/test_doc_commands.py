@@ -258,6 +258,7 @@ GPU_SCRIPTS = ("scripts/device_run.sh", "scripts/host_profile.py", "scripts/grou
 RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/grouped_profile_table.py",
                   "scripts/plot_bench.py")  # records -> tables and plots
 WRITES_RESULTS = ("scripts/plot_bench.py",)  # writes a .png beside its records: run in a copy
+CPU_SCRIPTS = ("scripts/memory_table.py",)  # tables computed from the specs and the plan: no GPU, no records
 
 
 def plan(cmd: str):
@@ -295,6 +296,8 @@ def plan(cmd: str):
         return "parsed", "the whole test suite (CI runs it)"
     if head == "python3" and argv[0] == "-m" or head == "python" and argv[0] == "-m" or script in GPU_SCRIPTS:
         return "parsed", "needs a GPU"
+    if script in CPU_SCRIPTS:
+        return "run", lambda: _run([sys.executable, *argv])
     if script in RECORD_SCRIPTS:
         missing = [a for a in argv[1:] if a.endswith(".jsonl") and not (ROOT / a).is_file()]
         if missing:
