@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ep_dist import get_world
-from ep_oracle import expected_received, experts_per_rank_for, make_inputs, multiplicity
+from tests.support.ep_dist import get_world
+from tests.support.ep_oracle import expected_received, experts_per_rank_for, make_inputs, multiplicity
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from bench import cli, sweep, tables
 from bench.accounting import accounting, bandwidths, row_bytes, rows_per_destination

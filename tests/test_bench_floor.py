@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from ep_dist import get_world
+from tests.support.ep_dist import get_world
 from bench import cli, floor, graphprof, profile_graph as pg
 from generator.abi import LL_MAX_TOKENS
 

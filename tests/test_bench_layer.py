@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ep_dist import get_world
+from tests.support.ep_dist import get_world
 from generator.abi import LL_MAX_TOKENS
 from bench import ceiling, cli, layer as L, layer_loop, moe_layer as M, tables
 from bench.gate import GateError

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_dist import get_world, shutdown_all
+from tests.support.ep_dist import get_world, shutdown_all
 from runtime import collectives
 
 

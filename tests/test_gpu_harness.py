@@ -1,7 +1,7 @@
 """The GPU tests' collective helpers (tests/gpu/dist_util.py), run on CPU ranks over gloo: a failure on
 one rank must fail every rank at the same point, never leave the others waiting in a collective."""
 
-from tests.ep_dist import get_world
+from tests.support.ep_dist import get_world
 
 
 def _run(rank, world_size, failing_rank, kind):

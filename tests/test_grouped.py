@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
-from ep_oracle import expected_received, experts_per_rank_for, make_inputs
-from grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import expected_received, experts_per_rank_for, make_inputs
+from tests.support.grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 
 T, K, EPR = 12, 4, 3

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
-from ep_oracle import make_inputs
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import make_inputs
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 
 T, K, EPR = 12, 4, 4  # k <= the experts of one rank

@@ -16,7 +16,7 @@ import torch
 
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError, InputWarning
 from test_torch_backend import _cfg
-from test_trust_cache import stand_in_native_op
+from tests.support.stand_ins import stand_in_native_op
 
 BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=2, kernel_backend="torch")

@@ -17,7 +17,7 @@ import pytest
 
 from generator import specs as S
 from generator import spec_limits as L
-from spec_edit import LOCATED, line_of, mutate
+from tests.support.spec_edit import LOCATED, line_of, mutate
 
 ROOT = Path(__file__).resolve().parent.parent
 

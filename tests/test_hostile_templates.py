@@ -17,7 +17,7 @@ import pytest
 
 from generator import build as B
 from generator import render
-from spec_edit import mutate
+from tests.support.spec_edit import mutate
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIL = '{{ cycler.__init__.__globals__.os.system("touch %s") }}\n'

@@ -16,11 +16,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
-from ep_oracle import make_inputs
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import make_inputs
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError
 from runtime import config as rconfig
-from test_torch_backend import check_round
+from tests.support.rounds import check_round
 
 WORLD, GPN = 4, 2
 EMU = rconfig.EMULATE_NODES_ENV

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_oracle import expected_received, random_routing
-from internode_sim import SimBackend, SimWorld, run_ranks
+from tests.support.ep_oracle import expected_received, random_routing
+from tests.support.internode_sim import SimBackend, SimWorld, run_ranks
 from runtime import EpDispatchCombineConfig, InputError
 from runtime.routing import RoutingHandle
 

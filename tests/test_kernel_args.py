@@ -14,7 +14,7 @@ from generator import specs as S
 from generator.model import enumerate_variants
 from runtime import kernels
 from runtime.errors import LaunchError
-from spec_edit import line_of, mutate
+from tests.support.spec_edit import line_of, mutate
 
 _C_TYPES = {"int": "i32", "float": "f32", "char": "char", "void": "void"}
 

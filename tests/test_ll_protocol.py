@@ -14,7 +14,7 @@ from generator.toolchain import has_mnemonic
 from runtime import ll
 from runtime.config import EpDispatchCombineConfig, load_specs
 from runtime.errors import ConfigError
-from tests import ll_model as M
+from tests.support import ll_model as M
 
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=2, kernel_backend="torch")
@@ -73,7 +73,7 @@ def test_every_rank_resolves_alike_whatever_its_token_counts(bound):
     """The decision function across ranks: ranks whose calls carry different token counts (rank r: r + 1 tokens,
     up to the bound) still decide alike, since only the shared config bound and the target's threshold enter;
     a rank whose target threshold differs is what the native backend's cross-rank check catches."""
-    from ep_dist import get_world
+    from tests.support.ep_dist import get_world
 
     got = get_world(2).run(_scn_resolve, bound, [8, 8])
     assert got[0] == got[1] == ("ll" if bound <= 8 else "bw")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
-from ep_oracle import destination_ranks, expected_received, experts_per_rank_for, make_inputs
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import destination_ranks, expected_received, experts_per_rank_for, make_inputs
 from runtime import (CapacityError, ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp,
                      InputError)
 from runtime.op import NATIVE_WORKSPACE_FORMULA, native_workspace

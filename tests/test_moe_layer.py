@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from ep_dist import get_world
-from moe_layer_ref import REL_TOL, ROOT, check_block, dense_reference, load_example
+from tests.support.ep_dist import get_world
+from tests.support.moe_layer_ref import REL_TOL, ROOT, check_block, dense_reference, load_example
 
 
 def scn_block(rank, world, hidden, experts, topk, inter, tokens):

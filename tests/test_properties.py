@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ep_oracle import wire_roundtrip
+from tests.support.ep_oracle import wire_roundtrip
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 from runtime import config as rconfig
 from runtime.agreement import config_summary

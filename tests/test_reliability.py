@@ -13,11 +13,12 @@ import pickle
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
+from tests.support.ep_dist import get_world, shutdown_all
 from runtime import ClosedError, ConfigError, EpDispatchCombineOp, EpgenError, EpTimeoutError
 from runtime import agreement
 from runtime import op as rop
-from test_torch_backend import _cfg, check_round
+from test_torch_backend import _cfg
+from tests.support.rounds import check_round
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from ep_dist import get_world
-from ep_oracle import make_inputs, multiplicity
+from tests.support.ep_dist import get_world
+from tests.support.ep_oracle import make_inputs, multiplicity
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError, seed_compat
 from runtime import config as rconfig
 

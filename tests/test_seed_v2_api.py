@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_dist import get_world
+from tests.support.ep_dist import get_world
 from runtime import ClosedError, ConfigError, InputError
 from runtime.seed_compat import EpDispatchCombineConfig as Config, EpDispatchCombineOp as Op, tuning_configs
 from runtime.seed_compat import EpDispatchRoutingHandle as Handle

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import seed_v2_calls as calls
-from ep_dist import get_world
+from tests.support import seed_v2_calls as calls
+from tests.support.ep_dist import get_world
 
 WORLDS = [2, 4]
 

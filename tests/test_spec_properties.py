@@ -22,7 +22,7 @@ from generator import spec_schema as schema
 from generator import specs as S
 from generator.cache import Entry
 from generator.model import enumerate_variants
-from spec_edit import LOCATED
+from tests.support.spec_edit import LOCATED
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = settings(max_examples=100, deadline=None,

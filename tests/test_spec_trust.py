@@ -11,7 +11,7 @@ from generator import spec_schema as schema
 from generator import specs as S
 from generator.cli import main
 from generator.model import enumerate_variants
-from spec_edit import LOCATED, line_of, mutate
+from tests.support.spec_edit import LOCATED, line_of, mutate
 
 
 def _located(spec_copy, file, needle=None):

@@ -6,8 +6,8 @@ import pytest
 
 from generator import specs as S
 from generator.cli import main
-from spec_edit import line_of as _line_of
-from spec_edit import mutate as _mutate
+from tests.support.spec_edit import line_of as _line_of
+from tests.support.spec_edit import mutate as _mutate
 
 
 def test_specs_load(specs):

@@ -1,7 +1,7 @@
 """The op facade and the torch reference backend: 1 rank in-process, 2 and 4 gloo ranks in worker processes.
 
-Scenario functions (``scn_*``) run on every rank of a gloo world (tests/ep_dist.py); they assert
-against the plain-python oracle in tests/ep_oracle.py. The low-precision section checks pre-quantized
+Scenario functions (``scn_*``) run on every rank of a gloo world (tests/support/ep_dist.py); they assert
+against the plain-python oracle in tests/support/ep_oracle.py. The low-precision section checks pre-quantized
 payloads (byte-exact by source row), in-kernel quantization (bit-exact numerics.quantize_*), and the
 combine's wire formats and summation orders (bit-exact against a per-token loop, plus error bounds).
 """
@@ -15,12 +15,12 @@ import attrs
 import pytest
 import torch
 
-from ep_dist import get_world, shutdown_all
-from ep_oracle import (expected_received, experts_per_rank_for, first_appearance_ranks, make_inputs, multiplicity,
-                       ordered_sum, wire_roundtrip)
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import (expected_received, experts_per_rank_for, first_appearance_ranks, make_inputs,
+                                     multiplicity, ordered_sum, wire_roundtrip)
+from tests.support.rounds import check_round
 from runtime import numerics
-from runtime import (ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError,
-                     InputError, RoutingHandle)
+from runtime import ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError, InputError
 
 TOKEN_COUNTS = (0, 1, 7, 128)
 
@@ -33,52 +33,6 @@ def _cfg(rank: int, world: int, **kw) -> EpDispatchCombineConfig:
     fields["num_experts_per_rank"] = experts_per_rank_for(fields["num_experts_per_token"], world,
                                                           fields["num_experts_per_rank"])
     return EpDispatchCombineConfig(**fields)
-
-
-def check_round(op: EpDispatchCombineOp, rank: int, world: int, seed: int, counts, *, use_weights=True,
-                via_view=False, indices_fn=None) -> int:
-    """One dispatch + identity combine on every rank, checked against the oracle; -> rows received."""
-    cfg = op.config
-    k, epr, hidden, dtype = cfg.num_experts_per_token, cfg.num_experts_per_rank, cfg.hidden_dim, cfg.data_type
-    inputs = [make_inputs(seed, r, counts[r], hidden, k, cfg.num_experts, dtype) for r in range(world)]
-    if indices_fn is not None:
-        inputs = [(x, w, indices_fn(x.shape[0])) for x, w, _ in inputs]
-    x, w, idx = inputs[rank]
-    out, out_w, out_s, out_i, total, handle = op.dispatch(x, w if use_weights else None, None, idx,
-                                                          return_routing=True)
-    expected = expected_received([i for _, _, i in inputs], rank, epr)
-    n = len(expected)
-    rows = cfg.max_recv_tokens
-    assert out.shape == (rows, hidden) and out.dtype == dtype
-    assert out_i.shape == (rows, k) and out_i.dtype == torch.int32
-    assert out_s is None
-    assert total.shape == (1,) and total.dtype == torch.int32, (total.shape, total.dtype)
-    assert int(total) == n, f"rank {rank}: total_recv {int(total)}, oracle {n} (counts {counts})"
-    assert isinstance(handle, RoutingHandle) and handle.num_tokens == counts[rank]
-    assert [tuple(p) for p in handle.recv_src.tolist()] == expected, f"rank {rank}: received set/order differs"
-    if n:
-        assert torch.equal(out[:n], torch.stack([inputs[s][0][t] for s, t in expected])), "received rows differ"
-        assert torch.equal(out_i[:n], torch.stack([inputs[s][2][t] for s, t in expected]))
-    if use_weights:
-        assert out_w.shape == (rows, k) and out_w.dtype == torch.float32
-        if n:
-            assert torch.equal(out_w[:n], torch.stack([inputs[s][1][t] for s, t in expected]))
-    else:
-        assert out_w is None
-
-    expert_out = out
-    if via_view:
-        expert_out = op.combine_in_view()
-        expert_out.copy_(out)
-    combined, combined_w = op.combine(expert_out, out_w, routing=handle)
-    u = torch.tensor(multiplicity(idx, epr), dtype=torch.float32).unsqueeze(1)
-    assert combined.shape == (counts[rank], hidden) and combined.dtype == dtype
-    assert torch.equal(combined, (u * x.float()).to(dtype)), f"rank {rank}: combine != U*x (counts {counts})"
-    if use_weights:
-        assert torch.equal(combined_w, u * w), f"rank {rank}: combined weights != U*w"
-    else:
-        assert combined_w is None
-    return n
 
 
 def all_ranks_routing(cfg):

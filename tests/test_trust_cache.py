@@ -30,6 +30,7 @@ from generator import build as B
 from generator import cache as C
 from generator import render, toolchain
 from generator.model import enumerate_variants
+from tests.support.stand_ins import stand_in_native_op
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "quantize_fp8.bf16.fp8_e4m3fn.fp8_direct_cast"
@@ -198,56 +199,6 @@ def test_cache_refuses_to_write_through_a_symlink_out_of_its_root(variant, sourc
 # ---------------------------------------------------------------------------------------------
 # Defect 10: op.check() waits for the op's queued work first
 # ---------------------------------------------------------------------------------------------
-class _Queued:
-    """Stand-in for the device: a dispatch kernel queued on stream 1111 notes expert id 77 in the
-    host-mapped error words when that stream is synchronised."""
-
-    def __init__(self, words, state=None, lag=False):
-        self.words, self.synced = words, []
-        self.late = []  # lag=True: the words the kernel wrote arrive only when the test delivers them
-        test = self
-
-        class Stream:
-            def __init__(self, handle, device=None):
-                self.handle = handle
-
-            def synchronize(self):
-                if self.handle == 1111 and 1111 not in test.synced:  # the kernel runs (once)
-                    if state is not None:
-                        state[3] += 1  # the device's bad-id count (abi.STATE_WORDS "bad_ids")
-                    if lag:
-                        test.late.append(lambda: words.__setitem__(slice(5, 8), [1, 77, 1]))
-                    else:
-                        words[5], words[6], words[7] = 1, 77, 1
-                test.synced.append(self.handle)
-
-        self.Stream = Stream
-
-
-def stand_in_native_op(monkeypatch, lag=False):
-    """An op whose backend is the native backend's host side over stand-ins for the device (lag: the
-    host-mapped words arrive after the wait)."""
-    from runtime import EpDispatchCombineOp
-    from runtime import kernels
-    from runtime.backends import native
-    from test_torch_backend import _cfg
-
-    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
-    op = EpDispatchCombineOp(_cfg(0, 1, num_experts_per_token=2))  # 2 experts: ids 0..1
-    backend = object.__new__(native.NativeBackend)
-    backend.config, backend.device, backend.id_check = op.config, torch.device("cuda", 0), "async"
-    backend.error, backend._error_words = torch.zeros(8, dtype=torch.int32), [0] * 8
-    backend._stream = 1111  # the stream of the op's last dispatch (the call is still queued there)
-    backend.state, backend._bad_seen, backend._late_words = torch.zeros(16, dtype=torch.int32), 0, 0
-    queued = _Queued(backend._error_words, backend.state, lag)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", queued.Stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(kernels, "current_raw_stream", lambda: 2222)
-    real, op._backend = op._backend, backend
-    return op, queued, real
-
-
 @pytest.fixture
 def native_op(monkeypatch):
     op, queued, real = stand_in_native_op(monkeypatch)

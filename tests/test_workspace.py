@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_dist import get_world
-from ep_oracle import expected_received, random_routing
+from tests.support.ep_dist import get_world
+from tests.support.ep_oracle import expected_received, random_routing
 from runtime import workspace
 from runtime.routing import ordered_slots, send_counts
 

@@ -18,7 +18,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from bench import sweep
 from bench.gate import GateError, identity_gate
 from bench.inputs import quantize_blocks
-from tests.ep_oracle import random_routing
+from tests.support.ep_oracle import random_routing
 from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from tests.ep_oracle import random_routing
+from tests.support.ep_oracle import random_routing
 from tests.gpu.dist_util import captured as _captured, run_collective
-from tests.grouped_oracle import MODE_FIELDS, expert_rows
+from tests.support.grouped_oracle import MODE_FIELDS, expert_rows
 
 pytestmark = pytest.mark.multigpu
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
-from tests.ep_oracle import random_routing
+from tests.support.ep_oracle import random_routing
 from tests.gpu.dist_util import captured, run_collective
 
 pytestmark = pytest.mark.multigpu

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime.errors import EpgenError
 from runtime import config as rconfig
-from tests.ep_oracle import expected_received, multiplicity, random_routing
+from tests.support.ep_oracle import expected_received, multiplicity, random_routing
 from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu

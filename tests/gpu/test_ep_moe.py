@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from tests.ep_oracle import multiplicity, random_routing
+from tests.support.ep_oracle import multiplicity, random_routing
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError
-from tests.ep_oracle import expected_received, make_inputs, multiplicity
+from tests.support.ep_oracle import expected_received, make_inputs, multiplicity
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu

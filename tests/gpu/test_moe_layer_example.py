@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu.dist_util import run_collective
-from tests.moe_layer_ref import REL_TOL, check_block, load_example
+from tests.support.moe_layer_ref import REL_TOL, check_block, load_example
 
 pytestmark = pytest.mark.multigpu
 

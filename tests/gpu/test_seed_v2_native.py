@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import seed_v2_calls as calls
+from tests.support import seed_v2_calls as calls
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu

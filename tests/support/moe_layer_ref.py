@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.002). The EP block and the reference round the
 # GEMM outputs, the activation and the sums at different points (grouped GEMM vs one GEMM per expert,
 # per-rank partial sums rounded to bf16 before the combine adds them): a few roundings per term.
