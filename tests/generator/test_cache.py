@@ -25,7 +25,7 @@ from generator import specs as S
 from generator.cache import file_sha256, usable_dir
 from generator.model import enumerate_variants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ONLY = "quantize_fp8.*"
 SMALL = "quantize_fp8.bf16.*"
 

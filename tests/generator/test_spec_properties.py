@@ -24,7 +24,7 @@ from generator.cache import Entry
 from generator.model import enumerate_variants
 from tests.support.spec_edit import LOCATED
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

@@ -22,9 +22,8 @@ from generator import build as B
 from generator import cache as C
 from generator import render, toolchain
 from generator.model import enumerate_variants
-from test_trust_cache import source, variant  # noqa: F401 (fixtures: a small gfx950 variant, its source)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OTHER = "quantize_fp8.bf16.fp8_e4m3fn.fp8_blockwise"
 
 

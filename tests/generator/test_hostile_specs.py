@@ -19,7 +19,7 @@ from generator import specs as S
 from generator import spec_limits as L
 from tests.support.spec_edit import LOCATED, line_of, mutate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _located(spec_copy, file, line=None) -> str:

@@ -31,25 +31,9 @@ from generator import cache as C
 from generator import render, toolchain
 from generator.model import enumerate_variants
 from tests.support.stand_ins import stand_in_native_op
+from tests.support.variants import SMALL
 
-ROOT = Path(__file__).resolve().parent.parent
-SMALL = "quantize_fp8.bf16.fp8_e4m3fn.fp8_direct_cast"
-
-
-@pytest.fixture
-def variant(specs):
-    (v,), _ = enumerate_variants(specs, ["gfx950"], "all", SMALL)
-    return v
-
-
-@pytest.fixture
-def source(variant, tmp_path) -> Path:
-    src = tmp_path / "src" / variant.file
-    src.parent.mkdir()
-    src.write_text(render.render(variant))
-    return src
-
-
+ROOT = Path(__file__).resolve().parents[2]
 def _files(root: Path) -> set[Path]:
     return {p for p in root.rglob("*") if not p.is_dir()}
 

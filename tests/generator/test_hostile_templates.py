@@ -19,7 +19,7 @@ from generator import build as B
 from generator import render
 from tests.support.spec_edit import mutate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EVIL = '{{ cycler.__init__.__globals__.os.system("touch %s") }}\n'
 
 

@@ -13,7 +13,7 @@ from generator import build as B
 from generator import render
 from generator.model import enumerate_variants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one(specs, key):
