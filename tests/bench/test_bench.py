@@ -25,7 +25,7 @@ from bench.accounting import accounting, bandwidths, row_bytes, rows_per_destina
 from bench.gate import GateError, check_gate_mode, identity_expected, identity_gate
 from bench.inputs import dequantize_rows, make_input_sets, point_config, quantize_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ids(rows) -> torch.Tensor:

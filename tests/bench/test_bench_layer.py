@@ -21,7 +21,7 @@ from bench import ceiling, cli, layer as L, layer_loop, moe_layer as M, tables
 from bench.gate import GateError
 from bench.inputs import dequantize_rows, quantize_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_place_groups_pairs_per_expert_padded():
