@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "epgen ", "apt-get ", "scripts/")
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CITATION = re.compile(r"`python (scripts/\w+_table\.py)((?: [^`\s]+)*)`")
 EVERY_ROW_FROM_RECORDS = ("docs/LAYER.md",)
 FIGURE = re.compile(r"\|\s*[^|]*\d\.\d")  # a cell with a decimal figure

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = int(os.environ.get("EPGEN_EXIT_RUNS", "2"))
 HARSH_RUNS = int(os.environ.get("EPGEN_EXIT_HARSH_RUNS", "10"))
 

@@ -20,7 +20,7 @@ import pytest
 
 hipify_python = pytest.importorskip("torch.utils.hipify.hipify_python")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HIP_SOURCES = sorted(ROOT.glob("generated/gfx*/*.hip"))
 HEADER = '#include "hip/hip_runtime.h"'
 

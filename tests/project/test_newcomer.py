@@ -17,7 +17,7 @@ import epgen
 from bench import cli as bench_cli, tune
 from generator import cli, specs as S, toolchain
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(argv, main=cli.main):

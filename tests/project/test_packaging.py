@@ -10,7 +10,7 @@ from pathlib import Path
 from generator import build as gbuild
 from generator import specs as gspecs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_checkout_specs_are_the_default(monkeypatch):
