@@ -14,6 +14,7 @@ import torch
 
 from tests.support.ep_dist import get_world, shutdown_all
 from tests.support.ep_oracle import expected_received, experts_per_rank_for, make_inputs
+from tests.support.configs import make_config
 from tests.support.grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
 
@@ -31,9 +32,8 @@ MODES = {mode: (HIDDEN[mode], MODE_FIELDS[mode]) for mode in HIDDEN}  # mode: (h
 
 def _cfg(rank, world, mode, **kw):
     hidden, fields = MODES[mode]
-    return EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=T,
-                                   num_experts_per_rank=_epr(world), num_experts_per_token=K, kernel_backend="torch",
-                                   enable_grouped_layout=True, **fields, **kw)
+    return make_config(rank, world, hidden_dim=hidden, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                       num_experts_per_token=K, enable_grouped_layout=True, **fields, **kw)
 
 
 def _inputs(seed, rank, n, mode, num_experts):

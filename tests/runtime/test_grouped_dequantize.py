@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.configs import make_config
 from tests.support.ep_oracle import make_inputs
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, numerics
 
@@ -21,9 +22,9 @@ HIDDEN = {"fp8_blockwise": 256, "fp4_blockwise": 64}
 
 
 def _cfg(rank, world, quant, dtype=torch.bfloat16, **kw):
-    return EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=HIDDEN[quant], max_num_inp_token_per_rank=T,
-                                   num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="torch",
-                                   data_type=dtype, dispatch_quant_type=quant, enable_grouped_layout=True, **kw)
+    return make_config(rank, world, hidden_dim=HIDDEN[quant], max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                       num_experts_per_token=K, data_type=dtype, dispatch_quant_type=quant, enable_grouped_layout=True,
+                       **kw)
 
 
 def _decode(x, scales, quant):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError, InputWarning
-from test_torch_backend import _cfg
+from tests.support.configs import make_config as _cfg
 from tests.support.stand_ins import stand_in_native_op
 
 BASE = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=16, num_experts_per_rank=4,

@@ -9,6 +9,7 @@ checked, not just exact sums), plus the identity oracle of tests/test_torch_back
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from contextlib import contextmanager
@@ -16,9 +17,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tests.support.configs import make_config
 from tests.support.ep_dist import get_world, shutdown_all
 from tests.support.ep_oracle import make_inputs
-from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError
+from runtime import ConfigError, EpDispatchCombineOp, EpgenError
 from runtime import config as rconfig
 from tests.support.rounds import check_round
 
@@ -26,11 +28,7 @@ WORLD, GPN = 4, 2
 EMU = rconfig.EMULATE_NODES_ENV
 
 
-def _cfg(rank, **kw) -> EpDispatchCombineConfig:
-    fields = dict(rank=rank, world_size=WORLD, hidden_dim=64, max_num_inp_token_per_rank=520,
-                  num_experts_per_rank=2, num_experts_per_token=4, kernel_backend="torch")
-    fields.update(kw)
-    return EpDispatchCombineConfig(**fields)
+_cfg = functools.partial(make_config, world=WORLD, max_num_inp_token_per_rank=520)  # _cfg(rank, **fields)
 
 
 @contextmanager

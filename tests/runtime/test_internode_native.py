@@ -9,18 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.configs import make_config
 from tests.support.ep_oracle import expected_received, random_routing
 from tests.support.internode_sim import SimBackend, SimWorld, run_ranks
-from runtime import EpDispatchCombineConfig, InputError
+from runtime import InputError
 from runtime.routing import RoutingHandle
 
 H, K, EPR = 32, 4, 3
 
 
 def _cfg(rank, world, gpn, route, tmax, **kw):
-    return EpDispatchCombineConfig(rank=rank, world_size=world, gpu_per_node=gpn, hidden_dim=H,
-                                   max_num_inp_token_per_rank=tmax, num_experts_per_rank=EPR,
-                                   num_experts_per_token=K, kernel_backend="native", internode_kernel=route, **kw)
+    return make_config(rank, world, gpu_per_node=gpn, hidden_dim=H, max_num_inp_token_per_rank=tmax,
+                       num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend="native",
+                       internode_kernel=route, **kw)
 
 
 def _inputs(seed, rank, T, world):

@@ -8,9 +8,12 @@ order, dropped_count, strict_capacity), memory_report, bad inputs and the op's l
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from tests.support.configs import make_config
 from tests.support.ep_dist import get_world, shutdown_all
 from tests.support.ep_oracle import destination_ranks, expected_received, experts_per_rank_for, make_inputs
 from runtime import (CapacityError, ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp,
@@ -24,11 +27,8 @@ def _epr(world):
     return experts_per_rank_for(K, world, EPR)
 
 
-def _cfg(rank, world, **kw):
-    fields = dict(rank=rank, world_size=world, hidden_dim=H, max_num_inp_token_per_rank=T,
-                  num_experts_per_rank=_epr(world), num_experts_per_token=K, kernel_backend="torch")
-    fields.update(kw)
-    return EpDispatchCombineConfig(**fields)
+_cfg = functools.partial(make_config, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                         num_experts_per_token=K)  # _cfg(rank, world, **fields)
 
 
 def _all_inputs(seed, world, counts, dtype, num_experts):

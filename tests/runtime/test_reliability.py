@@ -17,7 +17,7 @@ from tests.support.ep_dist import get_world, shutdown_all
 from runtime import ClosedError, ConfigError, EpDispatchCombineOp, EpgenError, EpTimeoutError
 from runtime import agreement
 from runtime import op as rop
-from test_torch_backend import _cfg
+from tests.support.configs import make_config as _cfg
 from tests.support.rounds import check_round
 
 

@@ -16,23 +16,17 @@ import pytest
 import torch
 
 from tests.support.ep_dist import get_world, shutdown_all
-from tests.support.ep_oracle import (expected_received, experts_per_rank_for, first_appearance_ranks, make_inputs,
-                                     multiplicity, ordered_sum, wire_roundtrip)
+from tests.support.ep_oracle import (expected_received, first_appearance_ranks, make_inputs, multiplicity, ordered_sum,
+                                     wire_roundtrip)
+from tests.support.configs import make_config
 from tests.support.rounds import check_round
 from runtime import numerics
-from runtime import ClosedError, ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError, InputError
+from runtime import ClosedError, ConfigError, EpDispatchCombineOp, EpgenError, InputError
 
 TOKEN_COUNTS = (0, 1, 7, 128)
 
 
-def _cfg(rank: int, world: int, **kw) -> EpDispatchCombineConfig:
-    """The tests' config; num_experts_per_rank is raised where world x it < num_experts_per_token (k <= num_experts)."""
-    fields = dict(rank=rank, world_size=world, hidden_dim=64, max_num_inp_token_per_rank=128,
-                  num_experts_per_rank=2, num_experts_per_token=4, kernel_backend="torch")
-    fields.update(kw)
-    fields["num_experts_per_rank"] = experts_per_rank_for(fields["num_experts_per_token"], world,
-                                                          fields["num_experts_per_rank"])
-    return EpDispatchCombineConfig(**fields)
+_cfg = make_config  # the factory's defaults are these tests' config
 
 
 def all_ranks_routing(cfg):

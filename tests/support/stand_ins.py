@@ -38,10 +38,10 @@ def stand_in_native_op(monkeypatch, lag=False):
     from runtime import EpDispatchCombineOp
     from runtime import kernels
     from runtime.backends import native
-    from test_torch_backend import _cfg
+    from tests.support.configs import make_config
 
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
-    op = EpDispatchCombineOp(_cfg(0, 1, num_experts_per_token=2))  # 2 experts: ids 0..1
+    op = EpDispatchCombineOp(make_config(0, 1, num_experts_per_token=2))  # 2 experts: ids 0..1
     backend = object.__new__(native.NativeBackend)
     backend.config, backend.device, backend.id_check = op.config, torch.device("cuda", 0), "async"
     backend.error, backend._error_words = torch.zeros(8, dtype=torch.int32), [0] * 8
