@@ -2,7 +2,7 @@
 its sweep (bench/sweep.py), on CPU.
 
 Accounting and bandwidths against hand-computed routings; the identity gate on the torch backend
-over 2 gloo ranks (tests/ep_dist.py): it passes on clean data and raises GateError, on every rank
+over 2 gloo ranks (tests/support/ep_dist.py): it passes on clean data and raises GateError, on every rank
 and naming the right source rank and row count, when one received row is damaged; a CPU smoke run
 of a whole benchmark point (eager only: no graphs on CPU) checks the JSON record and that
 scripts/plot_bench.py reads it.

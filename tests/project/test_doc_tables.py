@@ -1,5 +1,5 @@
 """docs/ tables of measured figures are what a script prints from committed records (README.md's own tables:
-tests/test_readme.py). A doc cites its table's command (`python scripts/<name>_table.py <records>`); the table
+tests/project/test_readme.py). A doc cites its table's command (`python scripts/<name>_table.py <records>`); the table
 that follows the citation is that command's output, row for row, run on the records in results/ that it names
 (results/<date>-<machine>-<commit>/*.jsonl: the records there are of that commit). In the docs listed in
 EVERY_ROW_FROM_RECORDS, a table row with a measured figure that no cited command prints fails."""

@@ -2,7 +2,7 @@
 threads have let go of their tensors, Python references included, so no gloo thread still waits for the
 GIL when the caller goes on (the race that aborts a process exiting right after a collective,
 `terminate called without an active exception`); objects are gathered over tensors made and settled
-there. Gloo ranks through tests/ep_dist.py; settle's wait against a thread that holds the tensor a while
+there. Gloo ranks through tests/support/ep_dist.py; settle's wait against a thread that holds the tensor a while
 (what gloo's worker does)."""
 
 from __future__ import annotations

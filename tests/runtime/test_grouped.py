@@ -1,5 +1,6 @@
 """The grouped-GEMM layout (op.grouped_layout / dispatch_grouped / combine_grouped) on the torch backend,
-against the plain-python oracle of tests/grouped_oracle.py: gloo ranks at W = 1, 2, 4 through tests/ep_dist.py.
+against the plain-python oracle of tests/support/grouped_oracle.py: gloo ranks at W = 1, 2, 4 through
+tests/support/ep_dist.py.
 
 Payloads bf16, fp32, fp8 pre-quantized (bytes and fp32 scales verbatim), fp8_blockwise and fp4_blockwise
 (quantized in dispatch); the buffer's capacity (pairs past it dropped and counted), the receive cap, routing

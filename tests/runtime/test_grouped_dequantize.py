@@ -1,5 +1,5 @@
 """grouped_dequantize: the grouped layout of an fp8_blockwise / fp4_blockwise dispatch with its rows decoded
-into data_type (torch backend, gloo ranks at W = 1 and 2 through tests/ep_dist.py).
+into data_type (torch backend, gloo ranks at W = 1 and 2 through tests/support/ep_dist.py).
 
 Each round dispatches the same tokens through two ops, one with grouped_dequantize and one without, and
 checks that the decoded layout is the plain layout with every kept row dequantized by runtime.numerics

@@ -1,10 +1,10 @@
 """Internode EP on the torch reference backend: 4 gloo processes as 2 emulated nodes x 2 GPUs.
 
-Scenario functions (``scn_*``) run on every rank of a gloo world (tests/ep_dist.py). Each parity
+Scenario functions (``scn_*``) run on every rank of a gloo world (tests/support/ep_dist.py). Each parity
 round dispatches the same inputs through an intranode op (gpu_per_node 4) and an internode op
 (gpu_per_node 2, route v2 / v2_ll / auto) and asserts identical received rows, slots, total_recv,
 and bit-identical combine results of a non-linear expert (so the float32 summation order is
-checked, not just exact sums), plus the identity oracle of tests/test_torch_backend.py.
+checked, not just exact sums), plus the identity round of tests/support/rounds.py.
 """
 
 from __future__ import annotations

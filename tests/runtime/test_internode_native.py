@@ -1,4 +1,4 @@
-"""The native internode backend's host orchestration on CPU (tests/internode_sim.py): every world
+"""The native internode backend's host orchestration on CPU (tests/support/internode_sim.py): every world
 layout the GPU runs cannot reach yet (2 nodes x 2, x 3, x 4 GPUs; 4 nodes x 2), both routes, uneven
 and empty token counts, receive caps, fp8 payloads with scales, several calls on the same buffers.
 The received rows must be the (source rank, token) oracle's and the combine the intranode gather's

@@ -1,5 +1,5 @@
 """The low-latency intranode protocol on CPU: wire format sizes, epochs, per-call selection, the config and
-spec surface, and a model of the protocol (tests/ll_model.py) run under random interleavings: rows arrive
+spec surface, and a model of the protocol (tests/support/ll_model.py) run under random interleavings: rows arrive
 complete and in (source rank, token) order, nothing is overwritten before it is consumed, and the two
 assumptions it rests on (untorn 16-byte vectors, consumed vectors zeroed) are each shown to be needed."""
 

@@ -3,7 +3,7 @@
 Local expert counts, the standard-MoE layout (convert_dispatch_output / convert_combine_input with a
 per-expert affine expert a_e * x + b_e), routing replay, the receive cap (drops in (source rank, token)
 order, dropped_count, strict_capacity), memory_report, bad inputs and the op's lifecycle.
-2 gloo ranks through tests/ep_dist.py, and world_size=1 in-process.
+2 gloo ranks through tests/support/ep_dist.py, and world_size=1 in-process.
 """
 
 from __future__ import annotations

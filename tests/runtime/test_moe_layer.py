@@ -1,5 +1,5 @@
 """examples/moe_layer.py on CPU: 2 gloo ranks (torch backend) against the dense single-process reference
-(tests/moe_layer_ref.py: per-token relative error <= 1e-2), and the example's own torchrun command."""
+(tests/support/moe_layer_ref.py: per-token relative error <= 1e-2), and the example's own torchrun command."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reliability on the CPU side: cross-rank config agreement at op construction (gloo worker
-processes, tests/ep_dist.py), EpTimeoutError and op.check().
+processes, tests/support/ep_dist.py), EpTimeoutError and op.check().
 
 Every rank gathers every rank's config summary before the backend is built; any difference in a
 field other than ``rank`` (or a config that does not fit the process group) is a ConfigError on

@@ -1,7 +1,7 @@
 """The seed's EPv2 op test (test_op.py) and its pytest matrix (test_dispatch_combine_v2_intranode.py), its
 asymmetric-dtype, lifecycle and backend-parity tests and its benchmark's correctness gate, run through
 runtime.seed_compat on 2 and 4 CPU gloo ranks (torch backend): every seed check of each call sequence
-(tests/seed_v2_calls.py) must pass on every rank."""
+(tests/support/seed_v2_calls.py) must pass on every rank."""
 
 from __future__ import annotations
 

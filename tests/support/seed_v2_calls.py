@@ -1,8 +1,8 @@
 """The seed library's EPv2 test call sequences (ROCm/mori tests/python/ops/dispatch_combine_v2: test_op.py and its
 pytest matrix, test_asym_dtype.py, test_op_lifecycle.py, test_ep_backend_parity.py, bench_ep.py's correctness
 gate), written again as functions of (rank, world) that run on every rank of a process group and assert the
-seed's expected results through ``runtime.seed_compat``. tests/test_seed_v2_*.py run them on CPU gloo ranks
-(tests/ep_dist.py), tests/gpu/test_seed_v2_native.py on GPUs (the native backend).
+seed's expected results through ``runtime.seed_compat``. tests/runtime/test_seed_v2_*.py run them on CPU gloo ranks
+(tests/support/ep_dist.py), tests/gpu/test_seed_v2_native.py on GPUs (the native backend).
 
 Each function takes the device ("cpu" or "cuda") and keeps every rank in step: a rank whose check failed
 records it, the ranks all-reduce the failure count (as the seed's scripts do) and every rank raises.
