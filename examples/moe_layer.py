@@ -10,7 +10,7 @@ torch._grouped_mm per projection where torch has it for the device, else a loop 
 epgen combine out of that layout (the weighted sum per row, then back to the tokens). Experts are sharded over ranks:
 rank r holds experts [r * E / W, (r + 1) * E / W). DeepSeek-V3's sizes are the defaults (hidden 7168,
 256 routed experts, top-8, expert intermediate 2048); its shared expert and group-limited sigmoid
-routing are left out. docs/LAYER.md has more; tests/test_moe_layer.py checks this block against a
+routing are left out. docs/LAYER.md has more; tests/runtime/test_moe_layer.py checks this block against a
 dense single-process reference.
 """
 
@@ -120,7 +120,7 @@ def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, 
     return MoEBlock(EpDispatchCombineOp(cfg), router_weight(experts, hidden, seed, device), w13, w2)
 
 
-TOLERANCE = 1e-2  # largest per-token ||layer - dense|| / ||dense|| accepted (tests/test_moe_layer.py's bound)
+TOLERANCE = 1e-2  # largest per-token ||layer - dense|| / ||dense|| accepted (tests/runtime/test_moe_layer.py's bound)
 
 
 def dense_error(x: torch.Tensor, y: torch.Tensor, block: MoEBlock, hidden: int, inter: int, seed: int = 0) -> float:

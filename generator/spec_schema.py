@@ -258,7 +258,7 @@ _SCALE_WIRES = {"none": ("none", "fp8"), "fp32": ("fp8",), "e8m0": ("fp4",)}  # 
 _LANE_ELEMS = 8  # elements each lane converts: a scale block is whole lanes of one wave
 _LIBRARIES = {"amd": ("amd",), "nvidia": ("nvidia",)}  # macro libraries (templates/targets/) per vendor
 
-# Numbers: every int/float field of a record (tests/test_spec_trust.py checks none is left out).
+# Numbers: every int/float field of a record (tests/generator/test_spec_trust.py checks none is left out).
 _RANGES = {
     (Toolchain, "min_clang"): _Range(0, 999),
     (Target, "fp8_max"): _Range(0, max(_FP8_FORMAT_MAX.values()), above=True),  # and <= its format's max

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime import EpDispatchCombineOp
 from bench import sweep
 from bench.gate import GateError, identity_gate
 from bench.inputs import quantize_blocks
-from tests.ep_oracle import random_routing
+from tests.support.ep_oracle import random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -33,9 +34,8 @@ BF16 = torch.bfloat16
 def _cfg(payload):
     extra = dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=BF16, scale_dim=H // 128,
                  scale_type_size=4) if payload == "fp8" else {}
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
-                                   data_type=BF16, kernel_backend="native", **extra)
+    return dist_config(hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
+                       data_type=BF16, **extra)
 
 
 def _inputs(payload, seed):

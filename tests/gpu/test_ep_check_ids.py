@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError, InputWarning
+from runtime import EpDispatchCombineOp, InputError, InputWarning
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -24,9 +25,8 @@ ROUNDS = 20
 
 
 def _cfg(T_max=64, hidden=2048, k=4, epr=8, **kw):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=hidden,
-                                   max_num_inp_token_per_rank=T_max, num_experts_per_rank=epr,
-                                   num_experts_per_token=k, kernel_backend="native", **kw)
+    return dist_config(hidden_dim=hidden, max_num_inp_token_per_rank=T_max, num_experts_per_rank=epr,
+                       num_experts_per_token=k, **kw)
 
 
 def _bad_rounds(op, cfg, T):

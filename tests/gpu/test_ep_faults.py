@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime import ConfigError, EpDispatchCombineOp
 from runtime.errors import EpTimeoutError
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import collective_assert, oversubscribed
 
 pytestmark = pytest.mark.multigpu
@@ -22,9 +23,8 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 
 def _cfg(T=256, H=2048, k=8, epr=16, **kw):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=epr, num_experts_per_token=k,
-                                   data_type=torch.bfloat16, kernel_backend="native", **kw)
+    return dist_config(hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=epr, num_experts_per_token=k,
+                       data_type=torch.bfloat16, **kw)
 
 
 def _identity_errors(op, x, w, idx, epr):

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from tests.ep_oracle import random_routing
+from tests.support.ep_oracle import random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import captured as _captured, run_collective
-from tests.grouped_oracle import MODE_FIELDS, expert_rows
+from tests.support.grouped_oracle import MODE_FIELDS, expert_rows
 
 pytestmark = pytest.mark.multigpu
 
@@ -29,9 +30,8 @@ MODES = {mode: (256, MODE_FIELDS[mode]) for mode in ("bf16", "fp32", "fp8", "fp8
 
 def _cfg(backend, mode, tokens=T, **kw):
     hidden, fields = MODES[mode]
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=hidden,
-                                   max_num_inp_token_per_rank=tokens, num_experts_per_rank=EPR, num_experts_per_token=K,
-                                   kernel_backend=backend, enable_grouped_layout=True, **fields, **kw)
+    return dist_config(hidden_dim=hidden, max_num_inp_token_per_rank=tokens, num_experts_per_rank=EPR,
+                       num_experts_per_token=K, kernel_backend=backend, enable_grouped_layout=True, **fields, **kw)
 
 
 def _inputs(seed, mode, device, tokens=T):

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
-from tests.ep_oracle import random_routing
+from runtime import EpDispatchCombineOp, numerics
+from tests.support.ep_oracle import random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import captured, run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -27,10 +28,9 @@ RECV_CAP = 100  # (source rank, token) receive order on both backends
 
 
 def _cfg(backend, quant, dq, dtype=torch.bfloat16, cap=RECV_CAP):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
-                                   kernel_backend=backend, data_type=dtype, dispatch_quant_type=quant,
-                                   enable_grouped_layout=True, grouped_dequantize=dq, max_total_recv_tokens=cap)
+    return dist_config(hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
+                       kernel_backend=backend, data_type=dtype, dispatch_quant_type=quant, enable_grouped_layout=True,
+                       grouped_dequantize=dq, max_total_recv_tokens=cap)
 
 
 def _inputs(seed, dtype):

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
+from runtime import EpDispatchCombineOp
 from runtime.errors import EpgenError
 from runtime import config as rconfig
-from tests.ep_oracle import expected_received, multiplicity, random_routing
+from tests.support.ep_oracle import expected_received, multiplicity, random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import oversubscribed, run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -32,13 +33,11 @@ def emulated_nodes():
 
 
 def _cfg(internode=True, **kw):
-    fields = dict(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                  max_num_inp_token_per_rank=TMAX, num_experts_per_rank=EPR, num_experts_per_token=K,
-                  data_type=torch.bfloat16, kernel_backend="native")
+    fields = dict(hidden_dim=H, max_num_inp_token_per_rank=TMAX, num_experts_per_rank=EPR, num_experts_per_token=K,
+                  data_type=torch.bfloat16)
     if internode:  # two emulated nodes: 2 x 1 GPU on 2 GPUs, 2 x 2 on 4, 2 x 4 on 8
         fields["gpu_per_node"] = max(1, dist.get_world_size() // 2)
-    fields.update(kw)
-    return EpDispatchCombineConfig(**fields)
+    return dist_config(**{**fields, **kw})
 
 
 def _inputs(seed, T):

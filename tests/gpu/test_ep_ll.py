@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineOp, numerics
 from runtime.config import load_specs
-from tests.ep_oracle import multiplicity
+from tests.support.ep_oracle import multiplicity
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu

@@ -4,14 +4,16 @@ FP8/FP4 wire compression, graph capture.
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_lowprec.py
 """
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, numerics
-from tests.ep_oracle import multiplicity, random_routing
+from runtime import EpDispatchCombineOp, numerics
+from tests.support.ep_oracle import multiplicity, random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -32,10 +34,8 @@ def _inputs(seed, rank):
     return x.to(BF16), w, idx
 
 
-def _cfg(**kw):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
-                                   data_type=BF16, kernel_backend="native", **kw)
+_cfg = functools.partial(dist_config, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                         num_experts_per_token=K, data_type=BF16)
 
 
 def _sources(op, total):

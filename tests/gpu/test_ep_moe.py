@@ -3,14 +3,16 @@
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_moe.py
 """
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from tests.ep_oracle import multiplicity, random_routing
+from runtime import EpDispatchCombineOp
+from tests.support.ep_oracle import multiplicity, random_routing
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -21,10 +23,8 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 H, T, K, EPR = 2048, 256, 8, 16
 
 
-def _cfg(**kw):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=H,
-                                   max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
-                                   data_type=torch.bfloat16, kernel_backend="native", **kw)
+_cfg = functools.partial(dist_config, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                         num_experts_per_token=K, data_type=torch.bfloat16)
 
 
 def _inputs(seed, rank):

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, InputError
-from tests.ep_oracle import expected_received, make_inputs, multiplicity
+from runtime import EpDispatchCombineOp, InputError
+from tests.support.ep_oracle import expected_received, make_inputs, multiplicity
+from tests.support.configs import dist_config
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu
@@ -21,9 +22,8 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 
 def _cfg(T_max, hidden, k, epr, dtype=torch.bfloat16, backend="native"):
-    return EpDispatchCombineConfig(rank=dist.get_rank(), world_size=dist.get_world_size(), hidden_dim=hidden,
-                                   max_num_inp_token_per_rank=T_max, num_experts_per_rank=epr,
-                                   num_experts_per_token=k, data_type=dtype, kernel_backend=backend)
+    return dist_config(hidden_dim=hidden, max_num_inp_token_per_rank=T_max, num_experts_per_rank=epr,
+                       num_experts_per_token=k, data_type=dtype, kernel_backend=backend)
 
 
 def _inputs(seed, T, cfg, rank=None):

@@ -1,5 +1,5 @@
 """examples/moe_layer.py on GPUs (native backend, the grouped layout, torch._grouped_mm on sm_90) against the
-dense single-process reference of tests/moe_layer_ref.py (per-token relative error <= 1e-2, bf16).
+dense single-process reference of tests/support/moe_layer_ref.py (per-token relative error <= 1e-2, bf16).
 
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_moe_layer_example.py
 """
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu.dist_util import run_collective
-from tests.moe_layer_ref import REL_TOL, check_block, load_example
+from tests.support.moe_layer_ref import REL_TOL, check_block, load_example
 
 pytestmark = pytest.mark.multigpu
 

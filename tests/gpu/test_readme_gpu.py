@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.test_readme import run_script, run_usage, scripts
+from tests.support.readme import run_script, run_usage, scripts
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The seed's EPv2 test call sequences (tests/seed_v2_calls.py: its op test matrix, asymmetric dtypes,
+"""The seed's EPv2 test call sequences (tests/support/seed_v2_calls.py: its op test matrix, asymmetric dtypes,
 lifecycle, backend parity, bench gate) through runtime.seed_compat on the native backend, on GPUs.
 
 Run (2 ranks; ranks sharing one GPU are fine, correctness only):
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import seed_v2_calls as calls
+from tests.support import seed_v2_calls as calls
 from tests.gpu.dist_util import run_collective
 
 pytestmark = pytest.mark.multigpu

@@ -1,0 +1,278 @@
+"""bench --floor (bench/floor.py) and bench --profile-graph (bench/profile_graph.py) on CPU: the plans, the
+per-kernel statistics of profiled replays (bench/graphprof.py), the records' shape, the tables, and both
+entries end to end on 2 gloo ranks with the GPU-only calls stubbed; the floor kernels compile for sm_90a."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import types
+
+import pytest
+
+from tests.support.ep_dist import get_world
+from bench import cli, floor, graphprof, profile_graph as pg
+from generator.abi import LL_MAX_TOKENS
+
+META = {"commit": "abc", "date": "2026-12-01", "gpu": "cpu", "driver": "", "cuda_driver_api": None,
+        "target": "cpu", "sms": 4, "torch": "x", "world_size": 2}
+
+
+def _args(argv):
+    return cli.build_parser().parse_args(argv)
+
+
+# --- graphprof -------------------------------------------------------------------------------------
+def test_summarize_pools_roles_and_measures_gaps():
+    # two replays of [dispatch, copy, combine]; gaps 1.0 and 0.5 in the first, 2.0 and 0.5 in the second
+    r1 = [("epg_dispatch_x", 0.0, 7.0), ("Memcpy DtoD", 8.0, 1.0), ("epg_combine_x", 9.5, 6.0)]
+    r2 = [("epg_combine_x", 20.5, 4.0), ("epg_dispatch_x", 10.0, 5.0), ("Memcpy DtoD", 17.0, 3.0)]  # any order
+    role = lambda n: "dispatch" if "dispatch" in n else "combine" if "combine" in n else "copy"  # noqa: E731
+    s = graphprof.summarize([r1, r2], role)
+    assert s["roles"]["dispatch"] == {"calls": 1, "median_us": 6.0, "min_us": 5.0, "max_us": 7.0,
+                                      "names": ["epg_dispatch_x"]}
+    assert s["roles"]["combine"]["median_us"] == 5.0 and s["roles"]["copy"]["max_us"] == 3.0
+    assert s["gap_us"] == pytest.approx(0.75)  # median of 1.0, 0.5, 2.0, 0.5
+    assert s["busy_us"] == pytest.approx(13.0) and s["span_us"] == pytest.approx(15.0)  # medians of 14/12, 15.5/14.5
+    empty = graphprof.summarize([])
+    assert empty == {"roles": {}, "gap_us": None, "busy_us": None, "span_us": None}
+
+
+def test_split_replays_cuts_whole_replays_in_start_order():
+    evs = [(f"k{i}", float(10 - i), 0.1) for i in range(7)]
+    parts = graphprof.split_replays(evs, 3)
+    assert [[e[0] for e in p] for p in parts] == [["k6", "k5", "k4"], ["k3", "k2", "k1"]]  # k0 incomplete: dropped
+    with pytest.raises(ValueError, match="per_replay"):
+        graphprof.split_replays(evs, 0)
+
+
+class _NewEvent:  # torch >= 2.13's _KinetoEvent: activity_type(), start_ns()
+    def __init__(self, name, dev, kind, start_us, dur_us):
+        self._n, self._d, self._k, self._s, self._u = name, dev, kind, start_us, dur_us
+
+    def name(self):
+        return self._n
+
+    def device_type(self):
+        return f"DeviceType.{self._d}"
+
+    def activity_type(self):
+        return self._k
+
+    def start_ns(self):
+        return int(self._s * 1000)
+
+    def duration_ns(self):
+        return int(self._u * 1000)
+
+
+class _OldEvent:  # older releases: no activity_type(), times in us, user annotations flagged
+    def __init__(self, name, dev, start_us, dur_us, annotation=False):
+        self._n, self._d, self._s, self._u, self._a = name, dev, start_us, dur_us, annotation
+
+    def name(self):
+        return self._n
+
+    def device_type(self):
+        return f"DeviceType.{self._d}"
+
+    def start_us(self):
+        return self._s
+
+    def duration_us(self):
+        return self._u
+
+    def is_user_annotation(self):
+        return self._a
+
+
+def test_device_events_across_torch_event_apis():
+    new = [_NewEvent("epg_b", "CUDA", "kernel", 5.0, 1.0), _NewEvent("cudaLaunchKernel", "CPU", "cuda_runtime", 0.0, 2.0),
+           _NewEvent("Memcpy DtoD", "CUDA", "gpu_memcpy", 7.0, 0.5), _NewEvent("ncclDevKernel_AllReduce", "CUDA", "kernel",
+                                                                             1.0, 9.0),
+           _NewEvent("annot", "CUDA", "gpu_user_annotation", 4.0, 3.0), _NewEvent("epg_a", "CUDA", "kernel", 2.0, 1.5)]
+    assert graphprof.device_events(new) == [("epg_a", 2.0, 1.5), ("epg_b", 5.0, 1.0), ("Memcpy DtoD", 7.0, 0.5)]
+    old = [_OldEvent("epg_b", "CUDA", 5.0, 1.0), _OldEvent("aten::copy_", "CPU", 0.0, 2.0),
+           _OldEvent("annot", "CUDA", 4.0, 3.0, annotation=True), _OldEvent("ncclKernel", "CUDA", 1.0, 1.0),
+           _OldEvent("epg_a", "CUDA", 2.0, 1.5)]
+    assert graphprof.device_events(old) == [("epg_a", 2.0, 1.5), ("epg_b", 5.0, 1.0)]
+
+
+# --- floor: plan, records, table -------------------------------------------------------------------------
+def test_floor_plan_and_partners():
+    args = _args(["--floor", "--floor-rounds", "50", "--layers", "4", "--floor-blocks", "1", "0"])
+    assert floor.plan(args) == [
+        {"method": "pingpong", "rounds": 50},
+        {"method": "signal_graph", "blocks": 1, "layers": 4}, {"method": "empty_graph", "blocks": 1, "layers": 4},
+        {"method": "signal_graph", "blocks": 0, "layers": 4}, {"method": "empty_graph", "blocks": 0, "layers": 4}]
+    assert [floor.partner(r, 4) for r in range(4)] == [1, 0, 3, 2]
+    assert floor.partner(2, 3) is None
+
+
+def test_floor_record_shape_and_table():
+    ping = floor.record(META, {"method": "pingpong", "rounds": 10}, round_trip_us=2.0, one_way_us=1.0)
+    sig = floor.record(META, {"method": "signal_graph", "blocks": 0, "layers": 16}, per_kernel_us=3.5,
+                       per_kernel_p99_us=3.9, kernel_us=3.1, gap_us=0.3, blocks_launched=132)
+    bad = floor.record(META, {"method": "empty_graph", "blocks": 1, "layers": 16}, error="rank 1: boom")
+    for r in (ping, sig, bad):
+        assert r["kind"] == "floor" and r["commit"] == "abc" and r["world_size"] == 2
+        assert {"rounds", "blocks", "layers", "round_trip_us", "per_kernel_us", "kernel_us", "gap_us", "error"} <= set(r)
+        json.dumps(r, allow_nan=False)
+    assert ping["error"] is None and ping["kernel_us"] is None and sig["round_trip_us"] is None
+    lines = floor.floor_table([sig, bad, ping])
+    assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |"  # the ping-pong first, whatever the order
+    assert lines[3] == "| signal_graph | 132 | – | – | 3.50 | 3.10 | 0.30 |"
+    assert lines[4].startswith("| empty_graph | 1 | failed: rank 1: boom")
+
+
+@pytest.mark.parametrize("argv,msg", [(["--floor-rounds", "0"], "--floor-rounds"), (["--layers", "0"], "--layers"),
+                                      (["--floor-blocks", "-1"], "--floor-blocks"),
+                                      (["--floor-timeout-s", "0"], "--floor-timeout-s")])
+def test_floor_arguments_are_validated(argv, msg):
+    with pytest.raises(SystemExit, match=msg):
+        cli.main(["--floor", *argv])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_floor_kernels_compile_for_sm90a():
+    from bench.kernels import compile_source
+
+    cubin = compile_source("sm_90", floor.FLOOR_KERNELS, "floor")
+    assert cubin[:4] == b"\x7fELF" and all(s.encode() in cubin for s in floor.SYMBOLS)
+
+
+# --- profile-graph: plan, roles, records, table ------------------------------------------------------------
+def test_profile_plan_skips_ll_above_its_limit():
+    args = _args(["--profile-graph", "--tokens", "1", str(LL_MAX_TOKENS + 1), "--protocol", "ll", "bw"])
+    points, skipped = pg.plan(args)
+    assert points == [(1, "ll"), (1, "bw"), (LL_MAX_TOKENS + 1, "bw")]
+    assert skipped == [f"T={LL_MAX_TOKENS + 1} with protocol ll (at most {LL_MAX_TOKENS} tokens per rank)"]
+    assert pg.plan(_args(["--profile-graph"]))[0] == [(T, "bw") for T in pg.PROFILE_TOKENS]
+
+
+def test_role_of_names_the_op_kernels_and_the_copy():
+    syms = {"epg_dispatch_ll__bf16__intranode": "dispatch", "epg_combine_ll__bf16__intranode": "combine"}
+    assert pg.role_of("epg_dispatch_ll__bf16__intranode", syms) == "dispatch"
+    assert pg.role_of("void epg_combine_ll__bf16__intranode(EpArgs)", syms) == "combine"
+    assert pg.role_of("Memcpy DtoD (Device -> Device)", syms) == "copy"
+    assert pg.role_of("void at::native::direct_copy_kernel_cuda(...)", syms) == "copy"
+    assert pg.role_of("ncclDevKernel_AllReduce", syms) == "other"
+
+
+def _summary(d, c, gap):
+    return {"roles": {"dispatch": {"calls": 16, "median_us": d, "min_us": d, "max_us": d, "names": ["epg_dispatch"]},
+                      "combine": {"calls": 16, "median_us": c, "min_us": c, "max_us": c, "names": ["epg_combine"]},
+                      "copy": {"calls": 16, "median_us": 1.0, "min_us": 1.0, "max_us": 1.0, "names": ["Memcpy"]}},
+            "gap_us": gap, "busy_us": 200.0, "span_us": 210.0}
+
+
+def test_profile_record_takes_the_slowest_rank_and_the_table_prints_it():
+    per_rank = [_summary(7.0, 6.0, 0.3), _summary(7.5, 5.5, 0.2)]
+    r = pg.profile_record(META, 1, 1, "ll", "ll", 16, 10, (14.8, 15.2), per_rank)
+    assert (r["kind"], r["tokens_per_rank"], r["protocol"], r["layers"]) == ("kernel_profile", 1, "ll", 16)
+    assert (r["dispatch_us"], r["combine_us"], r["copy_us"], r["gap_us"]) == (7.5, 6.0, 1.0, 0.3)
+    assert r["roles"] == per_rank[1]["roles"] and r["per_rank"] == per_rank and r["error"] is None
+    json.dumps(r, allow_nan=False)
+    missing = pg.profile_record(META, 0, 8, "bw", "bw", 16, 10, None, [_summary(1, 1, None), _summary(1, 1, 0.2)])
+    assert missing["gap_us"] is None and missing["per_layer_us"] is None
+    failed = {"kind": "kernel_profile", "tokens_per_rank": 128, "intranode_protocol": "bw", "error": "rank 0: x"}
+    lines = pg.profile_table([r, failed])
+    assert lines[2].startswith("| bw | 128 | failed: rank 0: x")
+    assert lines[3] == "| ll | 1 | 7.50 | 6.00 | 1.00 | 0.30 | 14.8 |"
+
+
+# --- both entries end to end on gloo ranks (GPU-only calls stubbed) ------------------------------------------
+class _StubKernels:
+    def __init__(self, dev):
+        pass
+
+    def close(self):
+        pass
+
+
+class _StubFlags:
+    def __init__(self, dev):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def _stubbed_main(argv, patches):
+    """cli.main on a gloo rank with no GPU: the process group exists already, device selection and the metadata
+    are stubbed, and so is what `patches` names ((object, attribute, value) triples)."""
+    import io
+    from contextlib import ExitStack, redirect_stdout
+    from unittest import mock
+
+    import torch
+
+    from bench import records
+
+    with ExitStack() as stack:
+        for obj, name, value in [(torch.cuda, "set_device", lambda *a: None), (torch.cuda, "current_device", lambda: 0),
+                                 (cli.dist, "init_process_group", lambda *a, **kw: None),
+                                 (cli.dist, "destroy_process_group", lambda *a, **kw: None),
+                                 (cli, "require_gpus", lambda prog: None),
+                                 (records, "meta", lambda dev, **kw: dict(META)), *patches]:
+            stack.enter_context(mock.patch.object(obj, name, value))
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = cli.main(argv)
+    return rc, out.getvalue()
+
+
+def scn_floor_main(rank, world, argv, fail_method):
+    def graph(kern, flags, method, blocks, layers, reps, timeout_ns):
+        if method == fail_method and rank == 1:
+            raise RuntimeError("a signal kernel timed out on rank 1")
+        return {"per_kernel_us": 3.0 + blocks, "per_kernel_p99_us": 4.0, "kernel_us": 2.5, "gap_us": 0.3,
+                "blocks_launched": blocks or 132}
+
+    return _stubbed_main(argv, [(floor, "Kernels", _StubKernels), (floor, "Flags", _StubFlags),
+                                (floor, "measure_pingpong", lambda *a: {"round_trip_us": 1.6, "one_way_us": 0.8}),
+                                (floor, "measure_graph", graph)])
+
+
+def test_floor_main_writes_a_record_per_method_and_reports_failures(tmp_path):
+    out = tmp_path / "floor.jsonl"
+    argv = ["--floor", "--floor-rounds", "5", "--layers", "4", "--reps", "2", "--floor-blocks", "1", "--out", str(out)]
+    (rc, printed), (rc1, _) = get_world(2).run(scn_floor_main, argv, "empty_graph", timeout=120)
+    assert rc == rc1 == 1  # one method failed on rank 1: every rank exits 1
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["kind"], r["method"], bool(r["error"])) for r in recs] == [
+        ("floor", "pingpong", False), ("floor", "signal_graph", False), ("floor", "empty_graph", True)]
+    assert recs[0]["round_trip_us"] == 1.6 and recs[1]["per_kernel_us"] == 4.0 and recs[1]["layers"] == 4
+    assert recs[2]["error"].startswith("rank 1: RuntimeError: a signal kernel timed out")
+    assert "| pingpong | – | 1.60 | 0.80 |" in printed and "| empty_graph | 1 | failed" in printed
+    (rc, _), _ = get_world(2).run(scn_floor_main, argv[:-1] + [str(tmp_path / "ok.jsonl")], None, timeout=120)
+    assert rc == 0 and len((tmp_path / "ok.jsonl").read_text().splitlines()) == 3
+
+
+def scn_profile_main(rank, world, argv):
+    def point(T, protocol, args, meta):
+        if T == 8 and protocol == "ll":
+            raise RuntimeError("gate failed")
+        return pg.profile_record(meta, rank, T, protocol, protocol, args.layers, 3, (10.0 + T, 11.0),
+                                 [_summary(7.0, 6.0, 0.3), _summary(7.5, 5.5, 0.2)])
+
+    return _stubbed_main(argv, [(pg, "profile_point", point)])
+
+
+def test_profile_graph_main_records_every_point_and_the_failures(tmp_path):
+    out = tmp_path / "prof.jsonl"
+    argv = ["--profile-graph", "--tokens", "1", "8", "--protocol", "ll", "bw", "--layers", "16", "--out", str(out)]
+    (rc, printed), _ = get_world(2).run(scn_profile_main, argv, timeout=120)
+    assert rc == 1
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["tokens_per_rank"], r["intranode_protocol"], bool(r["error"])) for r in recs] == [
+        (1, "ll", False), (1, "bw", False), (8, "ll", True), (8, "bw", False)]
+    assert recs[0]["dispatch_us"] == 7.5 and recs[0]["per_layer_us"] == 11.0 and recs[0]["layers"] == 16
+    assert "| ll | 1 | 7.50 | 6.00 | 1.00 | 0.30 | 11.0 |" in printed and "| ll | 8 | failed: rank 0" in printed
+
+
+@pytest.mark.parametrize("argv", [["--topk", "9", "--experts", "8"], ["--topk", "0"], ["--layer", "--topk", "300"]])
+def test_topk_is_bounded_by_the_experts(argv):
+    """k of E experts, 1 <= k <= E (the config refuses more): said before the machine is asked for GPUs."""
+    with pytest.raises(SystemExit, match=r"--topk must be in \[1, --experts="):
+        cli.main(argv)

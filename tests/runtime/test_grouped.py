@@ -1,0 +1,267 @@
+"""The grouped-GEMM layout (op.grouped_layout / dispatch_grouped / combine_grouped) on the torch backend,
+against the plain-python oracle of tests/support/grouped_oracle.py: gloo ranks at W = 1, 2, 4 through
+tests/support/ep_dist.py.
+
+Payloads bf16, fp32, fp8 pre-quantized (bytes and fp32 scales verbatim), fp8_blockwise and fp4_blockwise
+(quantized in dispatch); the buffer's capacity (pairs past it dropped and counted), the receive cap, routing
+replay, weighted and unweighted combine, and the combine's bits against combine() of the oracle's rows (the
+numerics of convert_combine_input, runtime/moe.py) and against the standard-MoE path itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.ep_dist import get_world, shutdown_all
+from tests.support.ep_oracle import expected_received, experts_per_rank_for, make_inputs
+from tests.support.configs import make_config
+from tests.support.grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
+from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
+
+T, K, EPR = 12, 4, 3
+
+
+def _epr(world):
+    return experts_per_rank_for(K, world, EPR)
+
+
+EPR1 = _epr(1)  # one rank holds all the experts: K of them
+HIDDEN = {"bf16": 32, "fp32": 32, "fp8": 32, "fp8_blockwise": 128, "fp4_blockwise": 64}
+MODES = {mode: (HIDDEN[mode], MODE_FIELDS[mode]) for mode in HIDDEN}  # mode: (hidden, config fields)
+
+
+def _cfg(rank, world, mode, **kw):
+    hidden, fields = MODES[mode]
+    return make_config(rank, world, hidden_dim=hidden, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
+                       num_experts_per_token=K, enable_grouped_layout=True, **fields, **kw)
+
+
+def _inputs(seed, rank, n, mode, num_experts):
+    hidden, fields = MODES[mode]
+    x, w, idx = make_inputs(seed, rank, n, hidden, K, num_experts, fields.get("data_type", torch.bfloat16))
+    scales = None
+    if mode == "fp8":
+        x = x.float().to(torch.float8_e4m3fn)
+        scales = (torch.arange(n * 2, dtype=torch.float32).view(n, 2) + 1 + 100 * rank) / 8
+    return x, w, scales, idx
+
+
+def scn_grouped(rank, world, mode, align, capacity, recv_cap, use_weights, seed):
+    """One grouped round (and its replay) against the oracle; -> (kept pairs, dropped) here."""
+    cfg = _cfg(rank, world, mode, expert_alignment=align, grouped_capacity=capacity, max_total_recv_tokens=recv_cap)
+    counts = [T - 2 * r for r in range(world)]
+    inputs = [_inputs(seed, r, counts[r], mode, cfg.num_experts) for r in range(world)]
+    x, w, s, idx = inputs[rank]
+    w = w if use_weights else None
+    epr = cfg.num_experts_per_rank
+    with EpDispatchCombineOp(cfg) as op:
+        P = cfg.resolved_grouped_capacity
+        out, out_w, out_s, out_i, total, h = op.dispatch(x, w, s, idx, return_routing=True)
+        received = expected_received([i for *_, i in inputs], rank, epr)[:cfg.max_recv_tokens]
+        rows_idx = [inputs[src][3][t].tolist() for src, t in received]
+        layout = op.grouped_layout()
+        kept = check_layout(layout, out, out_s, out_w, rows_idx, rank, epr, K, align, P)
+        dropped = int(layout.dropped)
+        y = expert_rows(layout, mode, cfg.combine_dtype, rank * epr)
+        for apply in (True, False):
+            got, got_w = op.combine_grouped(y, h, apply_weights=apply)
+            assert got_w is None and got.dtype == cfg.combine_dtype
+            want_in = combine_input(y, layout, out_w, cfg.max_recv_tokens, K, cfg.combine_dtype, apply)
+            want, _ = op.combine(want_in, routing=h)
+            assert torch.equal(got, want), (apply, (got.float() - want.float()).abs().max())
+            assert not got.isnan().any()  # no padding row (NaN) was read
+
+        # routing replay (same ids, new rows and weights): the handle's rows, the same groups
+        x2, w2, s2, _ = _inputs(seed + 1, rank, counts[rank], mode, cfg.num_experts)
+        layout2, h2 = op.dispatch_grouped(x2, w2 if use_weights else None, s2, idx, routing=h)
+        assert torch.equal(layout2.offs, layout.offs) and torch.equal(layout2.src, layout.src)
+        out2 = op._last["out"]
+        real = (layout2.src >= 0).nonzero().squeeze(1)
+        rows2 = layout2.src[real].long() // K
+        assert torch.equal(layout2.x.view(torch.uint8)[real], out2.view(torch.uint8)[rows2])
+        y2 = expert_rows(layout2, mode, cfg.combine_dtype, rank * epr)
+        got2, _ = op.combine_grouped(y2, h2)
+        want2, _ = op.combine(combine_input(y2, layout2, op._last["out_w"], cfg.max_recv_tokens, K, cfg.combine_dtype,
+                                            True), routing=h2)
+        assert torch.equal(got2, want2)
+    return kept, dropped
+
+
+def scn_std_parity(rank, world, dtype, seed):
+    """combine_grouped and the standard-MoE path (convert_dispatch_output / convert_combine_input) give the
+    same bits for the same expert function."""
+    cfg = _cfg(rank, world, "bf16" if dtype == torch.bfloat16 else "fp32", enable_std_moe=True, expert_alignment=8)
+    inputs = [_inputs(seed, r, T, "bf16", cfg.num_experts) for r in range(world)]
+    x, w, _, idx = inputs[rank]
+    x = x.to(dtype)
+    epr = cfg.num_experts_per_rank
+    with EpDispatchCombineOp(cfg) as op:
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        assert int(layout.dropped) == 0
+        y = expert_rows(layout, "bf16", dtype, rank * epr)
+        got, _ = op.combine_grouped(y, h)
+        px, pc, psrc, pw = op.convert_dispatch_output()
+        e = torch.arange(epr)[:, None].expand(epr, px.shape[1]) + rank * epr
+        ys = (((e % 4 + 1).float() / 4)[..., None] * px.float() + ((e % 7 - 3).float() / 8)[..., None]).to(dtype)
+        want, _ = op.combine(op.convert_combine_input(ys, h), routing=h)
+        assert torch.equal(got, want)
+    return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worlds():
+    yield
+    shutdown_all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("mode,align,capacity,recv_cap,use_weights", [
+    ("bf16", 16, 0, 0, True),
+    ("bf16", 4, 16, 0, True),          # capacity below the pairs: the last experts' last pairs dropped
+    ("fp8", 8, 0, 0, True),
+    ("fp8_blockwise", 1, 0, 0, False),
+    ("fp32", 128, 256, 0, True),      # DeepGEMM's alignment, one group fills the buffer
+])
+def test_grouped_round(world, mode, align, capacity, recv_cap, use_weights):
+    res = get_world(world).run(scn_grouped, mode, align, capacity, recv_cap, use_weights, 7)
+    kept, dropped = (sum(v) for v in zip(*res))
+    assert kept > 0
+    if capacity == 0:
+        assert dropped == 0  # the worst case holds every pair
+    if capacity == 16:
+        assert dropped > 0, "the small buffer dropped nothing: the drop rule went untested"
+
+
+@pytest.mark.parametrize("mode,recv_cap", [("bf16", 7), ("fp4_blockwise", 0)])
+def test_grouped_with_receive_cap_and_fp4(mode, recv_cap):
+    get_world(2).run(scn_grouped, mode, 16, 0, recv_cap, True, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_matches_std_moe(dtype):
+    assert all(get_world(2).run(scn_std_parity, dtype, 5))
+
+
+def test_grouped_bad_inputs(monkeypatch):
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    with pytest.raises(ConfigError, match=r"^expert_alignment=0: must be positive"):
+        _cfg(0, 1, "bf16", expert_alignment=0)
+    with pytest.raises(ConfigError, match=r"^expert_alignment=2048: must be at most 1024"):
+        _cfg(0, 1, "bf16", expert_alignment=2048)
+    with pytest.raises(ConfigError, match=r"^grouped_capacity=20: must be a multiple of expert_alignment=16"):
+        _cfg(0, 1, "bf16", grouped_capacity=20)
+    worst = _cfg(0, 1, "bf16").worst_case_grouped_rows
+    assert worst == (T * K + EPR1 * 15) // 16 * 16
+    with pytest.raises(ConfigError, match=rf"^grouped_capacity={worst + 16}: must be <= the worst case {worst}"):
+        _cfg(0, 1, "bf16", grouped_capacity=worst + 16)
+    with pytest.raises(ConfigError, match="enable_grouped_layout=True: the grouped layout is intranode only"):
+        _cfg(0, 4, "bf16", gpu_per_node=2)
+    plain = EpDispatchCombineOp(EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
+                                                        num_experts_per_rank=EPR1, num_experts_per_token=K,
+                                                        kernel_backend="torch"))
+    with pytest.raises(InputError, match="^grouped_layout: the grouped layout requires enable_grouped_layout=True"):
+        plain.grouped_layout()
+    op, other = EpDispatchCombineOp(_cfg(0, 1, "bf16")), EpDispatchCombineOp(_cfg(0, 1, "bf16"))
+    with pytest.raises(InputError, match="^grouped_layout: no dispatch yet"):
+        op.grouped_layout()
+    x, w, _, idx = _inputs(1, 0, 6, "bf16", EPR1)
+    *_, h = op.dispatch(x, w, None, idx, return_routing=True)
+    y = torch.zeros(op.config.resolved_grouped_capacity, 32, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="call grouped_layout"):
+        op.combine_grouped(y, h)
+    layout = op.grouped_layout()
+    with pytest.raises(InputError, match="from another op"):
+        op.combine_grouped(y, other.dispatch_grouped(x, w, None, idx)[1])
+    with pytest.raises(InputError, match=r"expert_out must have shape \[96, 32\], got \[8, 32\]"):
+        op.combine_grouped(y[:8].contiguous(), h)
+    with pytest.raises(InputError, match="expert_out must be torch.bfloat16"):
+        op.combine_grouped(y.float(), h)
+    with pytest.raises(InputError, match="apply_weights must be a bool"):
+        op.combine_grouped(y, h, apply_weights=1)
+    h2 = op.dispatch(x, w, None, idx, return_routing=True)[-1]
+    with pytest.raises(InputError, match="call grouped_layout"):
+        op.combine_grouped(y, h2)  # the new dispatch made the old layout stale
+    op.grouped_layout()
+    with pytest.raises(InputError, match="not from the dispatch that grouped_layout"):
+        op.combine_grouped(y, h)
+    assert op.combine_grouped(y, h2)[0].shape == (6, 32) and layout.rows == 96
+    for o in (op, other, plain):
+        o.close()
+
+
+def test_grouped_empty_dispatch(monkeypatch):
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
+        x, w, _, idx = _inputs(1, 0, 0, "bf16", EPR1)
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        assert layout.offs.tolist() == [0] * EPR1 and not layout.counts.any() and int(layout.dropped) == 0
+        assert bool((layout.src == -1).all()) and bool((layout.m_indices == -1).all())
+        y = torch.zeros(layout.rows, 32, dtype=torch.bfloat16)
+        assert op.combine_grouped(y, h)[0].shape == (0, 32)
+
+
+def test_grouped_memory_formula(monkeypatch):
+    """The grouped buffer's size (docs/RUNTIME.md, Memory): P*(wire_row + scale_row) + 12P + 8Rk + 12E + 4."""
+    from runtime.op import native_workspace
+
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    up = lambda n: -(-n // 256) * 256  # noqa: E731
+    cfg = _cfg(0, 1, "fp8_blockwise")  # H = 128: fp8 rows of 128 bytes, one fp32 scale each
+    R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
+    assert P == (R * K + EPR1 * 15) // 16 * 16 == cfg.worst_case_grouped_rows
+    nat = native_workspace(cfg)["regions"]
+    assert (nat["grouped_x"], nat["grouped_scales"], nat["grouped_meta"]) == \
+        (up(P * 128), up(P * 4), up(12 * P + 8 * R * K + 12 * EPR1 + 4))
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_capacity=32)) as op:
+        buf = op.memory_report()["buffers"]
+        assert (buf["grouped_x"], buf["grouped_scales"], buf["grouped_meta"]) == (32 * 64, 0, 12 * 32 + 8 * R * K + 12 * EPR1 + 4)
+    plain = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=T,
+                                    num_experts_per_rank=EPR1, num_experts_per_token=K, kernel_backend="torch")
+    assert "grouped_x" not in native_workspace(plain)["regions"]
+
+
+def test_grouped_combine_field(monkeypatch):
+    """grouped_combine: validated where it enters; "fused" only with the gather combine and a protocol that
+    has bandwidth calls; the torch backend (one form) gives the same bits under both values, and
+    grouped_out_view is a [P, H] buffer combine_grouped takes like any other tensor."""
+    from runtime.op import native_workspace
+
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    with pytest.raises(ConfigError, match=r"^grouped_combine='sum': must be one of 'reduce', 'fused'"):
+        _cfg(0, 1, "bf16", grouped_combine="sum")
+    with pytest.raises(ConfigError, match=r"^grouped_combine=1: must be a str"):
+        _cfg(0, 1, "bf16", grouped_combine=1)
+    with pytest.raises(ConfigError, match=r"grouped_combine='fused'.*combine_mode='scatter'"):
+        _cfg(0, 1, "bf16", grouped_combine="fused", combine_mode="scatter")
+    with pytest.raises(ConfigError, match=r"grouped_combine='fused'.*intranode_protocol='ll'"):
+        _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="ll")
+    assert _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="auto").grouped_combine == "fused"
+    x, w, _, idx = _inputs(3, 0, 9, "bf16", EPR1)
+    results = []
+    for form in ("reduce", "fused"):
+        with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_combine=form)) as op:
+            layout, h = op.dispatch_grouped(x, w, None, idx)
+            y = expert_rows(layout, "bf16", torch.bfloat16, 0)
+            view = op.grouped_out_view()
+            assert view.shape == (op.config.resolved_grouped_capacity, 32) and view.dtype == torch.bfloat16
+            assert op.grouped_out_view() is view
+            view.copy_(y)
+            results.append((op.combine_grouped(view, h)[0], op.combine_grouped(y, h)[0]))
+    assert all(torch.equal(r, results[0][0]) for pair in results for r in pair)
+    up = lambda n: -(-n // 256) * 256  # noqa: E731
+    cfg = _cfg(0, 1, "bf16", grouped_combine="fused")
+    R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
+    nat = native_workspace(cfg)["regions"]
+    assert (nat["grp_y"], nat["grp_pos"], nat["grouped_meta"]) == \
+        (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR1 + 4))
+    assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"))["regions"]
+    from runtime.plan import Plan
+    from runtime.config import load_specs
+
+    plan = Plan.of(cfg, load_specs().targets["sm_90"])
+    lay = plan.layout(cfg)  # the native workspace holds both regions, sized as the formula says
+    names = sorted((n for n in lay if n != "total"), key=lambda n: lay[n])
+    ends = dict(zip(names, [lay[n] for n in names[1:]] + [lay["total"]]))
+    assert (ends["grp_y"] - lay["grp_y"], ends["grp_pos"] - lay["grp_pos"]) == (nat["grp_y"], nat["grp_pos"])
+    assert "grp_y" not in plan.layout(_cfg(0, 1, "bf16"))
