@@ -220,6 +220,20 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
+  epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
+  epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
+  epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32
+  epg_i64 grp_counts;  // dispatch: real pairs per local expert [E] i32
+  epg_i64 grp_pair_pos;  // each (row, k) pair's grouped row or -1 [R * k] i32 (combine: 0, the plain leg)
+  epg_i64 grp_offs;  // dispatch: group ends [E] i32
+  epg_i64 grp_kept;  // dispatch: kept pairs per group [E] i32
+  epg_i64 grp_src;  // dispatch: each grouped row's pair id or -1 [P] i32
+  epg_i64 grp_m_indices;  // dispatch: each grouped row's local expert or -1 [P] i32
+  epg_i64 grp_weights;  // dispatch: each grouped row's weight [P] f32
+  epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
+  epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
+  epg_i64 grp_capacity;  // dispatch: grouped rows (P)
+  epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -230,6 +244,9 @@ constexpr int EPG_ST_DISPATCHES = 5;
 constexpr int EPG_ST_LAST = 6;
 constexpr int EPG_ST_LL_DISPATCHES = 7;
 constexpr int EPG_ST_LL_COMBINES = 8;
+constexpr int EPG_ST_GRID_ARRIVE = 9;
+constexpr int EPG_ST_GRID_GEN = 10;
+constexpr int EPG_ST_GROUPED_END = 11;
 
 // state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
 // an entry barrier (the peers are done with the buffers the previous one filled); read by every block at
@@ -379,6 +396,269 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
   }
   return jf;
 }
+// ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
+// ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
+// standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
+// place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
+// Limits shared with the runtime: specs/kernels.toml [args.grouped_place] limits.
+constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
+constexpr int EPG_GROUPED_MAX_THREADS = 1024;
+constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+
+// The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
+struct EpgGrouped {
+  const int* recv_idx;
+  const int* total_recv;
+  const char* recv_x;
+  const char* recv_scales;
+  const float* recv_w;
+  int* pair_rel;     // each local pair's position among its expert's pairs [R * k]
+  int* counts;       // real pairs per local expert [E]
+  int* pair_pos;     // each (row, k) pair's grouped row, or -1 [R * k]
+  char* out_x;       // grouped rows [P, out_row_bytes]
+  char* out_scales;  // grouped scales [P, scale_bytes]
+  int* offs;         // group ends [E]
+  int* kept_counts;  // kept pairs per group [E]
+  int* src;          // each grouped row's pair id, or -1 [P]
+  int* m_indices;    // each grouped row's local expert, or -1 [P]
+  float* weights;    // each grouped row's weight, 0 for padding [P]
+  int* dropped;      // pairs past the capacity [1]
+  epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
+};
+// A block's shared memory for the passes: the group bounds, the threads' prefix, the count's wave sums.
+struct EpgGroupedShared {
+  int start[EPG_GROUPED_MAX_EXPERTS];
+  int kept[EPG_GROUPED_MAX_EXPERTS];
+  int end[EPG_GROUPED_MAX_EXPERTS];
+  int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
+  int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
+  int base, over;
+};
+
+// Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
+// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step: a
+// thread's hits are numbered after those of the threads below it (a wave prefix of the per-thread counts from
+// four bit-sliced ballots, then the waves below), so a group holds its pairs in ascending pair id.
+EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int e) {
+  const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
+  const int expert = (int)(g.first_expert + e);
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const epg_u64 below = (1ull << lane) - 1ull;
+  if (tid == 0) sh.base = 0;
+  epg_syncthreads();
+  for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
+    const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
+    int hits = 0, c = 0;
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (pb + u < pairs && g.recv_idx[pb + u] == expert) {
+        hits |= 1 << u;
+        ++c;
+      }
+    int pre = 0, total = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const epg_u64 m = epg_ballot((c >> b) & 1);
+      pre += epg_popc(m & below) << b;
+      total += epg_popc(m) << b;
+    }
+    if (lane == 0) sh.wave_sums[wave] = total;
+    epg_syncthreads();
+    int pos = sh.base + pre;
+    for (int w = 0; w < wave; ++w) pos += sh.wave_sums[w];
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (hits & (1 << u)) g.pair_rel[pb + u] = pos++;
+    epg_syncthreads();
+    if (tid == 0)
+      for (int w = 0; w < waves; ++w) sh.base += sh.wave_sums[w];
+    epg_syncthreads();
+  }
+  if (tid == 0) g.counts[e] = sh.base;
+}
+
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
+// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
+// kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
+// the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
+// default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
+// Returns the end of the last group.
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
+  const int tid = epg_thread(), nt = epg_block_dim();
+  const int E = (int)g.num_local, A = (int)g.align;
+  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
+  int mine = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = g.counts[e];
+    sh.kept[e] = c;
+    mine += (c + A - 1) / A * A;
+  }
+  if (tid == 0) sh.over = 0;
+  sh.t_sum[tid] = mine;
+  epg_syncthreads();
+  for (int d = 1; d < nt; d <<= 1) {
+    const int add = tid >= d ? sh.t_sum[tid - d] : 0;
+    epg_syncthreads();
+    sh.t_sum[tid] += add;
+    epg_syncthreads();
+  }
+  int here = sh.t_sum[tid] - mine;
+  for (int e = lo; e < hi; ++e) {
+    const int c = sh.kept[e];
+    if ((epg_i64)here + c > g.capacity) sh.over = 1;
+    sh.start[e] = here;
+    here += (c + A - 1) / A * A;
+    sh.end[e] = here;
+  }
+  epg_syncthreads();
+  if (sh.over && tid == 0) {
+    epg_i64 at = 0, lost = 0;
+    for (int e = 0; e < E; ++e) {
+      const epg_i64 c = g.counts[e];
+      const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
+      sh.start[e] = (int)at;
+      sh.kept[e] = (int)kept;
+      lost += c - kept;
+      at += (kept + g.align - 1) / g.align * g.align;
+      sh.end[e] = (int)at;
+    }
+    if (epg_block() == 0) g.dropped[0] = (int)lost;
+  } else if (!sh.over && tid == 0 && epg_block() == 0) {
+    g.dropped[0] = 0;
+  }
+  epg_syncthreads();
+  if (epg_block() == 0)
+    for (int e = tid; e < E; e += nt) {
+      g.offs[e] = sh.end[e];
+      g.kept_counts[e] = sh.kept[e];
+    }
+  return E > 0 ? sh.end[E - 1] : 0;
+}
+
+// Place, one wave per real (received row, k) pair over the grid: a kept local pair copies its row (16-byte
+// vectors) and scales to grouped row start_e + position and records it (src, m_indices, weights, pair_pos);
+// every other pair gets pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
+  const int local = g.recv_idx[p] - (int)g.first_expert;
+  if (local < 0 || local >= g.num_local) return -1;
+  const int rel = g.pair_rel[p];
+  return rel < sh.kept[local] ? sh.start[local] + rel : -1;
+}
+EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
+  g.pair_pos[p] = row;
+  g.src[row] = (int)p;
+  g.m_indices[row] = g.recv_idx[p] - (int)g.first_expert;
+  g.weights[row] = g.has_weights ? g.recv_w[p] : 1.0f;
+}
+EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const int n16 = (int)(g.row_bytes / 16);
+  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < pairs; p += (epg_i64)epg_nblocks() * waves) {
+    const int row = epg_grouped_row(g, sh, p);  // wave-uniform
+    if (row < 0) {
+      if (lane == 0) g.pair_pos[p] = -1;
+      continue;
+    }
+    const epg_i64 from = p / g.k;
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes, g.recv_x + from * g.row_bytes, n16, lane);
+    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
+      g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+    if (lane == 0) epg_grouped_note(g, p, row);
+  }
+}
+
+// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is.
+EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
+  const int E = (int)g.num_local;
+  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
+    int lo = 0, hi = E;  // the first group ending past r (E: past the last group)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+    }
+    if (lo == E || r >= sh.start[lo] + sh.kept[lo]) {
+      g.src[r] = -1;
+      g.m_indices[r] = -1;
+      g.weights[r] = 0.f;
+    }
+  }
+}
+
+// A grid-wide barrier inside one kernel (the grid is co-resident: the runtime caps EP grids at the blocks the
+// device keeps resident): every block's writes before it are seen by every block after it. Generation-counted
+// (state grid_gen, read before arriving: it cannot move until this block has arrived); the last block to arrive
+// resets the count and opens the next generation. False after a timeout (this wait's or any other).
+EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
+  __shared__ int g_ok;
+  int* state = (int*)a.state;
+  epg_syncthreads();
+  if (epg_thread() == 0) {
+    g_ok = 1;
+    const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
+    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
+      state[EPG_ST_GRID_ARRIVE] = 0;
+      epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
+    } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
+      g_ok = 0;
+    }
+    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+  }
+  epg_syncthreads();
+  return g_ok != 0;
+}
+
+// The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
+EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
+  char* mine = epg_peer(a, a.rank);
+  EpgGrouped g = {};
+  g.recv_idx = (const int*)(mine + a.off_recv_idx);
+  g.total_recv = (const int*)a.total_recv;
+  g.recv_x = mine + a.off_recv_x;
+  g.recv_scales = mine + a.off_recv_scales;
+  g.recv_w = (const float*)(mine + a.off_recv_w);
+  g.pair_rel = (int*)a.grp_pair_rel;
+  g.counts = (int*)a.grp_counts;
+  g.pair_pos = (int*)a.grp_pair_pos;
+  g.out_x = (char*)a.grp_x;
+  g.out_scales = (char*)a.grp_scales;
+  g.offs = (int*)a.grp_offs;
+  g.kept_counts = (int*)a.grp_kept;
+  g.src = (int*)a.grp_src;
+  g.m_indices = (int*)a.grp_m_indices;
+  g.weights = (float*)a.grp_weights;
+  g.dropped = (int*)a.grp_dropped;
+  g.k = a.k;
+  g.first_expert = a.rank * a.experts_per_rank;
+  g.num_local = a.experts_per_rank;
+  g.align = a.grp_align;
+  g.capacity = a.grp_capacity;
+  g.row_bytes = a.wire_row_bytes;  // a received row
+  g.scale_bytes = a.grp_scales ? a.scale_row_bytes : 0;
+  g.has_weights = a.has_weights;
+  return g;
+}
+
+// A dispatch's tail with a.grp_x: once every block of the grid is past its receive (total_recv published), the
+// layout's two passes with a grid barrier between them, the grid standing in for the standalone kernels'
+// grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
+// places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
+// (state grouped_end; rows past both are padding already).
+EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
+  __shared__ EpgGroupedShared sh;
+  if (!epg_grid_sync(a)) return;
+  const EpgGrouped g = epg_grouped_of(a);
+  int* state = (int*)a.state;
+  const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
+  for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
+  if (!epg_grid_sync(a)) return;
+  const int end = epg_grouped_bounds(g, sh);
+  epg_grouped_place(g, sh);
+  epg_grouped_mark(g, sh, end > before ? end : before);
+  if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
+}
 
 // Dispatch (fp8_e4m3fn, intranode): one wave per (token, destination rank), so every
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
@@ -393,6 +673,7 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
 // dropped and counted on receive. Each block then adds its share to every rank's arrival word for
 // this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
 // (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
+// With a.grp_x the grid then places the received pairs in their expert groups (grouped_tail.j2).
 
 constexpr int EPG_ARRIVE = 1 << 16;  // one rank's arrival per dispatch (more than any grid has blocks)
 
@@ -488,7 +769,10 @@ EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
   const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
   for (int p = tid; p < a.world; p += epg_block_dim())
     epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
-  if (epg_block() != 0) return;
+  if (epg_block() != 0) {
+    if (a.grp_x) epg_dispatch_grouped_tail(a);  // the grid waits for block 0's total_recv there
+    return;
+  }
   __shared__ int ok;
   if (tid == 0) ok = 1;
   epg_syncthreads();
@@ -518,4 +802,5 @@ EPG_KERNEL void epg_dispatch__fp8_e4m3fn__intranode(EpArgs a) {
     state[EPG_ST_DISPATCHES] += 1;  // every block of this grid read it (its arrival is in)
     state[EPG_ST_LAST] = EPG_LAST_DISPATCH;  // likewise
   }
+  if (a.grp_x) epg_dispatch_grouped_tail(a);
 }
