@@ -51,6 +51,7 @@ EPG_DEVICE void epg_syncthreads() {
 EPG_DEVICE void epg_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 // release only: this thread's earlier loads and stores ordered before its later stores, at system scope
 EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, ""); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
@@ -689,14 +690,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;

@@ -33,6 +33,7 @@ EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -597,14 +598,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;

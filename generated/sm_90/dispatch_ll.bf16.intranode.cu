@@ -33,6 +33,7 @@ EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -691,14 +692,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 2, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 
@@ -713,14 +722,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;
@@ -774,6 +783,21 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   epg_grouped_place(g, sh);
   epg_grouped_mark(g, sh, end > before ? end : before);
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
+}
+
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+  }
 }
 
 // Low-latency dispatch (bf16, intranode): rows carry their own arrival, so nothing waits

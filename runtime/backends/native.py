@@ -250,6 +250,11 @@ class NativeBackend:
                                          role == "dispatch" and self._block_rows(tokens))
         return geo
 
+    def _resident(self, role: str, threads: int) -> int:
+        """Every block the device keeps resident at once: the grid of an EP kernel that also runs the grouped
+        layout's passes (their copies and sums want the whole GPU; the dispatch's own grid is sized to its rows)."""
+        return self.num_sms * self.k[role].blocks_per_sm(threads)
+
     def _block_rows(self, tokens: int) -> bool:
         """Does a whole block copy each dispatch row (tuning table `rows`, or the config's launch_rows)?
         Never for a dispatch that quantizes in flight: its quantizer works per wave."""
@@ -345,9 +350,12 @@ class NativeBackend:
         a.grp_x = self._grp["tail"] if layout else 0
         self._placed = layout
         if protocol == "ll":
-            self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
+            blocks, threads, _ = self._launch_geometry("dispatch_ll", T, T)
+            blocks = self._resident("dispatch_ll", threads) if layout else blocks
+            self._stream = self.k.launch("dispatch_ll", blocks, threads, a)
         else:
             blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
+            blocks = self._resident("dispatch", threads) if layout else blocks
             a.block_rows = int(block_rows)
             self._stream = self.k.launch("dispatch", blocks, threads, a)
         self._last, self.last_protocol = "dispatch", protocol
@@ -597,7 +605,8 @@ class NativeBackend:
             a.grp_pair_pos = a.grp_apply_weights = 0
 
     def combine(self, expert_out, weights, indices, routing, rows: int | None = None):
-        """rows: the received rows expert_out stands for (default: its own rows; a grouped staging names R)."""
+        """rows: the received rows expert_out stands for (default: its own rows; a grouped staging names R, and
+        its combine runs on every resident block)."""
         self.check(ids="warn")
         cfg = self.config
         slots = routing.extra.get("slots")
@@ -612,10 +621,9 @@ class NativeBackend:
         a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0] if rows is None else rows
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         protocol = routing.extra.get("protocol", "bw")  # the dispatch's: its slots and buffers
-        if protocol == "ll":
-            self._stream = self.k.launch("combine_ll", *self._launch_geometry("combine_ll", T, T)[:2], a)
-        else:
-            self._stream = self.k.launch("combine", *self._launch_geometry("combine", T, T)[:2], a)
+        role = "combine_ll" if protocol == "ll" else "combine"
+        blocks, threads, _ = self._launch_geometry(role, T, T)
+        self._stream = self.k.launch(role, self._resident(role, threads) if rows is not None else blocks, threads, a)
         self._last, self.last_protocol = "combine", protocol
         self.check(ids="skip")
         return out, out_w

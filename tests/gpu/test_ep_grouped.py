@@ -248,7 +248,8 @@ def _snapshot(lay):
 
 
 @pytest.mark.parametrize("mode,protocol,gcap", [
-    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp8_blockwise", "bw", 0), ("fp8_blockwise", "ll", 0),
+    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp32", "ll", 0), ("fp8_blockwise", "bw", 0),
+    ("fp8", "ll", 0),  # a pre-quantized payload: its scales placed beside it
     ("bf16", "bw", 128),  # a small buffer: drops, the serial recurrence
 ])
 def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
