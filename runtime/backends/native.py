@@ -122,6 +122,7 @@ class NativeBackend:
             self._grp.update(self._grouped_launchers(self._grp))
             self._grouped_tail_fields(self._grp)
         self._placed = False  # whether the last dispatch placed the grouped layout in its kernel
+        self.one_kernel = "auto"  # grouped legs as one kernel each: "auto" | "always" | "never" (one_kernel_legs)
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
@@ -325,8 +326,19 @@ class NativeBackend:
         Every grouped op but the dequantizing ones (their placement decodes rows: grouped_place_fp8 / _fp4)."""
         return self._grp is not None and "tail" in self._grp
 
+    def one_kernel_legs(self, protocol: str) -> bool:
+        """Does a grouped leg of this protocol run as one kernel (grouped_tail.j2) rather than the EP kernel and the
+        separate passes? self.one_kernel: "always" / "never" (tests, scripts/grouped_profile.py) or "auto": only
+        eager low-latency calls. Measured at W = 1 on one H200 (results/2026-12-03-1xH200-W1-2b65c38/): inside a
+        graph the separate passes are faster at 1 / 128 / 4096 tokens (29.7 / 37.9 / 393 µs of epgen kernels per
+        layer against 33.6 / 45.1 / 473.5: the tail runs on the EP kernel's grid, one block per SM), while an eager
+        1-token layer is bound by the host's launches (3 fewer: 91 against 110 µs wall)."""
+        if self.one_kernel != "auto":
+            return self.one_kernel == "always"
+        return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
+
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False):
-        """layout=True (fuses_layout ops): the dispatch kernel also places the grouped layout (grouped_tail.j2)."""
+        """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs)."""
         self.check(ids="warn")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
@@ -347,11 +359,11 @@ class NativeBackend:
         self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
+        layout = layout and self.one_kernel_legs(protocol)
         a.grp_x = self._grp["tail"] if layout else 0
         self._placed = layout
         if protocol == "ll":
-            blocks, threads, _ = self._launch_geometry("dispatch_ll", T, T)
-            blocks = self._resident("dispatch_ll", threads) if layout else blocks
+            blocks, threads, _ = self._launch_geometry("dispatch_ll", T, T)  # with the layout too: few pairs
             self._stream = self.k.launch("dispatch_ll", blocks, threads, a)
         else:
             blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
@@ -595,7 +607,7 @@ class NativeBackend:
         staging forms each received row from its pairs' grouped rows (grouped_tail.j2), so there is no reduce
         pass. None when this op cannot (see _grouped_tail_fields): combine_grouped then reduces first."""
         stage = self._grp.get("stage") if self._grp is not None else None
-        if stage is None:
+        if stage is None or not self.one_kernel_legs(routing.extra.get("protocol", "bw")):
             return None
         a = self.cargs
         a.grp_pair_pos, a.grp_apply_weights = stage, int(apply_weights and self._had_weights)

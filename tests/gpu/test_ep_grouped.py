@@ -256,6 +256,7 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     def check():
         with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
             assert op._backend.fuses_layout
+            op._backend.one_kernel = "always"  # auto takes it for eager low-latency calls only
             x, w, s, idx = _inputs(3, mode, "cuda")
             lay, h = op.dispatch_grouped(x, w, s, idx)  # the dispatch kernel's tail
             one = _snapshot(lay)
