@@ -602,7 +602,6 @@ class NativeBackend:
         regions = {n: (lay[ordered[i + 1]] if i + 1 < len(ordered) else lay["total"]) - lay[n]
                    for i, n in enumerate(ordered)}
         extra = {}
-        self.select_slot(self.slot)  # the selected slot's host values saved
         for slot, held in enumerate(self._slots):  # every workspace slot's own buffers (slot s > 0: NAME@s)
             named = {"state": held["state"].numel() * 4, "total_recv": 4}
             if self.plan.scatter:
