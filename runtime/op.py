@@ -797,7 +797,9 @@ def _ran(leg):
     try:
         result = leg()
     except CapacityError as e:
+        error = e  # `e` is unbound when the except clause ends
+
         def failed():
-            raise e
+            raise error
         return failed
     return lambda: result

@@ -226,3 +226,27 @@ def test_memory_report_counts_every_slot():
         assert views[0].data_ptr() != views[1].data_ptr()
         assert two.memory_report()["buffers"]["combine_in_view"] == 2 * one.memory_report()["buffers"]["combine_in_view"]
         assert two.capabilities["max_inflight"] == 2 and two.capabilities["split_phase"]
+
+
+def scn_capacity_at_receive(rank, world):
+    """strict_capacity: the receive half raises the CapacityError the one-call form raises; the slot is free after."""
+    from runtime import CapacityError
+
+    cfg = _cfg(rank, world, max_inflight=2, strict_capacity=True, max_total_recv_tokens=world)
+    x, w, idx = _batch(5, rank, cfg)
+    with EpDispatchCombineOp(cfg) as op:
+        p = op.dispatch_send(x, w, None, idx, return_routing=True)  # the torch backend moved the rows already
+        raised = False
+        try:
+            p.receive()
+        except CapacityError:
+            raised = int(op.dropped_count()) > 0
+        q = op.dispatch_send(x[:0], w[:0], None, idx[:0], return_routing=True)
+        r = op.dispatch_send(x[:0], w[:0], None, idx[:0], return_routing=True)  # slot 0 was freed by the error
+        assert {q.slot, r.slot} == {0, 1}
+        q.receive(), r.receive()
+        return raised
+
+
+def test_capacity_error_comes_from_the_receive_half():
+    assert any(get_world(2).run(scn_capacity_at_receive, timeout=120))
