@@ -76,6 +76,7 @@ class EpDispatchCombineOp:
         self._grouped_out: dict[int, torch.Tensor] = {}
         self._views: dict[int, set[int]] = {}
         self._slots = SlotTable(config.max_inflight)
+        self._slot_streams: dict[int, torch.cuda.Stream] = {}  # the stream of each slot's last half (_follow)
         self._generation = 0  # reset() and close() make pending handles void
         self._backend = backends.make(config, group)
 
@@ -318,6 +319,7 @@ class EpDispatchCombineOp:
     def _send(self, kind: str, slot: int, order: StreamOrder, halves) -> Pending:
         with order:
             self._select(slot)
+            self._follow(slot)
             finish, deferred = halves()
         pending = self._slots.pending[slot] = Pending(self, kind, slot, finish, order, deferred)
         return pending
@@ -336,6 +338,7 @@ class EpDispatchCombineOp:
         self._slots.pending[pending.slot] = None
         with pending._order:
             self._select(pending.slot)
+            self._follow(pending.slot)
             result = pending._finish()
         pending.event = pending._order.outputs(result)
         return result
@@ -356,6 +359,8 @@ class EpDispatchCombineOp:
         slot = self._slots.for_dispatch(what, one_call)
         self._forget(slot)  # the slot's buffers are about to change
         self._select(slot)
+        if one_call:
+            self._follow(slot)
         return num_tokens, return_routing, slot
 
     def _dispatch_end(self, slot, outs, fields, num_tokens, return_routing, routed, routing):
@@ -390,6 +395,8 @@ class EpDispatchCombineOp:
         slot = self._slots.for_combine(what, routing)
         self._check_view_slot(what, expert_out, slot)
         self._select(slot)
+        if what == "combine":  # one-call; a split combine follows in its send half, on its own stream
+            self._follow(slot)
         return expert_out, weights, indices, slot
 
     def _check_view_slot(self, what: str, t: torch.Tensor, slot: int) -> None:
@@ -400,6 +407,18 @@ class EpDispatchCombineOp:
                 raise InputError(f"{what}: the expert rows lie in the view of workspace slot {other}, but the routing "
                                  f"handle is slot {slot}'s: write them into combine_in_view(handle) / "
                                  f"grouped_out_view(handle) of the handle they are combined with")
+
+    def _follow(self, slot: int) -> None:
+        """Order this half after the slot's last half when they run on different streams (a slot's kernels rely on
+        their order: each leg's buffers are free once the one before it ran). Inside graph capture the caller's
+        fork / join orders the streams."""
+        if self.device.type != "cuda":
+            return
+        now = torch.cuda.current_stream(self.device)
+        last = self._slot_streams.get(slot)
+        if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
+            now.wait_stream(last)
+        self._slot_streams[slot] = now
 
     def _select(self, slot: int) -> None:
         select = getattr(self._backend, "select_slot", None)
@@ -665,6 +684,8 @@ class EpDispatchCombineOp:
         self._check_tensor(what, "expert_out", expert_out, cfg.combine_dtype, shape=shape)
         self._check_view_slot(what, expert_out, slot)
         self._select(slot)
+        if what == "combine_grouped":  # one-call (its reduce pass runs first, on this stream)
+            self._follow(slot)
         return layout, slot
 
     def _grouped_rows(self, expert_out, layout, slot: int, apply_weights: bool) -> torch.Tensor:
@@ -742,6 +763,7 @@ class EpDispatchCombineOp:
             self._generation += 1
             self._last = self._packed = None
             self._by_slot, self._grouped_by, self._grouped_out, self._views = {}, {}, {}, {}
+            self._slot_streams = {}
             self._backend.close()
 
     def __enter__(self):

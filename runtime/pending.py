@@ -23,7 +23,9 @@ Stream ordering (CUDA): ``stream=`` runs both halves on that stream (a communica
 leg reads are recorded on that stream (record_stream) and its outputs on the caller's stream, so the caching
 allocator never hands them out early; after the receive half ``pending.event`` is recorded on the leg's stream
 (``pending.current_stream_wait()`` makes the caller's current stream wait on it). Without ``stream`` both halves
-run on the current stream and ``event`` is None unless ``previous_event`` was given.
+run on the current stream and ``event`` is None unless ``previous_event`` was given. A slot's halves keep their
+order across streams: a half issued on another stream than its slot's last half waits for that stream first (the
+op's ``_follow``; inside graph capture the caller's fork / join does it).
 """
 
 from __future__ import annotations
