@@ -369,7 +369,7 @@ class EpDispatchCombineOp:
         self._last = self._by_slot[slot] = {"seq": self._seq, "slot": slot, "out": out, "out_w": out_w,
                                             "out_s": out_s, "out_i": out_i, "total": total, "routed": routed}
         route = routing.route if routing is not None else self._seq  # a replay places rows by its handle's routing
-        self._slots.dispatched(slot, route)
+        self._slots.dispatched(slot, route, held=return_routing)  # without a handle nothing can combine its rows
         if not return_routing:
             return tuple(outs)
         handle = RoutingHandle(op_uid=self.uid, config_key=self.config.key, num_tokens=num_tokens, seq=self._seq,
@@ -565,9 +565,9 @@ class EpDispatchCombineOp:
     def std_moe_dropped(self) -> torch.Tensor:
         """int32 scalar tensor on the device: pairs the last convert_dispatch_output dropped past capacity."""
         self._check_open("std_moe_dropped")
-        self._select_last()
         self._need_std_moe("std_moe_dropped")
         packed = self._need_packed("std_moe_dropped")
+        self._select(packed["slot"])  # the slot of the converted dispatch
         own = getattr(self._backend, "std_moe_dropped", None)
         return own() if own is not None else packed["dropped"]
 
@@ -582,10 +582,10 @@ class EpDispatchCombineOp:
         sum_j w_j * expert_j(x) per token (weights are applied here, once).
         """
         self._check_open("convert_combine_input")
-        self._select_last()
         self._need_std_moe("convert_combine_input")
         self._check_handle("convert_combine_input", routing)
         packed = self._need_packed("convert_combine_input")
+        self._select(packed["slot"])  # the slot of the converted dispatch
         if routing.seq != packed["seq"]:
             raise InputError("convert_combine_input: routing handle is not from the dispatch that "
                              "convert_dispatch_output converted last")

@@ -10,7 +10,8 @@ Engines' names for the same thing: DeepEP low-latency ``return_recv_hook=True`` 
 ``dispatch_b``.
 
 Operations in flight (config ``max_inflight`` = N, default 1): an operation is a dispatch from its send half until
-the combine of its rows completes; each owns a workspace slot (the native backend's receive, combine, flag and
+the combine of its rows completes (a dispatch returning no routing handle, which nothing can combine, frees its
+slot when it is received); each owns a workspace slot (the native backend's receive, combine, flag and
 low-latency regions and its grouped / std-MoE buffers: runtime/plan.py lays them out N times), named by its
 handles (``pending.slot``, ``RoutingHandle.slot``). ``SlotTable`` keeps the books on the host; misuse is an
 InputError (ClosedError after close), never corruption: a dispatch with every slot in flight, receiving twice, a
@@ -73,8 +74,9 @@ class SlotTable:
                              f"(each handle combines the rows of its own dispatch, once per dispatch)")
         return slot
 
-    def dispatched(self, slot: int, route: int) -> None:
-        self.held[slot], self.route[slot] = True, route
+    def dispatched(self, slot: int, route: int, held: bool = True) -> None:
+        """A dispatch's rows received in `slot`; held (until their combine) when it returned a routing handle."""
+        self.held[slot], self.route[slot] = held, route
 
     def combined(self, slot: int) -> None:
         self.held[slot] = False

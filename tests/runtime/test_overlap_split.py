@@ -250,3 +250,20 @@ def scn_capacity_at_receive(rank, world):
 
 def test_capacity_error_comes_from_the_receive_half():
     assert any(get_world(2).run(scn_capacity_at_receive, timeout=120))
+
+
+def scn_no_handle_frees_its_slot(rank, world):
+    """A dispatch that returns no routing handle (nothing can combine it) holds no slot once received."""
+    cfg = _cfg(rank, world, max_inflight=2)
+    x, w, idx = _batch(6, rank, cfg)
+    with EpDispatchCombineOp(cfg) as op:
+        for _ in range(3):
+            op.dispatch(x, w, None, idx)
+            op.dispatch_send(x, w, None, idx).receive()
+        held = [op.dispatch(x, w, None, idx, return_routing=True)[-1] for _ in range(2)]
+        _raises(InputError, "slot 1: dispatched, not combined yet", lambda: op.dispatch(x, w, None, idx))
+        return [h.slot for h in held]
+
+
+def test_a_dispatch_without_a_handle_frees_its_slot():
+    assert get_world(2).run(scn_no_handle_frees_its_slot, timeout=120) == [[0, 1]] * 2
