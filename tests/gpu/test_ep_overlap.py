@@ -127,6 +127,9 @@ def test_two_batches_in_flight_match_one_call(protocol, mode, on_comm_stream):
         with EpDispatchCombineOp(_cfg(protocol, mode, max_inflight=2)) as op, \
                 EpDispatchCombineOp(_cfg(protocol, mode)) as ref:
             comm = torch.cuda.Stream() if on_comm_stream else None
+            two, one = op.memory_report(), ref.memory_report()
+            assert two["symmetric_workspace"] == 2 * one["symmetric_workspace"]
+            assert two["regions"]["recv_x@1"] == one["regions"]["recv_x"] and "state@1" in two["other_device_buffers"]
             for rnd in range(3):  # the slots reused round after round
                 batches = [_inputs(10 * rnd, mode), _inputs(10 * rnd + 1, mode, tokens=T - 17 * rnd)]
                 want = _one_call(ref, batches)
