@@ -283,6 +283,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -306,6 +307,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -752,11 +756,14 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // symmetric combine buffer (skipped when the expert wrote there directly; with a.grp_pair_pos each row is
 // staged as the weighted sum of its pairs' rows in the grouped layout), one barrier round so every
 // rank's rows are staged, then one thread per (origin token, 16-byte chunk) reads its rows back from the
-// peers (the slots dispatch recorded) and accumulates them in fp32.
+// peers (the slots dispatch recorded) and accumulates them in fp32. Split phase (a.phase): the send half is the
+// entry barrier and the staging; the receive half (a later launch: the staged rows are complete, stream order)
+// signals the peers, waits for theirs and reads.
 EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (epg_combine_entry(state[EPG_ST_LAST]) &&  // peers done reading the previous combine
+  const bool send = a.phase != EPG_PHASE_RECV;
+  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // peers done reading the previous combine
       epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;
 
   char* mine = epg_peer(a, a.rank);
@@ -765,11 +772,11 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   if (nrecv > a.expert_rows) nrecv = a.expert_rows;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const bool grouped = a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
-  const bool stage_x = grouped || (char*)a.expert_out != mine + a.off_comb_x;
-  const bool stage_w = a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
+  const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  const bool stage_x = send && (grouped || (char*)a.expert_out != mine + a.off_comb_x);
+  const bool stage_w = send && a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
   // nothing to stage: this rank's rows are readable now, so block 0 tells the peers at once
-  if (!stage_x && !stage_w && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
+  if (!stage_x && !stage_w && a.phase != EPG_PHASE_SEND && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
   if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_tail.j2)
     epg_combine_grouped_stage(a, nrecv);
   } else if (stage_x) {
@@ -780,6 +787,7 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }
+  if (a.phase == EPG_PHASE_SEND) return;  // staged: the receive half is a later launch
   // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
   // (stream order; its signal went out above), so each block only waits for the peers' signals
   const bool staged = stage_x || stage_w;

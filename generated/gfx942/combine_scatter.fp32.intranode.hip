@@ -271,6 +271,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -294,6 +295,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped

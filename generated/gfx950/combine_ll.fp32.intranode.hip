@@ -289,6 +289,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -312,6 +313,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -838,14 +842,16 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
 // combine does (payload chunks stored 16 bytes at a time), then zeroes them. No barrier: a combine right
 // after a combine starts with the entry barrier (the origins are done with the cells); otherwise the
-// dispatch in between was the handshake.
+// dispatch in between was the handshake. Split phase (a.phase): the send half is the entry barrier and the push,
+// the receive half (a later launch, same call counter) the reduce.
 constexpr int EPG_PER_WORD = 1;
 EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) { acc[0] += epg_bits_f32(w); }
 EPG_DEVICE epg_u32 epg_packw(const float acc[2]) { return epg_f32_bits(acc[0]); }
 
 EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
-  if (epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
+  const bool send = a.phase != EPG_PHASE_RECV;
+  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
       epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 3) == EPG_BAR_FAIL) return;
   const int calls = state[EPG_ST_LL_COMBINES];
   const epg_u32 epoch = epg_ll_epoch(calls);
@@ -864,7 +870,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   epg_syncthreads();
   const epg_i64 N = base[W];
   const epg_i64 keep_rows = a.max_recv < a.expert_rows ? a.max_recv : a.expert_rows;
-  const bool grouped = a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
   if (grouped) {  // the rows first formed from their pairs into comb_x by the whole grid (grouped_tail.j2)
     epg_combine_grouped_stage(a, keep_rows < N ? keep_rows : N);
     if (!epg_grid_sync(a)) return;
@@ -875,7 +881,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   const int per_unit = EPG_LL_UNIT * EPG_WAVE;
   const int chunks = (nv + per_unit - 1) / per_unit;
   const epg_i64 nwaves = (epg_i64)epg_nblocks() * waves;
-  for (epg_i64 u = (epg_i64)epg_block() * waves + wave; u < N * chunks; u += nwaves) {
+  for (epg_i64 u = (epg_i64)epg_block() * waves + wave; send && u < N * chunks; u += nwaves) {
     const epg_i64 row = u / chunks;  // received rows are numbered in (source rank, position) order
     const int c = (int)(u % chunks);
     const int s = epg_ll_source(base, W, row);
@@ -900,6 +906,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     }
   }
 
+  if (a.phase == EPG_PHASE_SEND) return;  // the receive half is a later launch
   // reduce at the origin: one wave per (token, chunk of EPG_WAVE vectors), a lane per vector; cells in k order
   // (one per destination rank); a chunk of payload alone goes out as 16-byte stores (epg_ll_store_chunk16)
   const int* slots = (const int*)a.slots;
