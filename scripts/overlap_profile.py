@@ -5,7 +5,8 @@ and does a GEMM issued in between run as fast as alone? Records of kind "overlap
                                                           [--legs dispatch combine] [--gemm 4096] [--out F]
 
 Per (protocol, tokens, leg): the leg's send half on a communication stream, a bf16 GEMM (--gemm square) on the
-compute stream, then the receive half on the communication stream once the GEMM is done (as a layer orders it);
+compute stream, then the receive half on the communication stream once the GEMM is done (as a layer orders it),
+and the other leg in one call (an op holds one operation in flight here: max_inflight = 1);
 --iters such rounds under kineto, each synchronized. Fields:
   epgen_kernels_between  epgen kernels (epg_*) running at any moment while a round's GEMM runs, that is between
                          the send half and its receive half (the most over the rounds; the target is 0: a send
@@ -58,18 +59,20 @@ def point(protocol: str, T: int, leg: str, args, meta: dict) -> dict:
     with EpDispatchCombineOp(cfg) as op:
         s = make_input_sets(cfg, 1, seed=99 + rank, device=dev)[0]
         x, w, idx = s["x"], s["w"], s["idx"]
-        h = op.dispatch(x, w, None, idx, return_routing=True)[-1]
         y = torch.randn(cfg.max_recv_tokens, cfg.hidden_dim, dtype=cfg.combine_dtype, device=dev)  # staged each time
 
-        def round_():
+        def round_():  # a dispatch and a combine (one operation in flight), one of them split around the GEMM
             if leg == "dispatch":
-                p = op.dispatch_send(x, w, None, idx, stream=comm)
+                p = op.dispatch_send(x, w, None, idx, return_routing=True, stream=comm)
             else:
+                h = op.dispatch(x, w, None, idx, return_routing=True)[-1]
                 p = op.combine_send(y, routing=h, stream=comm)
             torch.mm(a, b, out=c)
             comm.wait_stream(torch.cuda.current_stream())  # the receive half after the compute, as a layer has it
-            p.receive()
+            out = p.receive()
             p.current_stream_wait()
+            if leg == "dispatch":
+                op.combine(y, routing=out[-1])
 
         def alone():
             torch.mm(a, b, out=c)

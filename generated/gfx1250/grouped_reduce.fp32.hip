@@ -408,9 +408,12 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // Reduce (fp32): received row `row`'s elements [elem, elem + 8) = 0.0 + the sum over its kept local pairs
 // (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
+// U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
+// grouped_reduce takes 1 (its wide grid keeps the loads in flight: more registers would halve its resident
+// blocks), an EP kernel's staging 4 (its grid is one block per SM).
+template <int U>
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
-  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
   for (int j0 = 0; j0 < k; j0 += U) {
     int g[U];
@@ -443,7 +446,7 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
   for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < items; i += step) {
     const epg_i64 row = i / n8, elem = 8 * (i % n8);
     float acc[8];
-    epg_grouped_reduce8(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply_weights != 0, acc);
+    epg_grouped_reduce8<1>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply_weights != 0, acc);
     epg_store8(out + row * row_bytes + elem * 4, acc);
   }
 }
