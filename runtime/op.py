@@ -70,6 +70,7 @@ class EpDispatchCombineOp:
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
         self._grouped: grouped.GroupedLayout | None = None  # the last grouped layout of that dispatch
         self._grouped_out: torch.Tensor | None = None  # grouped_out_view's buffer where the backend has none
+        self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -509,6 +510,8 @@ class EpDispatchCombineOp:
             self._closed = True
             self._last = self._packed = self._grouped = None
             self._backend.close()
+            if self._grad_op is not None:
+                self._grad_op.close()
 
     def __enter__(self):
         return self
