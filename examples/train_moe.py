@@ -164,7 +164,8 @@ def verdict(losses, dtype, world: int) -> tuple[bool, str]:
     """(ok, line): the loss fell, and (with the dense run) agreed with it at every step."""
     first, last = losses[0][0], losses[-1][0]
     fell = last < first
-    text = f"{world} rank(s), {len(losses)} steps: loss {first:.6f} -> {last:.6f} ({'falls' if fell else 'does NOT fall'})"
+    text = (f"{world} rank(s), {len(losses)} steps: loss {first:.6f} -> {last:.6f} "
+            f"({'falls' if fell else 'does NOT fall'})")
     ok = fell
     if all(d is not None for _, d in losses):
         worst = max(abs(ep - d) / abs(d) for ep, d in losses)

@@ -73,7 +73,10 @@ def scn_gradcheck(rank, world, leg, tokens, seed, repeats, cfg_fields):
             R = cfg.max_recv_tokens
             Y, Wc = _dyadic(g, world, R, H), _dyadic(g, world, R, K)
             ok = _gradcheck(lambda Y, Wc: combine_leg(op, X, Y, Wc, my_ids, n), (Y, Wc))
-    return ok
+        with torch.no_grad():  # what the caps dropped here: (received rows, grouped pairs)
+            layout, _ = op.dispatch_grouped(X[rank, :n].float(), None, None, my_ids)
+            dropped = (int(op.dropped_count()), int(layout.dropped))
+    return ok, dropped
 
 
 LEGS = ["dispatch_grouped", "combine_grouped", "combine_grouped_unweighted", "dispatch", "combine"]
@@ -84,7 +87,7 @@ DROPS = {"none": {}, "recv_cap": {"max_total_recv_tokens": 3}, "grouped_cap": {"
 @pytest.mark.parametrize("leg", LEGS)
 def test_gradcheck_every_leg(world, leg):
     tokens = 3 if world == 2 else 2  # gradcheck's cost grows with every rank's inputs and outputs
-    assert all(get_world(world).run(scn_gradcheck, leg, tokens, 7, True, {}, timeout=240))
+    assert all(ok for ok, _ in get_world(world).run(scn_gradcheck, leg, tokens, 7, True, {}, timeout=240))
 
 
 @pytest.mark.parametrize("drops", ["recv_cap", "grouped_cap"])
@@ -92,11 +95,13 @@ def test_gradcheck_every_leg(world, leg):
 def test_gradcheck_with_drops(leg, drops):
     if drops == "grouped_cap" and leg in ("dispatch", "combine"):
         pytest.skip("the plain legs have no grouped layout")
-    assert all(get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240))
+    res = get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240)
+    assert all(ok for ok, _ in res)
+    assert sum(d[0 if drops == "recv_cap" else 1] for _, d in res) > 0, res  # the cap did drop
 
 
 def test_gradcheck_one_rank():
-    assert all(get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
+    assert all(ok for ok, _ in get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
 
 
 # --- semantics beyond gradcheck ------------------------------------------------------------------------
