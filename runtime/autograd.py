@@ -29,12 +29,17 @@ Backward (no new routing, no host sync):
     gradient rows, in float32); the weights' gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient;
   * pairs or rows the forward dropped (receive cap ``max_total_recv_tokens``, grouped capacity) get zero
-    gradient; rows past total_recv and grouped padding rows get zero gradient;
+    gradient; rows past total_recv and grouped padding rows get zero gradient (and the padding rows of the
+    layout's x are zeros: a grouped GEMM over them gives finite weight gradients);
   * a quantized dispatch (fp8 / fp4 blockwise) or a quantized combine (quant_type) is treated as the identity for
     the gradient: the backward moves the gradients unquantized (data_type) through a companion op of the same
     routing geometry without quantization, built on first use (collectively: every rank's forward) and closed
     with the op.
-A backward through a handle whose op was closed raises ClosedError.
+A backward through a handle whose op was closed raises ClosedError. A handle saved for a backward keeps the routing
+it needs (ids, pair map, row count: copies), so later forwards on the same op cannot change it; where the op's
+native combine sends rows to the origins of the op's last dispatch (low latency, scatter, internode) and that was
+another handle's, a combine through the handle first replays a dispatch of zeros along it. The forwards return the
+handle id as their last output, so selective activation checkpointing that saves these ops replays them whole.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from .errors import ClosedError, InputError
 from .routing import RoutingHandle
 
 OP_NAMES = ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # op uid -> op
 _HANDLES: "weakref.WeakValueDictionary[int, _Saved]" = weakref.WeakValueDictionary()  # handle id -> saved routing
@@ -117,6 +122,14 @@ def _live(saved: _Saved, call: str):
         raise ClosedError(f"backward of {call}: the EpDispatchCombineOp (uid {saved.op.uid}) its forward ran on "
                           f"is closed; run the backward before op.close()")
     return saved.op
+
+
+def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
+    """A combine recording autograd needs its dispatch's saved routing: refuse a handle of a dispatch run with
+    autograd off for inputs that need a gradient (they would silently get none)."""
+    if handle._saved is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        raise InputError(f"{call}: the handle comes from a dispatch run with autograd off (torch.no_grad()), so "
+                         f"no gradient can go back through it; dispatch with autograd on")
 
 
 def _handle_tensor(handle_id: int) -> torch.Tensor:
@@ -290,7 +303,7 @@ def _dispatch_grouped_setup(ctx, inputs, output):
     ctx.saved = _take(int(output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(*output[2:])
-    if output[0].dtype not in FLOAT_DTYPES:
+    if output[0].dtype not in _FLOAT_DTYPES:
         ctx.mark_non_differentiable(output[0])
 
 
@@ -393,6 +406,7 @@ def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.
         raise InputError(f"combine_grouped: the handle comes from another op (uid {handle.op_uid}, this op is uid "
                          f"{op.uid})")
     if not torch.is_grad_enabled() or handle._saved is None:
+        _no_saved_routing("combine_grouped", handle, y)
         return op.combine_grouped(y, handle.routing, apply_weights)[0]
     if handle.weights is None:
         raise InputError("combine_grouped: the handle is not from dispatch_grouped")
@@ -507,6 +521,7 @@ def combine(op, y, handle: Handle, weights=None):
     if handle.op_uid != op.uid:
         raise InputError(f"combine: the handle comes from another op (uid {handle.op_uid}, this op is uid {op.uid})")
     if not torch.is_grad_enabled() or handle._saved is None:
+        _no_saved_routing("combine", handle, y, weights)
         return op.combine(y, weights, routing=handle.routing)
     _register(op)
     out, out_w = _combine_op(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)

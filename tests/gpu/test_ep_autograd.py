@@ -3,7 +3,8 @@
 forward and every gradient (tokens, routing weights, expert weights) bit-exact: the inputs are exact in a few
 bits, so every sum is exact whatever its order, and the legs' own sums run in the same order on both backends;
 an fp8_blockwise dispatch (grouped_dequantize) moves the same bf16 gradients as a bf16 op; several forwards in
-flight; and a forward + backward captured in one CUDA graph, replayed on new inputs.
+flight (bandwidth, low-latency and scatter combines); a forward + backward captured in one CUDA graph, replayed on
+new inputs; and examples/train_moe.py's training in bf16 against its dense run.
 
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_autograd.py
 """
@@ -20,6 +21,7 @@ from tests.gpu.dist_util import captured, run_collective
 from tests.support.autograd_legs import grouped_step, linear_experts
 from tests.support.configs import dist_config
 from tests.support.ep_oracle import random_routing
+from tests.support.moe_layer_ref import load_example
 
 pytestmark = pytest.mark.multigpu
 
@@ -154,4 +156,15 @@ def test_forward_and_backward_in_a_cuda_graph():
                 torch.cuda.synchronize()
                 _equal(got, want, f"replay {rep}")
                 dist.barrier()
+    run_collective(check)
+
+
+def test_train_moe_example_matches_its_dense_run_in_bf16():
+    def check():
+        ex = load_example("train_moe")
+        W = dist.get_world_size()
+        args = ex.parser().parse_args(["--dtype", "bf16", "--steps", "12", "--hidden", "256", "--experts", str(8 * W),
+                                       "--topk", "4", "--intermediate", "128", "--tokens", "64"])
+        ok, line = ex.verdict(ex.train(args), torch.bfloat16, W)
+        assert ok, line
     run_collective(check)

@@ -249,6 +249,17 @@ def test_fp8_dispatch_moves_bf16_gradients():
     assert all(get_world(2).run(scn_fp8, timeout=180))
 
 
+def test_a_combine_needing_gradients_refuses_a_handle_made_without_autograd():
+    with EpDispatchCombineOp(_cfg(0, 1, 4)) as op:
+        x, ids = torch.randn(4, H), torch.zeros(4, K, dtype=torch.int32)
+        with torch.no_grad():
+            layout, h = ag.dispatch_grouped(op, x, None, ids)
+        y = layout.x.clone().requires_grad_(True)
+        with pytest.raises(InputError, match="^combine_grouped: the handle comes from a dispatch run with autograd off"):
+            ag.combine_grouped(op, y, h)
+        assert torch.equal(ag.combine_grouped(op, layout.x, h), 2 * x)  # nothing needs a gradient: the op's path
+
+
 def test_plain_dispatch_of_a_quantized_op_says_where_to_train():
     cfg = _cfg(0, 1, 4, hidden_dim=128, data_type=torch.bfloat16, dispatch_quant_type="fp8_blockwise")
     with EpDispatchCombineOp(cfg) as op:
