@@ -40,6 +40,7 @@ it needs (ids, pair map, row count: copies), so later forwards on the same op ca
 native combine sends rows to the origins of the op's last dispatch (low latency, scatter, internode) and that was
 another handle's, a combine through the handle first replays a dispatch of zeros along it. The forwards return the
 handle id as their last output, so selective activation checkpointing that saves these ops replays them whole.
+Under torch.compile the four functions run as they are between the compiled parts (torch.compiler.disable).
 """
 
 from __future__ import annotations
@@ -326,6 +327,7 @@ torch.library.register_autograd("epgen::dispatch_grouped", _dispatch_grouped_bac
                                 setup_context=_dispatch_grouped_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def dispatch_grouped(op, x, weights=None, indices=None):
     """op.dispatch_grouped(x, weights, None, indices) recording autograd -> (GroupedLayout, Handle); see the
     module docstring. The layout's x and weights are differentiable (x: float payloads, or grouped_dequantize)."""
@@ -396,6 +398,7 @@ torch.library.register_autograd("epgen::combine_grouped", _combine_grouped_backw
                                 setup_context=_combine_grouped_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.Tensor:
     """op.combine_grouped(y, handle.routing, apply_weights) recording autograd -> out [num_tokens, hidden]
     (a fresh tensor); gradients reach y and, with apply_weights, the layout's weights (module docstring)."""
@@ -464,6 +467,7 @@ def _dispatch_backward(ctx, grad_out, grad_w, *_):
 torch.library.register_autograd("epgen::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def dispatch(op, x, weights=None, indices=None):
     """op.dispatch(x, weights, None, indices, return_routing=True) recording autograd -> (out [R, H],
     out_weights [R, k] float32 or None, out_indices, total_recv, Handle); out and out_weights are differentiable
@@ -513,6 +517,7 @@ def _combine_backward(ctx, grad_out, grad_w):
 torch.library.register_autograd("epgen::combine", _combine_backward, setup_context=_combine_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def combine(op, y, handle: Handle, weights=None):
     """op.combine(y, weights, routing=handle.routing) recording autograd -> (out [num_tokens, H], out_weights
     [num_tokens, k] or None); gradients reach y and weights."""

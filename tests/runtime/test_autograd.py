@@ -117,6 +117,20 @@ def _step_inputs(rank, cfg, seed, tokens):
     return x, w, ids, ew, grad
 
 
+def _layer(op, ids):
+    """A layer on the legs: relu'd linear experts between dispatch_grouped and combine_grouped, tanh after."""
+    def layer(x, w, ew):
+        layout, h = ag.dispatch_grouped(op, x, w, ids)
+        return torch.tanh(ag.combine_grouped(op, torch.relu(linear_experts(layout, ew)), h))
+    return layer
+
+
+def _grads(fn, tensors, grad):
+    """Gradients of fn(*tensors) (fresh leaves) for the output gradient grad."""
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
 def scn_in_flight(rank, world):
     """Two forwards, then their backwards in reverse order (gradient accumulation), against one at a time."""
     cfg = _cfg(rank, world, 6, hidden_dim=8)
@@ -180,14 +194,9 @@ def scn_checkpoint(rank, world, selective):
 
     cfg = _cfg(rank, world, 5, hidden_dim=8)
     x, w, ids, ew, grad = _step_inputs(rank, cfg, 4, 5)
-
-    def layer(x, w, ew):
-        layout, h = ag.dispatch_grouped(op, x, w, ids)
-        return torch.tanh(ag.combine_grouped(op, torch.relu(linear_experts(layout, ew)), h))
-
     with EpDispatchCombineOp(cfg) as op:
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
-        want = torch.autograd.grad(layer(*leaves), leaves, grad)
+        layer = _layer(op, ids)
+        want = _grads(layer, (x, w, ew), grad)
         leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
         out = checkpoint(layer, *leaves, use_reentrant=False, **kwargs)
         before = op._seq  # dispatches so far
@@ -274,3 +283,17 @@ def test_the_custom_ops_are_registered_under_epgen():
     for name in ag.OP_NAMES:
         ns, op_name = name.split("::")
         assert hasattr(getattr(torch.ops, ns), op_name)
+
+
+def test_a_compiled_layer_runs_the_legs_as_they_are():
+    """torch.compile of a layer calling the legs: they run eagerly between the compiled parts (graph breaks), with
+    the same gradients."""
+    cfg = _cfg(0, 1, 5, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(0, cfg, 8, 5)
+    with EpDispatchCombineOp(cfg) as op:
+        layer = _layer(op, ids)
+        want = _grads(layer, (x, w, ew), grad)
+        compiled = torch.compile(layer, backend="aot_eager")
+        for _ in range(2):
+            got = _grads(compiled, (x, w, ew), grad)
+            assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(want, got))
