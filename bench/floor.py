@@ -21,7 +21,8 @@ cuda_driver_api, torch, world_size, target, sms):
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
-wait is bounded (--floor-timeout-s): a method that times out, or cannot run (an odd world size, a target
+wait is bounded (--floor-timeout-s): a method that times out, or cannot run (an odd world size above one: at
+W = 1 the rank is its own partner, no link in the figures; a target
 without these kernels), is a record with its reason (``error``) and the run goes on. ``floor_table`` prints the
 table (docs/PERF.md reads every small-batch target against it).
 """
@@ -93,7 +94,11 @@ PING, SIGNAL = 0, 64
 
 
 def partner(rank: int, world: int) -> int | None:
-    """The rank a rank exchanges flags with: 2i <-> 2i + 1; None for the last rank of an odd world."""
+    """The rank a rank exchanges flags with: 2i <-> 2i + 1; None for the last rank of an odd world larger than
+    one. A lone rank (W = 1) is its own partner: it signals its own flag, so every method measures the launch and
+    a local flag with no link (the floor of the W = 1 kernel budgets)."""
+    if world == 1:
+        return rank
     p = rank ^ 1
     return p if p < world else None
 
@@ -229,7 +234,7 @@ def run(args, emit=lambda recs: None) -> list[dict]:
         emit([rec])
 
     points = plan(args)
-    if dist.get_world_size() % 2:
+    if dist.get_world_size() % 2 and dist.get_world_size() > 1:
         for pt in points:
             add(record(meta, pt, error=f"world_size={dist.get_world_size()}: the floor pairs ranks 2i and 2i + 1"))
         return made

@@ -105,16 +105,17 @@ def experts_per_rank(experts: int, world: int) -> int:
     return experts // world
 
 
-def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, seed=0, device=None):
+def build(hidden=7168, experts=256, topk=8, inter=2048, tokens=128, capacity=0, seed=0, device=None, **fields):
     """The rank's MoEBlock (torch.distributed initialised; world size divides `experts`). capacity: rows of
     the grouped layout, a multiple of 16 (0: the worst case, which never drops a pair; op.grouped_layout()'s
-    dropped counts the pairs past a smaller one)."""
+    dropped counts the pairs past a smaller one). fields: more config fields (examples/moe_overlap.py passes
+    max_inflight=2)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     per_rank = experts_per_rank(experts, world)
     cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
                                   num_experts_per_rank=per_rank, num_experts_per_token=topk, data_type=torch.bfloat16,
-                                  enable_grouped_layout=True, expert_alignment=16, grouped_capacity=capacity)
+                                  enable_grouped_layout=True, expert_alignment=16, grouped_capacity=capacity, **fields)
     mine = [expert_weights(e, hidden, inter, seed, device) for e in range(rank * per_rank, (rank + 1) * per_rank)]
     w13, w2 = (torch.stack(ws) for ws in zip(*mine))
     return MoEBlock(EpDispatchCombineOp(cfg), router_weight(experts, hidden, seed, device), w13, w2)

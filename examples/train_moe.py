@@ -17,8 +17,9 @@ fall. docs/TRAINING.md explains the gradients; tests/runtime/test_train_moe.py r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
+import runpy
+import types
 from pathlib import Path
 
 import torch
@@ -28,15 +29,8 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime import autograd as ag
 
 
-def _load_layer():
-    """examples/moe_layer.py (the router, the experts and their seeded weights)."""
-    spec = importlib.util.spec_from_file_location("moe_layer_example", Path(__file__).with_name("moe_layer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-layer = _load_layer()
+# examples/moe_layer.py's definitions (the router, the experts and their seeded weights), run as a file: no package
+layer = types.SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("moe_layer.py"))))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # largest |loss_ep - loss_dense| / loss_dense accepted
 

@@ -37,9 +37,10 @@ Backward (no new routing, no host sync):
     with the op.
 A backward through a handle whose op was closed raises ClosedError. A handle saved for a backward keeps the routing
 it needs (ids, pair map, row count: copies), so later forwards on the same op cannot change it; where the op's
-native combine sends rows to the origins of the op's last dispatch (low latency, scatter, internode) and that was
-another handle's, a combine through the handle first replays a dispatch of zeros along it. The forwards return the
-handle id as their last output, so selective activation checkpointing that saves these ops replays them whole.
+native combine sends rows to the origins its workspace slot's last dispatch recorded (low latency, scatter,
+internode) and that was another handle's (or the op has several slots, max_inflight > 1), a combine through the
+handle first replays a dispatch of zeros along it (see _combine_through). The forwards return the handle id as
+their last output, so selective activation checkpointing that saves these ops replays them whole.
 Under torch.compile the four functions run as they are between the compiled parts (torch.compiler.disable).
 """
 
@@ -64,7 +65,6 @@ _OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _HANDLES: "weakref.WeakValueDictionary[int, _Saved]" = weakref.WeakValueDictionary()  # handle id -> saved routing
 _PENDING: dict[int, "_Saved"] = {}  # made by a forward, until its wrapper takes it (the same call)
 _IDS = itertools.count(1)
-_LAST: dict[int, tuple[int, weakref.ref]] = {}  # op uid -> (its dispatch count, the _Saved) after a dispatch here
 
 
 class _Saved:
@@ -206,7 +206,6 @@ def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor |
     mover, routing = _mover(op, saved.routing, cfg.dispatch_quant_type != "none")
     out, out_w, _, _, total = mover.dispatch(grad.to(cfg.data_type).contiguous(), grad_w, None, saved.ids,
                                              routing=routing)
-    _dispatched(mover, saved)
     keep = _rows_mask(total, out.shape[0])
     rows = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if out_w is not None:
@@ -223,22 +222,23 @@ def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Ten
     return _combine_through(mover, routing, saved, rows.to(mover.config.combine_dtype).contiguous(), rows_w)
 
 
-def _dispatched(op, saved: _Saved) -> None:
-    """Note that op's last dispatch moved along saved's routing (a forward, or a replay)."""
-    _LAST[op.uid] = (op._seq, weakref.ref(saved))
-
-
 def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
-    """op.combine through a handle that may not be op's last dispatch. The native low-latency and scatter combines
-    (and the internode ones) send each received row to the origin the op's last dispatch recorded: where that
-    dispatch was another one, a replay of zeros along this routing first puts its origins back."""
-    needs_last = op.backend_name != "torch" and (routing.extra.get("protocol") == "ll" or op.config.is_internode
-                                                or op.config.resolved_combine_mode == "scatter")
-    last = _LAST.get(op.uid)
-    if needs_last and not (last is not None and last[0] == op._seq and last[1]() is saved):
+    """op.combine through a handle whose workspace slot may hold another dispatch's rows by now (a later forward,
+    another layer's backward). A slot whose last dispatch was this routing's (the forward, or a replay of it) is
+    taken as it is. Otherwise, where it matters (several slots, max_inflight > 1: the op refuses a stale handle;
+    the native low-latency, scatter and internode combines, which send each received row to the origin its slot's
+    last dispatch recorded), a replay of zeros along the routing places its rows again first, and the combine goes
+    through the replay's handle."""
+    slots = op._slots
+    if slots.route[routing.slot] != routing.route:
+        same = [s for s in range(slots.n) if slots.route[s] == routing.route and slots.pending[s] is None]
+        if same:
+            routing = attrs.evolve(routing, slot=same[0])
+    sends_by_last = op.backend_name != "torch" and (routing.extra.get("protocol") == "ll" or op.config.is_internode
+                                                   or op.config.resolved_combine_mode == "scatter")
+    if slots.route[routing.slot] != routing.route and (slots.n > 1 or sends_by_last):
         zeros = torch.zeros((routing.num_tokens, op.config.hidden_dim), dtype=op.config.data_type, device=op.device)
-        op.dispatch(zeros, None, None, saved.ids, routing=routing)
-        _dispatched(op, saved)
+        *_, routing = op.dispatch(zeros, None, None, saved.ids, return_routing=True, routing=routing)
     return op.combine(rows, rows_w, routing=routing)
 
 
@@ -266,9 +266,8 @@ def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indic
                                                   torch.Tensor]:
     op = _op(op_id, "epgen::dispatch_grouped")
     layout, routing = op.dispatch_grouped(x, weights, None, indices)
-    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
-                                         src=layout.src.clone())
-    _dispatched(op, saved)
+    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
+                                 src=layout.src.clone())
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
     return (_zero_padding(layout.x, layout.src), layout.weights.clone(), scales, layout.offs.clone(),
             layout.counts.clone(), layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()),
@@ -350,8 +349,8 @@ def _combine_grouped_op(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id
                         apply_weights: bool) -> torch.Tensor:
     op = _op(op_id, "epgen::combine_grouped")
     saved = _take(handle_id)
-    last = op._grouped
-    if last is not None and last.seq == saved.routing.seq:  # the op's own path: its layout is this handle's
+    last = op._grouped_by.get(saved.routing.slot)
+    if last is not None and last.seq == saved.routing.seq:  # the op's own path: its slot's layout is this handle's
         return op.combine_grouped(y, saved.routing, apply_weights)[0]
     cfg = op.config  # an older handle: the pairs' rows from the saved map, then the combine
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
@@ -431,8 +430,7 @@ def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torc
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
-    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), total=total)
-    _dispatched(op, saved)
+    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), total=total)
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
     return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id)

@@ -59,6 +59,12 @@ rank) and the target, never from a call's token count (ranks' counts may differ)
 same protocol for every call (the native backend checks it across ranks). Both give the same results; the
 torch backend has one protocol and ignores the field.
 
+Operations in flight (``max_inflight``, 1..8, default 1): how many split-phase operations (a dispatch from its
+send half until the combine of its rows received, ``op.dispatch_send`` / ``PendingDispatch.receive``) one op
+keeps at once, for micro-batch overlap. Each has a workspace slot of its own (receive, combine, flag and
+low-latency regions, and the grouped / std-MoE buffers), so the op's memory grows max_inflight times; 1 keeps
+today's memory. See runtime/pending.py and docs/LAYER.md (Overlap).
+
 Device-side waits (barrier signals, counters) give up after ``timeout_s`` seconds (> 0, finite);
 the native backend then raises ``runtime.errors.EpTimeoutError`` (see docs/GUARANTEES.md).
 
@@ -90,6 +96,8 @@ GROUPED_COMBINES = ("reduce", "fused")
 DISPATCH_QUANT_TYPES = ("none", "fp8_blockwise", "fp4_blockwise")
 SCALE_TYPE_SIZES = (1, 4)  # 1: e8m0 bytes (torch.uint8), 4: torch.float32
 
+MAX_INFLIGHT = 8  # the most operations in flight on one op (max_inflight)
+
 # Declared ranges of the int fields, [least, most], checked first: counts of ranks, tokens, rows and
 # experts are int32 in routing handles and kernel indices (their products are checked too, and the
 # bytes of the largest row buffer); a grid has at most 2^31 - 1 blocks, a block at most 1024 threads.
@@ -104,6 +112,7 @@ INT_RANGES = {  # field: (least, most, why the most)
     "launch_threads": (0, 1024, "threads per block"),
     "expert_alignment": (1, 1024, "rows a grouped-layout group is padded to a multiple of"),
     "grouped_capacity": (0, INT32_MAX, _I32),
+    "max_inflight": (1, MAX_INFLIGHT, "operations in flight on one op: each has a workspace slot of its own"),
 }
 
 # What this release builds (spec dtype names / modes).
@@ -184,6 +193,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     grouped_capacity: int = 0  # grouped layout: rows of its buffer (a multiple of expert_alignment); 0: worst case
     grouped_combine: str = "reduce"  # combine_grouped's form: "reduce" (a reduce pass, then combine) | "fused"
     grouped_dequantize: bool = False  # grouped layout of a quantized dispatch: rows dequantized into data_type
+    max_inflight: int = 1  # operations in flight at once (split-phase calls): workspace slots, each a full set
     # the seed library's fields (aliases.SEED_FIELDS): launch geometry aliases, or accepted and ignored
     dispatch_block_num: int | None = None
     combine_block_num: int | None = None
@@ -337,7 +347,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
         ints = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
                 "num_experts_per_token", "scale_dim", "scale_type_size", "max_total_recv_tokens",
                 "gpu_per_node", "internode_auto_ll_max_tokens", "expert_capacity", "launch_blocks",
-                "launch_threads", "expert_alignment", "grouped_capacity")
+                "launch_threads", "expert_alignment", "grouped_capacity", "max_inflight")
         for f in ints:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):

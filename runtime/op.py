@@ -38,6 +38,7 @@ from . import aliases, backends, checks, grouped, moe
 from .agreement import check_config_agreement, check_host_layout
 from .plan import NATIVE_WORKSPACE_FORMULA, native_workspace
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
+from .pending import Pending, SlotTable, StreamOrder
 from .routing import RoutingHandle
 
 _UIDS = itertools.count(1)
@@ -68,8 +69,15 @@ class EpDispatchCombineOp:
         self._seq = 0  # dispatches that moved data (returned, or raised CapacityError)
         self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
-        self._grouped: grouped.GroupedLayout | None = None  # the last grouped layout of that dispatch
-        self._grouped_out: torch.Tensor | None = None  # grouped_out_view's buffer where the backend has none
+        # per workspace slot (config max_inflight; runtime/pending.py): the last received dispatch's outputs, its
+        # grouped layout, grouped_out_view's buffer where the backend has none, the views handed out
+        self._by_slot: dict[int, dict] = {}
+        self._grouped_by: dict[int, grouped.GroupedLayout] = {}
+        self._grouped_out: dict[int, torch.Tensor] = {}
+        self._views: dict[int, set[int]] = {}
+        self._slots = SlotTable(config.max_inflight)
+        self._slot_streams: dict[int, torch.cuda.Stream] = {}  # the stream of each slot's last half (_follow)
+        self._generation = 0  # reset() and close() make pending handles void
         self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
 
@@ -136,6 +144,8 @@ class EpDispatchCombineOp:
             "internode": False,
             "max_recv_tokens": self.config.max_recv_tokens,
             "std_moe": self.config.enable_std_moe,
+            "split_phase": True,  # dispatch_send / combine_send ... -> Pending.receive() (runtime/pending.py)
+            "max_inflight": self.config.max_inflight,
         }
         caps.update(self._backend.capabilities)
         return caps
@@ -186,17 +196,8 @@ class EpDispatchCombineOp:
         name for x."""
         self._check_open("dispatch")
         x = aliases.renamed("dispatch", "x", x, "input", input)
-        cfg = self.config
-        num_tokens = checks.dispatch_inputs(cfg, self.device, x, weights, scales, indices)
-        return_routing = aliases.as_bool(return_routing)  # numpy's bools too
-        if not isinstance(return_routing, bool):
-            raise InputError(f"dispatch: return_routing must be a bool, got {aliases.type_name(return_routing)}")
-        if routing is not None:
-            self._check_handle("dispatch", routing)
-            if routing.num_tokens != num_tokens:
-                raise InputError(f"dispatch: routing replay needs the same token count: the handle has "
-                                 f"{routing.num_tokens} tokens, x has {num_tokens}")
-        self._last = self._packed = self._grouped = None  # the buffers are about to change
+        num_tokens, return_routing, slot = self._dispatch_begin("dispatch", x, weights, scales, indices,
+                                                                return_routing, routing, one_call=True)
         routed = self._routed_across(indices)  # before the backend, which may raise on some ranks only
         try:
             *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing,
@@ -204,39 +205,264 @@ class EpDispatchCombineOp:
         except CapacityError:
             self._seq += 1  # the data moved; dropped_count() reports it
             raise
-        self._seq += 1
-        out, out_w, out_s, out_i, total = outs
-        self._last = {"seq": self._seq, "out": out, "out_w": out_w, "out_s": out_s, "out_i": out_i, "total": total,
-                      "routed": routed}
-        if not return_routing:
-            return tuple(outs)
-        handle = RoutingHandle(op_uid=self.uid, config_key=cfg.key, num_tokens=num_tokens, seq=self._seq, **fields)
-        return (*outs, handle)
+        return self._dispatch_end(slot, outs, fields, num_tokens, return_routing, routed, routing)
 
     def combine(self, expert_out=None, weights=None, indices=None, routing=None, *, input=None):
         """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None). ``input``: the seed's
         name for expert_out; ``weights``: see combine_weights in __init__."""
         self._check_open("combine")
-        expert_out = aliases.renamed("combine", "expert_out", expert_out, "input", input)
+        expert_out, weights, indices, slot = self._combine_begin("combine", expert_out, weights, indices, routing,
+                                                                 input)
+        try:
+            return self._backend.combine(expert_out, weights, indices, routing)
+        finally:
+            self._slots.combined(slot)
+
+    # --- split phase: send halves -> Pending; Pending.receive() completes the leg (runtime/pending.py) -------
+    def dispatch_send(self, x=None, weights=None, scales=None, indices=None, return_routing: bool = False,
+                      routing=None, *, input=None, stream=None, previous_event=None) -> Pending:
+        """The send half of dispatch (same arguments): queues the sending work and returns a Pending whose
+        receive() returns what dispatch returns. The native backend's send launch moves the rows and returns
+        (nothing of epgen stays on the GPU until receive()); the torch backend runs the whole leg here. stream /
+        previous_event: see runtime/pending.py (stream ordering). Takes a free workspace slot (max_inflight)."""
+        self._check_open("dispatch_send")
+        x = aliases.renamed("dispatch_send", "x", x, "input", input)
+        return self._dispatch_split("dispatch", x, weights, scales, indices, return_routing, routing, stream,
+                                    previous_event)
+
+    def combine_send(self, expert_out=None, weights=None, indices=None, routing=None, *, input=None, stream=None,
+                     previous_event=None) -> Pending:
+        """The send half of combine (same arguments): -> a Pending whose receive() returns what combine returns.
+        The native low-latency combine pushes its rows here; the gather combine stages them (its peers read them
+        in their receive half); a scatter combine is deferred (Pending.deferred: the receive half runs it)."""
+        self._check_open("combine_send")
+        expert_out, weights, indices, slot = self._combine_begin("combine_send", expert_out, weights, indices,
+                                                                 routing, input)
+        order = StreamOrder("combine_send", self.device, stream, previous_event, (expert_out, weights, indices))
+
+        def halves():
+            return self._combine_halves(expert_out, weights, indices, routing)
+        return self._send("combine", slot, order, halves)
+
+    def dispatch_grouped_send(self, x, weights=None, scales=None, indices=None, routing=None, *, stream=None,
+                              previous_event=None) -> Pending:
+        """The send half of dispatch_grouped: -> a Pending whose receive() returns (GroupedLayout, routing handle)
+        (the receive half also builds the grouped layout)."""
+        self._check_open("dispatch_grouped_send")
+        self._need_grouped("dispatch_grouped_send")
+        return self._dispatch_split("dispatch_grouped", x, weights, scales, indices, True, routing, stream,
+                                    previous_event)
+
+    def combine_grouped_send(self, expert_out, routing, apply_weights: bool = True, *, stream=None,
+                             previous_event=None) -> Pending:
+        """The send half of combine_grouped: the reduce pass into the combine input, then combine_send's work;
+        -> a Pending whose receive() returns what combine_grouped returns. grouped_combine="fused" calls are
+        deferred (the receive half runs the fused kernel)."""
+        self._check_open("combine_grouped_send")
+        layout, slot = self._combine_grouped_begin("combine_grouped_send", expert_out, routing, apply_weights)
+        order = StreamOrder("combine_grouped_send", self.device, stream, previous_event, (expert_out,))
+
+        def halves():
+            fused = getattr(self._backend, "grouped_fused", None)
+            if fused is not None and fused(routing):  # not split: the receive half runs the fused kernel
+                return self._combined_after(slot, lambda: self._backend.combine_grouped_fused(
+                    expert_out, routing, apply_weights)), True
+            rows = self._grouped_rows(expert_out, layout, slot, apply_weights)
+            return self._combine_halves(rows, None, None, routing)
+        return self._send("combine_grouped", slot, order, halves)
+
+    def _dispatch_split(self, kind, x, weights, scales, indices, return_routing, routing, stream, previous_event):
+        what = f"{kind}_send"
+        order = StreamOrder(what, self.device, stream, previous_event, (x, weights, scales, indices))
+        num_tokens, return_routing, slot = self._dispatch_begin(what, x, weights, scales, indices, return_routing,
+                                                                routing, one_call=False)
+
+        def halves():
+            routed = self._routed_across(indices)
+            send = getattr(self._backend, "dispatch_send", None)
+            if send is not None:
+                call = send(x, weights, scales, indices, routing)
+                recv = lambda: self._backend.dispatch_receive(call)  # noqa: E731
+            else:  # the backend's halves in order: the whole leg now
+                recv = _ran(lambda: self._backend.dispatch(x, weights, scales, indices, routing))
+
+            def finish():
+                try:
+                    *outs, fields = recv()
+                except CapacityError:
+                    self._seq += 1  # the data moved; dropped_count() reports it
+                    raise
+                res = self._dispatch_end(slot, outs, fields, num_tokens, return_routing, routed, routing)
+                if kind == "dispatch_grouped":
+                    return self._grouped_layout_of(self._by_slot[slot]), res[-1]
+                return res
+            return finish, False
+        return self._send(kind, slot, order, halves)
+
+    def _combine_halves(self, expert_out, weights, indices, routing):
+        """(finish, deferred) of a combine whose send half runs now (the backend's combine_send, else its whole
+        combine)."""
+        slot = routing.slot
+        send = getattr(self._backend, "combine_send", None)
+        if send is not None:
+            call = send(expert_out, weights, indices, routing)
+            return self._combined_after(slot, lambda: self._backend.combine_receive(call)), call["deferred"]
+        return self._combined_after(slot, _ran(lambda: self._backend.combine(expert_out, weights, indices,
+                                                                             routing))), False
+
+    def _combined_after(self, slot: int, recv):
+        def finish():
+            try:
+                return recv()
+            finally:
+                self._slots.combined(slot)
+        return finish
+
+    def _send(self, kind: str, slot: int, order: StreamOrder, halves) -> Pending:
+        with order:
+            self._select(slot)
+            self._follow(slot)
+            finish, deferred = halves()
+        pending = self._slots.pending[slot] = Pending(self, kind, slot, finish, order, deferred)
+        return pending
+
+    def _receive(self, pending: Pending):
+        """Pending.receive(): the receive half, once, on the leg's stream; its outputs recorded on the caller's."""
+        what = f"{pending.kind} receive"
+        self._check_open(what)
+        if pending.done:
+            raise InputError(f"{what}: this pending {pending.kind} (slot {pending.slot}) was received already: "
+                             f"each send half is received once")
+        if pending._generation != self._generation:
+            raise InputError(f"{what}: the op was reset after this {pending.kind} was sent: its work is void, "
+                             f"send it again")
+        pending.done = True
+        self._slots.pending[pending.slot] = None
+        with pending._order:
+            self._select(pending.slot)
+            self._follow(pending.slot)
+            result = pending._finish()
+        pending.event = pending._order.outputs(result)
+        return result
+
+    def _dispatch_begin(self, what, x, weights, scales, indices, return_routing, routing, one_call):
+        """Checks of a dispatch, then its slot (selected; what it held before is forgotten):
+        -> (num_tokens, return_routing, slot)."""
+        cfg = self.config
+        num_tokens = checks.dispatch_inputs(cfg, self.device, x, weights, scales, indices)
+        return_routing = aliases.as_bool(return_routing)  # numpy's bools too
+        if not isinstance(return_routing, bool):
+            raise InputError(f"{what}: return_routing must be a bool, got {aliases.type_name(return_routing)}")
+        if routing is not None:
+            self._check_handle(what, routing)
+            if routing.num_tokens != num_tokens:
+                raise InputError(f"{what}: routing replay needs the same token count: the handle has "
+                                 f"{routing.num_tokens} tokens, x has {num_tokens}")
+        slot = self._slots.for_dispatch(what, one_call)
+        self._forget(slot)  # the slot's buffers are about to change
+        self._select(slot)
+        if one_call:
+            self._follow(slot)
+        return num_tokens, return_routing, slot
+
+    def _dispatch_end(self, slot, outs, fields, num_tokens, return_routing, routed, routing):
+        self._seq += 1
+        out, out_w, out_s, out_i, total = outs
+        self._last = self._by_slot[slot] = {"seq": self._seq, "slot": slot, "out": out, "out_w": out_w,
+                                            "out_s": out_s, "out_i": out_i, "total": total, "routed": routed}
+        route = routing.route if routing is not None else self._seq  # a replay places rows by its handle's routing
+        self._slots.dispatched(slot, route, held=return_routing)  # without a handle nothing can combine its rows
+        if not return_routing:
+            return tuple(outs)
+        handle = RoutingHandle(op_uid=self.uid, config_key=self.config.key, num_tokens=num_tokens, seq=self._seq,
+                               slot=slot, route=route, **fields)
+        return (*outs, handle)
+
+    def _combine_begin(self, what, expert_out, weights, indices, routing, input):
+        """Checks of a combine, then its slot (the handle's; selected): -> (expert_out, weights, indices, slot)."""
+        expert_out = aliases.renamed(what, "expert_out", expert_out, "input", input)
         if self._combine_weights == "fold":  # the seed's combine: indices taken for parity only, unused
             indices = None
             if weights is not None:
-                weights = aliases.forwarded_weights(self._need_dispatch("combine (weight fold)"))
+                weights = aliases.forwarded_weights(self._need_dispatch(f"{what} (weight fold)"))
         cfg = self.config
         if routing is None:
-            raise InputError("combine: routing is required: pass the RoutingHandle from "
+            raise InputError(f"{what}: routing is required: pass the RoutingHandle from "
                              "dispatch(..., return_routing=True) of this op")
-        self._check_handle("combine", routing)
+        if isinstance(routing, Pending):
+            raise InputError(f"{what}: routing is a Pending {routing.kind}: pass the RoutingHandle its receive() "
+                             f"returned")
+        self._check_handle(what, routing)
         checks.combine_inputs(cfg, self.device, expert_out, weights, indices)
-        return self._backend.combine(expert_out, weights, indices, routing)
+        slot = self._slots.for_combine(what, routing)
+        self._check_view_slot(what, expert_out, slot)
+        self._select(slot)
+        if what == "combine":  # one-call; a split combine follows in its send half, on its own stream
+            self._follow(slot)
+        return expert_out, weights, indices, slot
 
-    def combine_in_view(self) -> torch.Tensor:
+    def _check_view_slot(self, what: str, t: torch.Tensor, slot: int) -> None:
+        """Expert rows written into another slot's combine_in_view / grouped_out_view are the wrong rows."""
+        ptr = t.data_ptr()
+        for other, ptrs in self._views.items():
+            if other != slot and ptr in ptrs:
+                raise InputError(f"{what}: the expert rows lie in the view of workspace slot {other}, but the routing "
+                                 f"handle is slot {slot}'s: write them into combine_in_view(handle) / "
+                                 f"grouped_out_view(handle) of the handle they are combined with")
+
+    def _follow(self, slot: int) -> None:
+        """Order this half after the slot's last half when they run on different streams (a slot's kernels rely on
+        their order: each leg's buffers are free once the one before it ran). Inside graph capture the caller's
+        fork / join orders the streams."""
+        if self.device.type != "cuda":
+            return
+        now = torch.cuda.current_stream(self.device)
+        last = self._slot_streams.get(slot)
+        if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
+            now.wait_stream(last)
+        self._slot_streams[slot] = now
+
+    def _select(self, slot: int) -> None:
+        select = getattr(self._backend, "select_slot", None)
+        if select is not None:
+            select(slot)
+
+    def _forget(self, slot: int) -> None:
+        """What the op kept of the dispatch that slot `slot` held."""
+        if self._last is not None and self._last["slot"] == slot:
+            self._last = None
+        if self._packed is not None and self._packed["slot"] == slot:
+            self._packed = None
+        self._by_slot.pop(slot, None)
+        self._grouped_by.pop(slot, None)
+
+    def _slot_of(self, routing) -> int:
+        """The slot of a view's routing handle (default: the last dispatch's slot, else 0)."""
+        if routing is not None:
+            self._check_handle("view", routing)
+            if not 0 <= routing.slot < self.config.max_inflight:
+                raise InputError(f"view: routing handle names slot {routing.slot}, this op has "
+                                 f"{self.config.max_inflight}")
+            return routing.slot
+        return self._last["slot"] if self._last is not None else 0
+
+    def _select_last(self) -> None:
+        if self._last is not None:
+            self._select(self._last["slot"])
+
+    def combine_in_view(self, routing=None) -> torch.Tensor:
         """A [max_recv_tokens, hidden_dim] tensor the expert may write its output into directly (combine then
         reads it in place, no staging copy). Write it between a dispatch and the combine that follows: after a
         combine the peers may still be reading it until this rank's next dispatch. To combine again without
-        a dispatch, pass the new expert output in a tensor of its own (combine stages it safely)."""
+        a dispatch, pass the new expert output in a tensor of its own (combine stages it safely). routing: the
+        handle of the dispatch it answers (each operation in flight has its own view; default: the last
+        dispatch's)."""
         self._check_open("combine_in_view")
-        return self._backend.combine_in_view()
+        slot = self._slot_of(routing)
+        self._select(slot)
+        view = self._backend.combine_in_view()
+        self._views.setdefault(slot, set()).add(view.data_ptr())
+        return view
 
     # --- MoE integration -------------------------------------------------------------------------
     def dropped_count(self) -> torch.Tensor:
@@ -244,6 +470,7 @@ class EpDispatchCombineOp:
         the last dispatch, the last ones in (source rank, token) order. No host sync: after CUDA graph
         replays (where strict_capacity cannot raise) read it here."""
         self._check_open("dropped_count")
+        self._select_last()
         if not self._seq:
             raise InputError("dropped_count: no dispatch yet")
         own = getattr(self._backend, "dropped_count", None)
@@ -257,6 +484,7 @@ class EpDispatchCombineOp:
         column counts (a token naming a local expert twice counts twice). Rows dropped past the receive cap
         are not counted (the pairs the experts get: routed_expert_count() counts them too). No host sync."""
         self._check_open("local_expert_count")
+        self._select_last()
         last = self._need_dispatch("local_expert_count")
         own = getattr(self._backend, "local_expert_count", None)
         if own is not None:
@@ -270,6 +498,7 @@ class EpDispatchCombineOp:
         local_expert_count). Equals local_expert_count() when nothing was dropped. No host sync. A native
         backend under a receive cap needs the op built with count_routed=True."""
         self._check_open("routed_expert_count")
+        self._select_last()
         last = self._need_dispatch("routed_expert_count")
         own = getattr(self._backend, "routed_expert_count", None)
         if own is not None:
@@ -320,6 +549,7 @@ class EpDispatchCombineOp:
         op's buffers: valid until the next conversion.
         """
         self._check_open("convert_dispatch_output")
+        self._select_last()
         self._need_std_moe("convert_dispatch_output")
         last = self._need_dispatch("convert_dispatch_output")
         own = getattr(self._backend, "convert_dispatch_output", None)
@@ -331,7 +561,7 @@ class EpDispatchCombineOp:
             packed_x, count, src, w, dropped = moe.pack(last["out"], last["out_w"], last["out_i"], last["total"],
                                                         cfg.rank, cfg.num_experts_per_rank,
                                                         cfg.resolved_expert_capacity)
-        self._packed = {"seq": last["seq"], "src": src, "w": w, "dropped": dropped}
+        self._packed = {"seq": last["seq"], "slot": last["slot"], "src": src, "w": w, "dropped": dropped}
         return packed_x, count, src, w
 
     def std_moe_dropped(self) -> torch.Tensor:
@@ -339,6 +569,7 @@ class EpDispatchCombineOp:
         self._check_open("std_moe_dropped")
         self._need_std_moe("std_moe_dropped")
         packed = self._need_packed("std_moe_dropped")
+        self._select(packed["slot"])  # the slot of the converted dispatch
         own = getattr(self._backend, "std_moe_dropped", None)
         return own() if own is not None else packed["dropped"]
 
@@ -356,6 +587,7 @@ class EpDispatchCombineOp:
         self._need_std_moe("convert_combine_input")
         self._check_handle("convert_combine_input", routing)
         packed = self._need_packed("convert_combine_input")
+        self._select(packed["slot"])  # the slot of the converted dispatch
         if routing.seq != packed["seq"]:
             raise InputError("convert_combine_input: routing handle is not from the dispatch that "
                              "convert_dispatch_output converted last")
@@ -383,7 +615,11 @@ class EpDispatchCombineOp:
         """
         self._check_open("grouped_layout")
         self._need_grouped("grouped_layout")
-        last = self._need_dispatch("grouped_layout")
+        return self._grouped_layout_of(self._need_dispatch("grouped_layout"))
+
+    def _grouped_layout_of(self, last: dict) -> grouped.GroupedLayout:
+        """The grouped layout of the received dispatch `last` (its slot selected and its layout kept)."""
+        self._select(last["slot"])
         own = getattr(self._backend, "grouped_layout", None)
         cfg = self.config
         if own is not None:
@@ -393,7 +629,7 @@ class EpDispatchCombineOp:
                                    cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
             if cfg.grouped_dequantize:
                 layout = grouped.dequantized(layout, cfg.dispatch_quant_type, cfg.data_type)
-        self._grouped = layout = attrs.evolve(layout, seq=last["seq"])
+        layout = self._grouped_by[last["slot"]] = attrs.evolve(layout, seq=last["seq"])
         return layout
 
     def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None):
@@ -402,7 +638,7 @@ class EpDispatchCombineOp:
         handle) brings their rows back."""
         self._check_open("dispatch_grouped")
         self._need_grouped("dispatch_grouped")
-        place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel places the layout itself
+        place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel may place the layout itself
         *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place)
         return self.grouped_layout(), handle
 
@@ -421,51 +657,77 @@ class EpDispatchCombineOp:
         -> combine's (combined [num_tokens, hidden_dim], None).
         """
         self._check_open("combine_grouped")
-        self._need_grouped("combine_grouped")
-        self._check_handle("combine_grouped", routing)
-        self._need_dispatch("combine_grouped")
-        layout = self._grouped
-        if layout is None:
-            raise InputError("combine_grouped: call grouped_layout() after the dispatch first")
-        if routing.seq != layout.seq:
-            raise InputError("combine_grouped: routing handle is not from the dispatch that grouped_layout() "
-                             "grouped last")
-        if not isinstance(apply_weights, bool):
-            raise InputError(f"combine_grouped: apply_weights must be a bool, got {type(apply_weights).__name__}")
-        cfg = self.config
-        shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
-        self._check_tensor("combine_grouped", "expert_out", expert_out, cfg.combine_dtype, shape=shape)
+        layout, slot = self._combine_grouped_begin("combine_grouped", expert_out, routing, apply_weights)
         fused = getattr(self._backend, "grouped_fused", None)
         if fused is not None and fused(routing):  # config grouped_combine="fused", a bandwidth-protocol call
-            return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
+            try:
+                return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
+            finally:
+                self._slots.combined(slot)
         staged = getattr(self._backend, "combine_grouped_staged", None)
         if staged is not None:  # one combine kernel, which forms the rows from the groups as it stages them
-            out = staged(expert_out, routing, apply_weights)
+            try:
+                out = staged(expert_out, routing, apply_weights)
+            except BaseException:
+                self._slots.combined(slot)
+                raise
             if out is not None:
+                self._slots.combined(slot)
                 return out
+        return self.combine(self._grouped_rows(expert_out, layout, slot, apply_weights), routing=routing)
+
+    def _combine_grouped_begin(self, what, expert_out, routing, apply_weights):
+        """Checks of a grouped combine: -> (the layout of the handle's dispatch, its slot, selected)."""
+        self._need_grouped(what)
+        self._check_handle(what, routing)
+        slot = self._slots.for_combine(what, routing)
+        last = self._by_slot.get(slot)
+        if last is None:
+            raise InputError(f"{what}: no dispatch yet (or the last one raised, or the op was reset): dispatch first")
+        layout = self._grouped_by.get(slot)
+        if layout is None:
+            raise InputError(f"{what}: call grouped_layout() after the dispatch first")
+        if routing.seq != layout.seq:
+            raise InputError(f"{what}: routing handle is not from the dispatch that grouped_layout() "
+                             "grouped last")
+        if not isinstance(apply_weights, bool):
+            raise InputError(f"{what}: apply_weights must be a bool, got {type(apply_weights).__name__}")
+        cfg = self.config
+        shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
+        self._check_tensor(what, "expert_out", expert_out, cfg.combine_dtype, shape=shape)
+        self._check_view_slot(what, expert_out, slot)
+        self._select(slot)
+        if what == "combine_grouped":  # one-call (its reduce pass runs first, on this stream)
+            self._follow(slot)
+        return layout, slot
+
+    def _grouped_rows(self, expert_out, layout, slot: int, apply_weights: bool) -> torch.Tensor:
+        """The reduce pass of combine_grouped: grouped expert rows -> the combine input rows of slot `slot`."""
         own = getattr(self._backend, "grouped_reduce", None)
         if own is not None:
-            rows = own(expert_out, apply_weights)
-        else:
-            rows = grouped.reduce(expert_out, layout, self._last["out_w"], cfg.max_recv_tokens,
-                                  cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
-        return self.combine(rows, routing=routing)
+            return own(expert_out, apply_weights)
+        cfg = self.config
+        return grouped.reduce(expert_out, layout, self._by_slot[slot]["out_w"], cfg.max_recv_tokens,
+                              cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
 
-    def grouped_out_view(self) -> torch.Tensor:
+    def grouped_out_view(self, routing=None) -> torch.Tensor:
         """A [resolved_grouped_capacity, hidden_dim] combine-dtype tensor the grouped GEMMs may write their
         output into for combine_grouped: with grouped_combine="fused" (native backend) it lies in the
         peer-mapped workspace and the fused combine reads it in place (no staging copy); otherwise a buffer
         of the op's own. Write it between a dispatch and the combine that follows (as combine_in_view)."""
         self._check_open("grouped_out_view")
         self._need_grouped("grouped_out_view")
+        slot = self._slot_of(routing)
+        self._select(slot)
         own = getattr(self._backend, "grouped_out_view", None)
         view = own() if own is not None else None
         if view is None:
-            if self._grouped_out is None:
+            if slot not in self._grouped_out:
                 cfg = self.config
-                self._grouped_out = torch.empty((cfg.resolved_grouped_capacity, cfg.hidden_dim),
-                                                dtype=cfg.combine_dtype, device=self.device)
-            view = self._grouped_out
+                self._grouped_out[slot] = torch.empty((cfg.resolved_grouped_capacity, cfg.hidden_dim),
+                                                      dtype=cfg.combine_dtype, device=self.device)
+            view = self._grouped_out[slot]
+        self._views.setdefault(slot, set()).add(view.data_ptr())
         return view
 
     def memory_report(self) -> dict:
@@ -501,14 +763,20 @@ class EpDispatchCombineOp:
     def reset(self) -> None:
         """Collective: clear the backend's signals, counters and error state (after a timeout, on every rank)."""
         self._check_open("reset")
-        self._last = self._packed = self._grouped = None  # outputs and handles from before a reset are stale
+        self._last = self._packed = None  # outputs and handles from before a reset are stale
+        self._by_slot, self._grouped_by = {}, {}
+        self._generation += 1  # pending handles from before are void
+        self._slots.clear()
         self._backend.reset()
 
     def close(self) -> None:
         """Release the backend; idempotent. Every later call raises ClosedError."""
         if not self._closed:
             self._closed = True
-            self._last = self._packed = self._grouped = None
+            self._generation += 1
+            self._last = self._packed = None
+            self._by_slot, self._grouped_by, self._grouped_out, self._views = {}, {}, {}, {}
+            self._slot_streams = {}
             self._backend.close()
             if self._grad_op is not None:
                 self._grad_op.close()
@@ -558,3 +826,17 @@ class EpDispatchCombineOp:
 
     def _check_handle(self, call: str, routing) -> None:
         checks.handle(call, routing, self.uid, self.config.key)
+
+
+def _ran(leg):
+    """Run a leg now (a backend without split halves: its halves in order); -> its result's getter, which raises
+    the CapacityError the leg raised, if any (at the receive half, as the one-call form would)."""
+    try:
+        result = leg()
+    except CapacityError as e:
+        error = e  # `e` is unbound when the except clause ends
+
+        def failed():
+            raise error
+        return failed
+    return lambda: result

@@ -16,6 +16,9 @@ rank, W = world, P = grouped rows):
   recv_w [R, k] f32 | recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
   scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k] |
   fused grouped combine: grp_y [P, H] grp_pos [16 B + R*k i32]
+With max_inflight = N > 1 that whole list is laid out N times, one workspace slot per operation in flight
+(slot s > 0's regions are named NAME@s), then the local buffers N times likewise: slot_layout() gives one
+slot's offsets by the plain names.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from .config import EpDispatchCombineConfig, load_specs, spec_dtype
 REGION_ALIGN = 256
 _SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
 WORKSPACE, LOCAL = "workspace", "local"  # where a region lives: the peer-mapped workspace, or this rank only
+SLOT_SEP = "@"  # region NAME of workspace slot s > 0 is NAME@s (max_inflight)
+
+
+def slot_name(name: str, slot: int) -> str:
+    """The region name of `name` in workspace slot `slot` (slot 0 keeps the plain name)."""
+    return name if slot == 0 else f"{name}{SLOT_SEP}{slot}"
 
 
 def align(n: int) -> int:
@@ -181,10 +190,19 @@ class Plan:
 
     # --- the buffers ------------------------------------------------------------------------------
     def regions(self, cfg: EpDispatchCombineConfig, ll_tokens: int | None = None) -> tuple[Region, ...]:
-        """Every buffer the native op allocates from its config: the symmetric workspace's regions in their
+        """Every buffer the native op allocates from its config: the symmetric workspace's regions of each
+        workspace slot (config max_inflight; slot s > 0's named NAME@s) in their order, then the local buffers
+        of each slot likewise (docs/RUNTIME.md, Memory)."""
+        one = self.slot_regions(cfg, ll_tokens)
+        slots = range(cfg.max_inflight)
+        return tuple(Region(slot_name(r.name, s), r.nbytes, r.where)
+                     for where in (WORKSPACE, LOCAL) for s in slots for r in one if r.where == where)
+
+    def slot_regions(self, cfg: EpDispatchCombineConfig, ll_tokens: int | None = None) -> tuple[Region, ...]:
+        """The buffers of one workspace slot: the symmetric workspace's regions in their
         order (the low-latency ones, for calls of at most ll_tokens tokens, default the plan's, lie before
-        recv_x: reset() zeroes everything before recv_x), then the op's local buffers of the std-MoE and
-        grouped layouts (docs/RUNTIME.md, Memory)."""
+        recv_x: reset() zeroes everything of a slot before its recv_x), then the op's local buffers of the std-MoE
+        and grouped layouts (docs/RUNTIME.md, Memory)."""
         R, k, W = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.world_size
         cells = cfg.max_num_inp_token_per_rank * W
         tokens = self.ll_tokens if ll_tokens is None else ll_tokens
@@ -219,13 +237,22 @@ class Plan:
         out["total"] = off
         return out
 
+    @staticmethod
+    def slot_layout(layout: dict[str, int], slot: int) -> dict[str, int]:
+        """Workspace slot `slot`'s offsets from layout(), by the plain region names (and the whole 'total')."""
+        tail = f"{SLOT_SEP}{slot}"
+        if slot == 0:
+            return {n: o for n, o in layout.items() if SLOT_SEP not in n}
+        return {n[:-len(tail)]: o for n, o in layout.items() if n.endswith(tail)} | {"total": layout["total"]}
+
 
 NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
     "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) "
     "(with grouped_dequantize: P*H*a, the rows decoded into data_type, a bytes each, no scales) + "
     "(12P + 8Rk + 12E_local + 4) (+ with grouped_combine='fused': grp_y P*H*c, grp_pos 16 + 4Rk in the workspace, "
-    "grouped_meta's 8Rk then 4Rk), every region rounded up to 256 bytes "
+    "grouped_meta's 8Rk then 4Rk), every region rounded up to 256 bytes, all of it times max_inflight (one "
+    "workspace slot per operation in flight; slot s > 0's regions named NAME@s) "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
     "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
     "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "

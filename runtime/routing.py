@@ -35,6 +35,10 @@ class RoutingHandle:
     recv_dropped: int = 0
     # the op's dispatch counter at the dispatch that made this handle (checks of convert_combine_input)
     seq: int = 0
+    # the workspace slot holding this dispatch's rows (config max_inflight; runtime/pending.py), and its routing:
+    # the seq of the dispatch that made it (a replay keeps its handle's)
+    slot: int = 0
+    route: int = 0
     extra: dict[str, Any] = attrs.field(factory=dict)
 
 

@@ -22,7 +22,8 @@
 # layer loop and the MoE layer at one rank on GPU 0, W = 1: the glue's cost with no link in it, $OUT/layer_w1.jsonl; never
 # a 2-GPU figure), GPROF=1 (scripts/grouped_profile.py: every kernel of the grouped layer's dispatch_grouped ->
 # identity expert -> combine_grouped in a graph, forms reduce and fused, at one rank on GPU 0 (W = 1) unless GPROF_NPROC;
-# GPROF_ARGS: its options; $OUT/grouped_profile.jsonl).
+# GPROF_ARGS: its options; $OUT/grouped_profile.jsonl), FLOOR1=1 (bench --floor at one rank on GPU 0, W = 1: the rank is
+# its own partner, so the launch and a local flag with no link; $OUT/floor_w1.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -129,10 +130,14 @@ if [ -n "${LAYER1:-}" ]; then  # one rank on GPU 0 (W = 1): the layer's glue wit
     | grep -vE "^(W|\*)" | tail -30; status[layer_w1]=${PIPESTATUS[0]}
   python3 scripts/layer_table.py "$OUT/layer_w1.jsonl" > "$OUT/layer_w1_table.md" && cat "$OUT/layer_w1_table.md"
 fi
+if [ -n "${FLOOR1:-}" ]; then  # the floor at one rank (W = 1: its own partner): launch and local flag, no link
+  CUDA_VISIBLE_DEVICES=0 timeout 150 torchrun --nproc-per-node 1 -m bench --floor --out "$OUT/floor_w1.jsonl" 2>&1 \
+    | tee "$OUT/floor_w1.log" | grep -vE "^(W|\*)" | tail -10; status[floor_w1]=${PIPESTATUS[0]}
+fi
 if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goes, kernel by kernel
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
     | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor floor_w1 profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -2,6 +2,7 @@
 (identity expert) -> combine_grouped, inside a CUDA-graph replay, by kernel name.
 
   torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096] [--forms reduce fused]
+                                                         [--legs auto one separate]
                                                          [--hidden 7168] [--topk 8] [--experts 256] [--out F]
 
 Per (tokens, form): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
@@ -45,7 +46,10 @@ def _name(kernel: str) -> str:
     return kernel.split("<")[0].split("(")[0].strip()[:60]
 
 
-def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
+LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the native backend's one_kernel
+
+
+def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -> dict:
     """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
     unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
     the profiler."""
@@ -54,6 +58,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
+    op._backend.one_kernel = LEGS[legs]  # the grouped legs as one kernel each, or the EP kernels and the passes
     s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
     view = op.grouped_out_view() if form == "fused" else None
@@ -85,7 +90,8 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
-    return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "world_size": world,
+    return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "legs": legs,
+            "world_size": world,
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
@@ -124,6 +130,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 4096])
     p.add_argument("--forms", nargs="+", default=["reduce", "fused"], choices=["reduce", "fused"])
+    p.add_argument("--legs", nargs="+", default=["auto"], choices=list(LEGS),
+                   help="the grouped legs: the op's own choice, one kernel each, or the EP kernels and separate passes")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
@@ -138,8 +146,8 @@ def main() -> int:
     meta = record_meta(torch.device("cuda", torch.cuda.current_device()))
     keep: list = []
     for T in args.tokens:
-        for form in args.forms:
-            rec = point(T, form, args, meta, keep)
+        for form, legs in ((f, g) for f in args.forms for g in args.legs):
+            rec = point(T, form, args, meta, keep, legs)
             if dist.get_rank() == 0:
                 print("\n".join(table(rec)), flush=True)
                 if args.out:

@@ -2,7 +2,8 @@
 
 python scripts/grouped_profile_table.py results/<date>-<machine>-<commit>/grouped_profile.jsonl [...]
 
-One row per record (tokens per rank, grouped_combine form), in the order of the files and their lines: the
+One row per record (tokens per rank, grouped_combine form, and "one legs" / "separate legs" where the record forced
+the one-kernel legs on or off), in the order of the files and their lines: the
 layer's µs in the graph replay and each kernel's µs per layer (calls per layer x median): the dispatch, the
 grouped layout's two kernels (count, place), the identity expert's copy, grouped_reduce and the combine (the
 "reduce" form) or the one combine_grouped kernel (the "fused" form), and the rest summed ("other"). CPU only.
@@ -35,7 +36,8 @@ def row(rec: dict) -> str:
         us[name] += v["per_layer"] * v["median_us"]
         seen.add(name)
     cells = [f"{us[n]:.1f}" if n in seen else "–" for n, _ in COLUMNS]
-    return (f"| {rec['commit']} | {rec['tokens_per_rank']} | {rec['grouped_combine']} | {rec['per_layer_us']:.1f} | "
+    form = rec["grouped_combine"] + (f" ({rec['legs']} legs)" if rec.get("legs", "auto") != "auto" else "")
+    return (f"| {rec['commit']} | {rec['tokens_per_rank']} | {form} | {rec['per_layer_us']:.1f} | "
             + " | ".join(cells) + " |")
 
 

@@ -51,6 +51,7 @@ EPG_DEVICE void epg_syncthreads() {
 EPG_DEVICE void epg_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 // release only: this thread's earlier loads and stores ordered before its later stores, at system scope
 EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, ""); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
@@ -278,6 +279,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -301,6 +303,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -711,14 +716,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 4, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 4, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 
@@ -733,14 +746,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;
@@ -796,6 +809,21 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 4, acc);
+  }
+}
+
 // Low-latency dispatch (fp32, intranode): rows carry their own arrival, so nothing waits
 // before the first store and no fence or barrier follows the last one.
 //  1. Every block builds the destination mask of every token (shared memory). A row (token t, rank r) goes
@@ -811,6 +839,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // The count words are the handshake that makes reuse safe: a rank finishes call n only after every peer
 // posted its count of call n, i.e. finished call n - 1 (its reads and zeroing of the parity buffers this
 // rank writes again in call n + 1). With a.replay the positions come from the routing handle's slots.
+// Split phase (a.phase): the send half is 1 and 2, the receive half 3 (a later launch, same call counter).
 // Word w of token t's message: payload words, scale bytes (the last word zero-padded), ids, weights (0
 // without), the source token, zero padding.
 EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P, int S) {
@@ -873,8 +902,9 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
   __shared__ epg_u64 masks[1024];
   __shared__ int base[65];  // rows received from ranks < s (world <= 64)
   __shared__ int ok;
+  const bool send = a.phase != EPG_PHASE_RECV;
 
-  for (epg_i64 t = tid; t < T; t += epg_block_dim()) {
+  for (epg_i64 t = tid; send && t < T; t += epg_block_dim()) {
     epg_u64 m = 0;
     for (int j = 0; j < K; ++j) {
       const int e = idx[t * K + j];
@@ -885,7 +915,7 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
   if (tid == 0) ok = 1;
   epg_syncthreads();
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
-  if (epg_block() == 0) {  // the counts first: receivers learn their row count from them
+  if (send && epg_block() == 0) {  // the counts first: receivers learn their row count from them
     for (int r = wave; r < W; r += waves) {
       const int n = epg_ll_before(masks, T, r);
       if (lane == 0)
@@ -897,7 +927,7 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
   // send: one wave per (token, destination rank, chunk)
   const int per_unit = EPG_LL_UNIT * EPG_WAVE;
   const int chunks = (nv + per_unit - 1) / per_unit;
-  const epg_i64 units = T * W * chunks;
+  const epg_i64 units = send ? T * W * chunks : 0;
   const epg_i64 nwaves = (epg_i64)epg_nblocks() * waves;
   for (epg_i64 u = (epg_i64)epg_block() * waves + wave; u < units; u += nwaves) {
     const epg_i64 it = u / chunks, t = it / W;
@@ -927,6 +957,7 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
     }
   }
 
+  if (a.phase == EPG_PHASE_SEND) return;  // the receive half is a later launch
   // receive: every source's count, then its rows
   for (int s = tid; s < W; s += epg_block_dim()) {
     const epg_u64* p = (const epg_u64*)(mine + a.off_ll_cnt) + parity * W + s;
@@ -1002,6 +1033,6 @@ EPG_KERNEL void epg_dispatch_ll__fp32__intranode(EpArgs a) {
   }
   epg_syncthreads();
   if (!ok) return;
-  if (a.grp_x) epg_dispatch_grouped_tail(a);  // 4. with a.grp_x: the received pairs into their expert groups
+  if (a.grp_x && a.phase == EPG_PHASE_BOTH) epg_dispatch_grouped_tail(a);  // 4. with a.grp_x: the pairs into their groups
   epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH);
 }

@@ -51,6 +51,7 @@ EPG_DEVICE void epg_syncthreads() {
 EPG_DEVICE void epg_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 // release only: this thread's earlier loads and stores ordered before its later stores, at system scope
 EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, ""); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
@@ -288,6 +289,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -311,6 +313,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -721,14 +726,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 4, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 4, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 
@@ -743,14 +756,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;
@@ -806,37 +819,39 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 4, acc);
+  }
+}
+
 // Low-latency combine (fp32, intranode): every received row of the last (low-latency)
-// dispatch (with a.grp_pair_pos: the weighted sum of its pairs' grouped rows) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
+// dispatch (with a.grp_pair_pos: first formed in this rank's comb_x as the weighted sum of its pairs' grouped rows,
+// by the whole grid, behind a grid barrier) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
 // [token][this rank] of ll_c, flagged 16-byte vectors with this call's epoch; rows past the receive cap
 // (or past expert_out's rows) send zeros, which add nothing. The origin polls the cells its slots name,
 // one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
 // combine does (payload chunks stored 16 bytes at a time), then zeroes them. No barrier: a combine right
 // after a combine starts with the entry barrier (the origins are done with the cells); otherwise the
-// dispatch in between was the handshake.
+// dispatch in between was the handshake. Split phase (a.phase): the send half is the entry barrier and the push,
+// the receive half (a later launch, same call counter) the reduce.
 constexpr int EPG_PER_WORD = 1;
 EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) { acc[0] += epg_bits_f32(w); }
 EPG_DEVICE epg_u32 epg_packw(const float acc[2]) { return epg_f32_bits(acc[0]); }
 
-// With a.grp_pair_pos, payload word w of received row `row` is the weighted sum of its pairs' grouped rows
-// (grouped_common.j2's arithmetic, element by element: the same bits as epg_grouped_reduce8).
-EPG_DEVICE epg_u32 epg_grouped_word(const EpArgs& a, epg_i64 row, epg_i64 w) {
-  const int* pos = (const int*)a.grp_pair_pos;
-  const float* rw = (const float*)(epg_peer(a, a.rank) + a.off_recv_w);
-  float acc[2] = {0.f, 0.f};
-  for (int j = 0; j < a.k; ++j) {
-    const int g = pos[row * a.k + j];
-    if (g < 0) continue;
-    const float wt = a.grp_apply_weights ? rw[row * a.k + j] : 1.0f;
-    const epg_u32 v = ((const epg_u32*)((const char*)a.expert_out + (epg_i64)g * a.row_bytes))[w];
-    acc[0] = epg_add_product(acc[0], wt, epg_bits_f32(v));
-  }
-  return epg_packw(acc);
-}
-
 EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
-  if (epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
+  const bool send = a.phase != EPG_PHASE_RECV;
+  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
       epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 3) == EPG_BAR_FAIL) return;
   const int calls = state[EPG_ST_LL_COMBINES];
   const epg_u32 epoch = epg_ll_epoch(calls);
@@ -855,21 +870,25 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   epg_syncthreads();
   const epg_i64 N = base[W];
   const epg_i64 keep_rows = a.max_recv < a.expert_rows ? a.max_recv : a.expert_rows;
-  const bool grouped = a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  if (grouped) {  // the rows first formed from their pairs into comb_x by the whole grid (grouped_tail.j2)
+    epg_combine_grouped_stage(a, keep_rows < N ? keep_rows : N);
+    if (!epg_grid_sync(a)) return;
+  }
 
   // push: one wave per (received row, chunk)
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
   const int per_unit = EPG_LL_UNIT * EPG_WAVE;
   const int chunks = (nv + per_unit - 1) / per_unit;
   const epg_i64 nwaves = (epg_i64)epg_nblocks() * waves;
-  for (epg_i64 u = (epg_i64)epg_block() * waves + wave; u < N * chunks; u += nwaves) {
+  for (epg_i64 u = (epg_i64)epg_block() * waves + wave; send && u < N * chunks; u += nwaves) {
     const epg_i64 row = u / chunks;  // received rows are numbered in (source rank, position) order
     const int c = (int)(u % chunks);
     const int s = epg_ll_source(base, W, row);
     const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
     const bool keep = row < keep_rows;
     char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
-    const epg_u32* xs = (const epg_u32*)((const char*)a.expert_out + row * a.row_bytes);
+    const epg_u32* xs = (const epg_u32*)((grouped ? mine + a.off_comb_x : (const char*)a.expert_out) + row * a.row_bytes);
     const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
     epg_u32 w[EPG_LL_UNIT][3];
 #pragma unroll
@@ -877,8 +896,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
       for (int e = 0; e < 3; ++e) {
         const epg_i64 word = 3 * vv + e;
-        w[q][e] = !keep || vv >= nv ? 0u : word < P ? (grouped ? epg_grouped_word(a, row, word) : xs[word])
-                                                    : (word < P + K && a.has_weights ? ws[word - P] : 0u);
+        w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
       }
     }
 #pragma unroll
@@ -888,6 +906,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     }
   }
 
+  if (a.phase == EPG_PHASE_SEND) return;  // the receive half is a later launch
   // reduce at the origin: one wave per (token, chunk of EPG_WAVE vectors), a lane per vector; cells in k order
   // (one per destination rank); a chunk of payload alone goes out as 16-byte stores (epg_ll_store_chunk16)
   const int* slots = (const int*)a.slots;

@@ -33,6 +33,7 @@ EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -258,6 +259,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -281,6 +283,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -615,14 +620,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 2, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 
@@ -637,14 +650,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;
@@ -700,15 +713,33 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+  }
+}
+
 // Gather combine (bf16, intranode): stage the expert output into this rank's
 // symmetric combine buffer (skipped when the expert wrote there directly; with a.grp_pair_pos each row is
 // staged as the weighted sum of its pairs' rows in the grouped layout), one barrier round so every
 // rank's rows are staged, then one thread per (origin token, 16-byte chunk) reads its rows back from the
-// peers (the slots dispatch recorded) and accumulates them in fp32.
+// peers (the slots dispatch recorded) and accumulates them in fp32. Split phase (a.phase): the send half is the
+// entry barrier and the staging; the receive half (a later launch: the staged rows are complete, stream order)
+// signals the peers, waits for theirs and reads.
 EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
-  if (epg_combine_entry(state[EPG_ST_LAST]) &&  // peers done reading the previous combine
+  const bool send = a.phase != EPG_PHASE_RECV;
+  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // peers done reading the previous combine
       epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;
 
   char* mine = epg_peer(a, a.rank);
@@ -717,20 +748,13 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   if (nrecv > a.expert_rows) nrecv = a.expert_rows;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
-  const bool grouped = a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
-  const bool stage_x = grouped || (char*)a.expert_out != mine + a.off_comb_x;
-  const bool stage_w = a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
+  const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  const bool stage_x = send && (grouped || (char*)a.expert_out != mine + a.off_comb_x);
+  const bool stage_w = send && a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
   // nothing to stage: this rank's rows are readable now, so block 0 tells the peers at once
-  if (!stage_x && !stage_w && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
-  if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_common.j2)
-    const epg_i64 n8 = a.hidden / 8;
-    for (epg_i64 i = gtid; i < nrecv * n8; i += gthreads) {
-      const epg_i64 row = i / n8, elem = 8 * (i % n8);
-      float acc[8];
-      epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
-                          (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
-      epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
-    }
+  if (!stage_x && !stage_w && a.phase != EPG_PHASE_SEND && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
+  if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_tail.j2)
+    epg_combine_grouped_stage(a, nrecv);
   } else if (stage_x) {
     for (epg_i64 i = gtid; i < nrecv * n16; i += gthreads)
       epg_st16(mine + a.off_comb_x + 16 * i, epg_ld16((const char*)a.expert_out + 16 * i));
@@ -739,6 +763,7 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }
+  if (a.phase == EPG_PHASE_SEND) return;  // staged: the receive half is a later launch
   // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
   // (stream order; its signal went out above), so each block only waits for the peers' signals
   const bool staged = stage_x || stage_w;

@@ -33,6 +33,7 @@ EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -258,6 +259,7 @@ struct EpArgs {
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -281,6 +283,9 @@ constexpr int EPG_ST_GROUPED_END = 11;
 constexpr int EPG_LAST_DISPATCH = 1, EPG_LAST_COMBINE = 2, EPG_LAST_COMBINE_LL = 3;
 EPG_DEVICE bool epg_dispatch_entry(int last) { return last == EPG_LAST_DISPATCH || last == EPG_LAST_COMBINE_LL; }
 EPG_DEVICE bool epg_combine_entry(int last) { return last == EPG_LAST_COMBINE || last == EPG_LAST_COMBINE_LL; }
+// a.phase: a split leg (runtime/pending.py) launches its send half (the rows leave, nothing waits for peers) and
+// later its receive half (the waits and what follows them); the one-call form launches both in one kernel.
+constexpr int EPG_PHASE_BOTH = 0, EPG_PHASE_SEND = 1, EPG_PHASE_RECV = 2;
 EPG_DEVICE char* epg_peer(const EpArgs& a, epg_i64 r) { return (char*)((const epg_u64*)a.peer_bases)[r]; }
 
 // Every device-side wait is bounded by a.timeout_ns. The first wait to expire claims the host-mapped
@@ -639,14 +644,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 2, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 
@@ -661,14 +674,14 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   if (epg_thread() == 0) {
     g_ok = 1;
     const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
-    epg_fence_release_sys();  // this block's writes, ordered before its arrival
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
     if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
       state[EPG_ST_GRID_ARRIVE] = 0;
       epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
     } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
       g_ok = 0;
     }
-    epg_fence_release_sys();  // the other blocks' writes, seen by this block's threads after the barrier
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
   }
   epg_syncthreads();
   return g_ok != 0;
@@ -724,6 +737,21 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+  }
+}
+
 // Dispatch (bf16, intranode): one wave per (token, destination rank), so every
 // wave moves about the same number of rows (a wave per (token, k) would leave the waves of later k
 // idle: their destination is mostly taken by an earlier k). The first k naming a rank sends the row
@@ -734,7 +762,9 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // dropped and counted on receive. Each block then adds its share to every rank's arrival word for
 // this rank; block 0 waits for every rank's full share, publishes total_recv and resets the counters
 // (two sets alternate, so a fast peer's next dispatch never meets a word this rank has not consumed yet).
-// With a.grp_x the grid then places the received pairs in their expert groups (grouped_tail.j2).
+// With a.grp_x (one-call launches only) the grid then places the received pairs in their expert groups
+// (grouped_tail.j2). Split phase (a.phase): the send half is everything up to the arrival adds; the receive half
+// (a later launch of one block, same dispatch counter) is block 0's wait and what follows it.
 
 constexpr int EPG_ARRIVE = 1 << 16;  // one rank's arrival per dispatch (more than any grid has blocks)
 
@@ -742,7 +772,8 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
   int* state = (int*)a.state;
   const int parity = state[EPG_ST_DISPATCHES] & 1;
   // previous receive buffers consumed everywhere
-  const bool entry_barrier = epg_dispatch_entry(state[EPG_ST_LAST]);
+  const bool send = a.phase != EPG_PHASE_RECV;
+  const bool entry_barrier = send && epg_dispatch_entry(state[EPG_ST_LAST]);
   if (entry_barrier && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL) return;
 
   const int lane = epg_thread() % EPG_WAVE;
@@ -753,7 +784,7 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
   const int per_block = by_block ? 1 : waves;              // rows a block works on at once
   __shared__ int claimed[2];                               // block rows: the claimed slot, by round parity
   int round = 0;
-  const epg_i64 items = a.num_tokens * a.world;
+  const epg_i64 items = send ? a.num_tokens * a.world : 0;
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // slot * world + destination rank per (token, k); -1: no row
   const int n16 = (int)(a.row_bytes / 16);
@@ -819,13 +850,16 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
   const int tid = epg_thread();
   // the rows need only be ordered before the arrival (the receiver reads them after an acquire of the word
   // full): a release fence, not a sequentially consistent one
-  epg_fence_release_sys();
-  epg_syncthreads();
-  const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
-  for (int p = tid; p < a.world; p += epg_block_dim())
-    epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
-  if (epg_block() != 0) {
-    if (a.grp_x) epg_dispatch_grouped_tail(a);  // the grid waits for block 0's total_recv there
+  if (send) {
+    epg_fence_release_sys();
+    epg_syncthreads();
+    const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
+    for (int p = tid; p < a.world; p += epg_block_dim())
+      epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
+  }
+  const bool tail = a.grp_x && a.phase == EPG_PHASE_BOTH;  // the layout: one-call launches only
+  if (epg_block() != 0 || a.phase == EPG_PHASE_SEND) {
+    if (tail && epg_block() != 0) epg_dispatch_grouped_tail(a);  // the grid waits for block 0's total_recv there
     return;
   }
   __shared__ int ok;
@@ -857,5 +891,5 @@ EPG_KERNEL void epg_dispatch__bf16__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
     state[EPG_ST_DISPATCHES] += 1;  // every block of this grid read it (its arrival is in)
     state[EPG_ST_LAST] = EPG_LAST_DISPATCH;  // likewise
   }
-  if (a.grp_x) epg_dispatch_grouped_tail(a);
+  if (tail) epg_dispatch_grouped_tail(a);
 }

@@ -33,6 +33,7 @@ EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
@@ -389,14 +390,22 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  constexpr int U = 4;  // pairs' loads in flight per thread (added afterwards in ascending j: the same sums)
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  for (int j = 0; j < k; ++j) {
-    const int g = pair_pos[row * k + j];
-    if (g < 0) continue;  // not local, or dropped past the grouped buffer
-    float f[8];
-    epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 2, f);
-    const float w = apply ? recv_w[row * k + j] : 1.0f;
-    for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
   }
 }
 EPG_KERNEL void epg_grouped_reduce__bf16(const char* __restrict__ expert_out,

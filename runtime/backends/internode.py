@@ -120,6 +120,9 @@ class NativeInternodeBackend:
         if cfg.dispatch_quant_type != "none" or cfg.quant_type != "none":
             raise EpgenError("native internode moves payloads verbatim: dispatch_quant_type and quant_type "
                              "must be 'none' (rule internode_quant_none)")
+        if cfg.max_inflight > 1:
+            raise EpgenError(f"native internode: max_inflight={cfg.max_inflight} is not built yet (one operation in "
+                             f"flight: its buffers are not slotted); use max_inflight=1, or kernel_backend='torch'")
         self.device, self.arch, self.num_sms, target = device_target("internode_pack")
         self.wave = target.wave_size
         # every kernel a call can take, loaded now (runtime/plan.py names them)

@@ -30,11 +30,12 @@ from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 from .. import collectives, errors, grouped, kernels, workspace
 from ..config import EpDispatchCombineConfig, load_specs
 from ..errors import ConfigError, EpgenError, InputError
-from ..plan import Plan, fused_grouped
+from ..plan import Plan, fused_grouped, slot_name
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped)
 
+PHASE_BOTH, PHASE_SEND, PHASE_RECV = 0, 1, 2  # the EP kernels' a.phase (specs/kernels.toml [args.ep])
 BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the EP kernels take specs/tuning.toml)
 
 
@@ -113,6 +114,30 @@ class NativeBackend:
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
         peer_bases = self._setup_workspace()
+        self._slots: list[dict] = []  # per workspace slot (config max_inflight): the values of SLOT_ATTRS
+        for slot in range(cfg.max_inflight):
+            self._setup_slot(slot, peer_bases)
+        self.slot = 0
+        self._load_slot(0)
+        self.one_kernel = "auto"  # grouped legs as one kernel each: "auto" | "always" | "never" (one_kernel_legs)
+        self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
+        self.id_check = id_check_mode()  # "async" | "sync" | "off"
+        self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
+        self._late_words = 0  # ids synced_check reported before their host-mapped words arrived
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    # Everything of one workspace slot (config max_inflight): one operation in flight owns it from its send
+    # half to its receive half (runtime/pending.py). select_slot() swaps these attributes, so every method works
+    # on the selected slot; with max_inflight = 1 there is one slot, always selected.
+    SLOT_ATTRS = ("_slot_lay", "state", "total_recv", "recv_x", "recv_scales", "recv_w", "recv_idx", "recv_src",
+                  "comb_x", "dargs", "cargs", "_had_weights", "_std", "_grp", "_last", "_placed")
+
+    def _setup_slot(self, slot: int, peer_bases: int) -> None:
+        cfg = self.config
+        self._slot_lay = self.plan.slot_layout(self.layout, slot)
+        self.state = torch.zeros(STATE_SIZE, dtype=torch.int32, device=self.device)
+        self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._setup_views()
         self._setup_argument_blocks(peer_bases)
         self._had_weights = False  # whether the last dispatch carried weights (std-MoE packing uses them)
@@ -121,14 +146,21 @@ class NativeBackend:
         if self._grp is not None:
             self._grp.update(self._grouped_launchers(self._grp))
             self._grouped_tail_fields(self._grp)
-        self._placed = False  # whether the last dispatch placed the grouped layout in its kernel
+        self._placed = False  # whether this slot's last dispatch placed the grouped layout in its kernel
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
-        self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
-        self.id_check = id_check_mode()  # "async" | "sync" | "off"
-        self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
-        self._late_words = 0  # ids synced_check reported before their host-mapped words arrived
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        self._slots.append({name: getattr(self, name) for name in self.SLOT_ATTRS})
+
+    def _load_slot(self, slot: int) -> None:
+        for name, value in self._slots[slot].items():
+            setattr(self, name, value)
+
+    def select_slot(self, slot: int) -> None:
+        """Work on workspace slot `slot` from now on (the op selects the slot of each call's operation)."""
+        if slot == self.slot:
+            return
+        self._slots[self.slot].update((name, getattr(self, name)) for name in ("_had_weights", "_last", "_placed"))
+        self.slot = slot
+        self._load_slot(slot)
 
     def _setup_workspace(self) -> int:
         """The peer-mapped workspace laid out by the plan, the state words, the host-mapped error word;
@@ -141,18 +173,16 @@ class NativeBackend:
         if not ptrs:
             self.peer_bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
             ptrs = self.peer_bases.data_ptr()
-        self.state = torch.zeros(STATE_SIZE, dtype=torch.int32, device=self.device)
         # the error word lives in pinned host memory the kernels write through their mapping: the host reads
         # it without a device sync (check() before and after every call, and op.check() after graph replays)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self._error_words = (ctypes.c_int32 * ERROR_WORDS).from_address(self.error.data_ptr())
-        self.total_recv = torch.zeros(1, dtype=torch.int32, device=self.device)
         return ptrs
 
     def _view(self, region: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """A workspace region as a tensor (fp4_x2: 1 byte per element)."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        raw = self.buf[self.layout[region]:self.layout[region] + nbytes]
+        raw = self.buf[self._slot_lay[region]:self._slot_lay[region] + nbytes]
         return (raw if dtype == torch.uint8 else raw.view(dtype)).view(shape)
 
     def _setup_views(self) -> None:
@@ -171,7 +201,7 @@ class NativeBackend:
     def _setup_argument_blocks(self, peer_bases: int) -> None:
         """The EP kernels' argument structs (specs/kernels.toml [args.ep]): dispatch's and combine's, filled with
         everything a call does not change."""
-        cfg, plan, lay = self.config, self.plan, self.layout
+        cfg, plan, lay = self.config, self.plan, self._slot_lay
         R, H, k = cfg.max_recv_tokens, cfg.hidden_dim, cfg.num_experts_per_token
         common = dict(state=self.state.data_ptr(), total_recv=self.total_recv.data_ptr(), peer_bases=peer_bases,
                       error_word=kernels.host_mapped_pointer(self.error),
@@ -250,6 +280,11 @@ class NativeBackend:
                                          role == "dispatch" and self._block_rows(tokens))
         return geo
 
+    def _resident(self, role: str, threads: int) -> int:
+        """Every block the device keeps resident at once: the grid of an EP kernel that also runs the grouped
+        layout's passes (their copies and sums want the whole GPU; the dispatch's own grid is sized to its rows)."""
+        return self.num_sms * self.k[role].blocks_per_sm(threads)
+
     def _block_rows(self, tokens: int) -> bool:
         """Does a whole block copy each dispatch row (tuning table `rows`, or the config's launch_rows)?
         Never for a dispatch that quantizes in flight: its quantizer works per wave."""
@@ -320,8 +355,41 @@ class NativeBackend:
         Every grouped op but the dequantizing ones (their placement decodes rows: grouped_place_fp8 / _fp4)."""
         return self._grp is not None and "tail" in self._grp
 
+    def one_kernel_legs(self, protocol: str) -> bool:
+        """Does a grouped leg of this protocol run as one kernel (grouped_tail.j2) rather than the EP kernel and the
+        separate passes? self.one_kernel: "always" / "never" (tests, scripts/grouped_profile.py) or "auto": only
+        eager low-latency calls. Measured at W = 1 on one H200 (results/2026-12-03-1xH200-W1-2b65c38/): inside a
+        graph the separate passes are faster at 1 / 128 / 4096 tokens (29.7 / 37.9 / 393 µs of epgen kernels per
+        layer against 33.6 / 45.1 / 473.5: the tail runs on the EP kernel's grid, one block per SM), while an eager
+        1-token layer is bound by the host's launches (3 fewer: 91 against 110 µs wall)."""
+        if self.one_kernel != "auto":
+            return self.one_kernel == "always"
+        return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
+
+    # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False):
-        """layout=True (fuses_layout ops): the dispatch kernel also places the grouped layout (grouped_tail.j2)."""
+        """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;
+        one-call launches only)."""
+        call = self._dispatch_prepare(x, weights, scales, indices, routing)
+        call["layout"] = layout and self.one_kernel_legs(call["protocol"])
+        self._dispatch_launch(call, PHASE_BOTH)
+        return self._dispatch_outputs(call)
+
+    def dispatch_send(self, x, weights, scales, indices, routing) -> dict:
+        """The send half: the rows leave for their destinations (both protocols), nothing waits for them;
+        -> the call, for dispatch_receive."""
+        call = self._dispatch_prepare(x, weights, scales, indices, routing)
+        self._dispatch_launch(call, PHASE_SEND)
+        return call
+
+    def dispatch_receive(self, call: dict):
+        """The receive half of a dispatch_send call (its slot selected): waits for every peer's rows, publishes
+        total_recv; -> what dispatch returns."""
+        self.check(ids="warn")
+        self._dispatch_launch(call, PHASE_RECV)
+        return self._dispatch_outputs(call)
+
+    def _dispatch_prepare(self, x, weights, scales, indices, routing) -> dict:
         self.check(ids="warn")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
@@ -335,28 +403,44 @@ class NativeBackend:
         else:  # the low-latency dispatch numbers its rows in (source rank, token) order itself
             slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
             total = torch.empty(1, dtype=torch.int32, device=self.device)
-        a = self.dargs
-        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), total.data_ptr()
-        a.replay = int(routing is not None or (self.capped and protocol == "bw"))
-        a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         self._had_weights = weights is not None
+        return {"x": x, "weights": weights, "scales": scales, "indices": indices, "slots": slots, "total": total,
+                "protocol": protocol, "replay": int(routing is not None or (self.capped and protocol == "bw"))}
+
+    def _dispatch_launch(self, call: dict, phase: int) -> None:
+        cfg, a = self.config, self.dargs
+        x, weights, scales, slots = call["x"], call["weights"], call["scales"], call["slots"]
+        T = x.shape[0]
+        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), call["indices"].data_ptr(), slots.data_ptr(), \
+            call["total"].data_ptr()
+        a.replay = call["replay"]
+        a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.scales = scales.data_ptr() if scales is not None else 0
-        a.num_tokens = T
+        a.num_tokens, a.phase = T, phase
+        layout = call.get("layout", False) and phase == PHASE_BOTH
         a.grp_x = self._grp["tail"] if layout else 0
-        self._placed = layout
-        if protocol == "ll":
+        if phase != PHASE_SEND:
+            self._placed = layout
+        if call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
             self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
         else:
             blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
+            blocks = self._resident("dispatch", threads) if layout else blocks
             a.block_rows = int(block_rows)
-            self._stream = self.k.launch("dispatch", blocks, threads, a)
-        self._last, self.last_protocol = "dispatch", protocol
+            # the receive half is block 0's wait for the arrivals alone (templates/kernels/dispatch.j2)
+            self._stream = self.k.launch("dispatch", 1 if phase == PHASE_RECV else blocks, threads, a)
+        if phase != PHASE_SEND:
+            self._last, self.last_protocol = "dispatch", call["protocol"]
         self.check(ids="skip")
+
+    def _dispatch_outputs(self, call: dict):
+        cfg = self.config
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
             raise_if_dropped(cfg, self.dropped_count())
-        out_w = self.recv_w if weights is not None else None
+        out_w = self.recv_w if call["weights"] is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"slots": slots, "total": total, "protocol": protocol, "recv_src": self.recv_src}}
+            {"extra": {"slots": call["slots"], "total": call["total"], "protocol": call["protocol"],
+                       "recv_src": self.recv_src}}
 
     def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots under a receive cap: rows numbered in (source rank, token) order (routing.ordered_slots),
@@ -452,7 +536,7 @@ class NativeBackend:
     def _grouped_fused_setup(self) -> dict:
         """The pair map (in the workspace when the fused combine reads it from the peers), and the fused
         combine's kernel, argument block and expert-output view [P, H] (grouped_out_view)."""
-        cfg, lay = self.config, self.layout
+        cfg, lay = self.config, self._slot_lay
         Rk = cfg.max_recv_tokens * cfg.num_experts_per_token
         if not fused_grouped(cfg):
             return {"pair_pos": torch.full((Rk,), -1, dtype=torch.int32, device=self.device)}
@@ -570,14 +654,17 @@ class NativeBackend:
         ordered = sorted(names, key=lambda n: lay[n])
         regions = {n: (lay[ordered[i + 1]] if i + 1 < len(ordered) else lay["total"]) - lay[n]
                    for i, n in enumerate(ordered)}
-        extra = {"state": self.state.numel() * 4, "total_recv": 4}
-        if self.plan.scatter:
-            extra["combine_in_view"] = self.comb_x.numel() * self.comb_x.element_size()
-        for prefix, bufs in (("std_moe", self._std), ("grouped", self._grp)):
-            for name, t in (bufs or {}).items():
-                in_ws = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
-                if isinstance(t, torch.Tensor) and not name.endswith("_view") and not in_ws:
-                    extra[f"{prefix}_{name}"] = t.numel() * t.element_size()
+        extra = {}
+        for slot, held in enumerate(self._slots):  # every workspace slot's own buffers (slot s > 0: NAME@s)
+            named = {"state": held["state"].numel() * 4, "total_recv": 4}
+            if self.plan.scatter:
+                named["combine_in_view"] = held["comb_x"].numel() * held["comb_x"].element_size()
+            for prefix, bufs in (("std_moe", held["_std"]), ("grouped", held["_grp"])):
+                for name, t in (bufs or {}).items():
+                    in_ws = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
+                    if isinstance(t, torch.Tensor) and not name.endswith("_view") and not in_ws:
+                        named[f"{prefix}_{name}"] = t.numel() * t.element_size()
+            extra.update((slot_name(n, slot), b) for n, b in named.items())
         return {"symmetric_workspace": lay["total"], "regions": regions, "other_device_buffers": extra,
                 "total_device_bytes": lay["total"] + sum(extra.values()),
                 "pinned_host_bytes": self.error.numel() * 4}
@@ -587,17 +674,36 @@ class NativeBackend:
         staging forms each received row from its pairs' grouped rows (grouped_tail.j2), so there is no reduce
         pass. None when this op cannot (see _grouped_tail_fields): combine_grouped then reduces first."""
         stage = self._grp.get("stage") if self._grp is not None else None
-        if stage is None:
+        if stage is None or not self.one_kernel_legs(routing.extra.get("protocol", "bw")):
             return None
-        a = self.cargs
-        a.grp_pair_pos, a.grp_apply_weights = stage, int(apply_weights and self._had_weights)
-        try:
-            return self.combine(expert_out, None, None, routing, rows=self.config.max_recv_tokens)
-        finally:
-            a.grp_pair_pos = a.grp_apply_weights = 0
+        call = self._combine_prepare(expert_out, None, routing)
+        call["stage"] = (stage, int(apply_weights and self._had_weights))
+        self._combine_launch(call, PHASE_BOTH)
+        return call["out"], call["out_w"]
 
-    def combine(self, expert_out, weights, indices, routing, rows: int | None = None):
-        """rows: the received rows expert_out stands for (default: its own rows; a grouped staging names R)."""
+    # --- combine: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) -------
+    def combine(self, expert_out, weights, indices, routing):
+        call = self._combine_prepare(expert_out, weights, routing)
+        self._combine_launch(call, PHASE_BOTH)
+        return call["out"], call["out_w"]
+
+    def combine_send(self, expert_out, weights, indices, routing) -> dict:
+        """The send half: the low-latency combine pushes its rows to their origins; the gather combine stages
+        them in this rank's combine buffer (its peers read them in their receive half). A scatter combine is
+        not split yet: nothing launches here and its receive half runs the one-call kernel ("deferred")."""
+        call = self._combine_prepare(expert_out, weights, routing)
+        call["deferred"] = call["protocol"] == "bw" and self.plan.scatter
+        if not call["deferred"]:
+            self._combine_launch(call, PHASE_SEND)
+        return call
+
+    def combine_receive(self, call: dict):
+        """The receive half of a combine_send call (its slot selected): -> what combine returns."""
+        self.check(ids="warn")
+        self._combine_launch(call, PHASE_BOTH if call["deferred"] else PHASE_RECV)
+        return call["out"], call["out_w"]
+
+    def _combine_prepare(self, expert_out, weights, routing) -> dict:
         self.check(ids="warn")
         cfg = self.config
         slots = routing.extra.get("slots")
@@ -606,19 +712,29 @@ class NativeBackend:
         T, k = slots.shape
         out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
-        a = self.cargs
+        # the protocol of the dispatch: its slots and buffers
+        return {"expert_out": expert_out, "weights": weights, "slots": slots, "out": out, "out_w": out_w,
+                "protocol": routing.extra.get("protocol", "bw"), "deferred": False}
+
+    def _combine_launch(self, call: dict, phase: int) -> None:
+        a, slots, out, out_w = self.cargs, call["slots"], call["out"], call["out_w"]
+        expert_out, weights = call["expert_out"], call["weights"]
+        T = slots.shape[0]
         a.slots, a.num_tokens = slots.data_ptr(), T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0] if rows is None else rows
+        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R, and the
+        # combine runs on every resident block (its staging sums pairs)
+        stage, apply = call.get("stage", (0, 0))
+        a.grp_pair_pos, a.grp_apply_weights = stage, apply
+        a.expert_out, a.expert_rows = expert_out.data_ptr(), self.config.max_recv_tokens if stage else expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
-        protocol = routing.extra.get("protocol", "bw")  # the dispatch's: its slots and buffers
-        if protocol == "ll":
-            self._stream = self.k.launch("combine_ll", *self._launch_geometry("combine_ll", T, T)[:2], a)
-        else:
-            self._stream = self.k.launch("combine", *self._launch_geometry("combine", T, T)[:2], a)
-        self._last, self.last_protocol = "combine", protocol
+        a.phase = phase
+        role = "combine_ll" if call["protocol"] == "ll" else "combine"
+        blocks, threads, _ = self._launch_geometry(role, T, T)
+        self._stream = self.k.launch(role, self._resident(role, threads) if stage else blocks, threads, a)
+        if phase != PHASE_SEND:
+            self._last, self.last_protocol = "combine", call["protocol"]
         self.check(ids="skip")
-        return out, out_w
 
     def combine_in_view(self) -> torch.Tensor:
         return self.comb_x
@@ -635,17 +751,19 @@ class NativeBackend:
         """
         torch.cuda.synchronize(self.device)  # kernels that gave up have exited by now
         dist.barrier(group=self.group)
-        self.buf[: self.layout["recv_x"]].zero_()
-        self.state.zero_()  # grouped_end too: every grouped row is marked padding again below
-        if self._grp is not None:
-            self._grp["src"].fill_(-1)
-            self._grp["m_indices"].fill_(-1)
-            self._grp["weights"].zero_()
-        self._placed = False
-        self.total_recv.zero_()
+        for slot, held in enumerate(self._slots):  # every slot's flags and counters (its regions before recv_x)
+            lay = held["_slot_lay"]
+            self.buf[lay["signal"]:lay["recv_x"]].zero_()
+            held["state"].zero_()  # grouped_end too: every grouped row is marked padding again
+            held["total_recv"].zero_()
+            held["_last"], held["_placed"] = None, False
+            if held["_grp"] is not None:
+                held["_grp"]["src"].fill_(-1)
+                held["_grp"]["m_indices"].fill_(-1)
+                held["_grp"]["weights"].zero_()
         torch.cuda.synchronize(self.device)
         self.error.zero_()
-        self._last = None
+        self._last, self._placed = None, False
         self._bad_seen, self._late_words = 0, 0
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -655,7 +773,8 @@ class NativeBackend:
         torch.cuda.synchronize(self.device)  # nothing of this op still runs on the workspace
         self.k.close()
         workspace.release(self._ws)
-        self._ws = self._std = self._grp = self.dargs = self.cargs = None
+        self._slots = []
+        self._ws = self._std = self._grp = self.dargs = self.cargs = self._slot_lay = None
         self._numbering = ()
         self.buf = self.handle = self.peer_bases = self.state = self.error = self.total_recv = None
         self._error_words = self.group = None  # a closed op keeps no process group alive

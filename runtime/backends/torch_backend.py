@@ -184,7 +184,8 @@ class TorchBackend:
                                   "init_process_group first (only world_size=1 runs without a group)")
             self.group = None
             self.device = torch.device("cpu")
-        self._in_view: torch.Tensor | None = None
+        self._in_views: dict[int, torch.Tensor] = {}  # combine_in_view of each workspace slot (max_inflight)
+        self.slot = 0
         self._dropped: torch.Tensor | None = None
         self._routed: torch.Tensor | None = None  # routed_expert_count of the last dispatch
         self.last_internode_kernel: str | None = None
@@ -495,11 +496,17 @@ class TorchBackend:
         return acc.to(cfg.combine_dtype), (acc_w if weights is not None else None)
 
     # --- buffers / lifecycle ---------------------------------------------------------------------
+    def select_slot(self, slot: int) -> None:
+        """The operation slot of the next calls (config max_inflight): only combine_in_view has one buffer per
+        slot here (every other output is a fresh tensor); the split halves run in order (runtime/pending.py)."""
+        self.slot = slot
+
     def combine_in_view(self) -> torch.Tensor:
-        if self._in_view is None:
-            self._in_view = torch.zeros(self.config.max_recv_tokens, self.config.hidden_dim,
-                                        dtype=self.config.combine_dtype, device=self.device)
-        return self._in_view
+        view = self._in_views.get(self.slot)
+        if view is None:
+            view = self._in_views[self.slot] = torch.zeros(self.config.max_recv_tokens, self.config.hidden_dim,
+                                                           dtype=self.config.combine_dtype, device=self.device)
+        return view
 
     def memory_report(self) -> dict:
         """Bytes of what this backend allocates (it keeps no workspace: fresh tensors per call)."""
@@ -518,7 +525,7 @@ class TorchBackend:
         c = cfg.combine_dtype.itemsize
         buffers = {
             "dispatch_out_x": R * wire_row, "dispatch_out_scales": R * scale_row, "dispatch_out_weights": R * k * 4,
-            "dispatch_out_indices": R * k * 4, "combine_in_view": R * H * c if self._in_view is not None else 0,
+            "dispatch_out_indices": R * k * 4, "combine_in_view": R * H * c * len(self._in_views),
             "dispatch_gather_staging": W * T * (wire_row + scale_row + 8 * k),
             "combine_gather_staging": W * R * (H * c + 4 * k),
         }
@@ -535,7 +542,7 @@ class TorchBackend:
         return {"backend": "torch", "buffers": buffers, "total_bytes": sum(buffers.values()),
                 "formula": "torch backend, per call (fresh tensors, no persistent workspace): dispatch outputs "
                            "R*(wire_row + scale_row + 8k) + staging W*T*(wire_row + scale_row + 8k); combine "
-                           "staging W*R*(H*c + 4k); combine_in_view R*H*c once used; std-MoE E_local*C*(H*d + 8) "
+                           "staging W*R*(H*c + 4k); combine_in_view R*H*c per operation slot once used; std-MoE E_local*C*(H*d + 8) "
                            "+ 4*E_local; grouped layout P*(wire_row + scale_row) + 12P + 8Rk + 12E_local + 4 "
                            "(P = resolved_grouped_capacity; grouped_dequantize: P*H*data_type bytes in place of "
                            "P*(wire_row + scale_row))"}
@@ -545,6 +552,6 @@ class TorchBackend:
         self._dropped = self._routed = None
 
     def close(self) -> None:
-        self._in_view = None
+        self._in_views = {}
         self._dropped = self._routed = None
         self.group = None  # a closed op keeps no process group alive (to interpreter exit, say)

@@ -107,6 +107,7 @@ def test_floor_plan_and_partners():
         {"method": "signal_graph", "blocks": 0, "layers": 4}, {"method": "empty_graph", "blocks": 0, "layers": 4}]
     assert [floor.partner(r, 4) for r in range(4)] == [1, 0, 3, 2]
     assert floor.partner(2, 3) is None
+    assert floor.partner(0, 1) == 0  # W = 1: its own partner (the launch and a local flag, no link)
 
 
 def test_floor_record_shape_and_table():

@@ -122,13 +122,14 @@ def test_fp8_dispatch_moves_the_gradients_of_a_bf16_op():
     run_collective(check)
 
 
-@pytest.mark.parametrize("protocol", ["bw", "ll", "scatter"])
-def test_forwards_in_flight_keep_their_routing(protocol):
-    """The low-latency and scatter combines send rows to the origins of the op's last dispatch: combining an older
-    handle first replays it (runtime/autograd.py, _combine_through)."""
+@pytest.mark.parametrize("protocol,max_inflight", [("bw", 1), ("ll", 1), ("scatter", 1), ("bw", 2), ("ll", 2)])
+def test_forwards_in_flight_keep_their_routing(protocol, max_inflight):
+    """The low-latency and scatter combines send rows to the origins of their slot's last dispatch, and with two
+    workspace slots the op refuses a stale handle: combining an older handle first replays it where that matters
+    (runtime/autograd.py, _combine_through)."""
     def check():
         native = dict(combine_mode="scatter") if protocol == "scatter" else dict(intranode_protocol=protocol)
-        with EpDispatchCombineOp(_cfg("native", torch.bfloat16, **native)) as op:
+        with EpDispatchCombineOp(_cfg("native", torch.bfloat16, max_inflight=max_inflight, **native)) as op:
             a, b = _inputs(5, torch.bfloat16), _inputs(6, torch.bfloat16)
             want = [grouped_step(op, *a), grouped_step(op, *b)]
             steps = []

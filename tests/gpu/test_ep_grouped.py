@@ -248,13 +248,15 @@ def _snapshot(lay):
 
 
 @pytest.mark.parametrize("mode,protocol,gcap", [
-    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp8_blockwise", "bw", 0), ("fp8_blockwise", "ll", 0),
+    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp32", "ll", 0), ("fp8_blockwise", "bw", 0),
+    ("fp8", "ll", 0),  # a pre-quantized payload: its scales placed beside it
     ("bf16", "bw", 128),  # a small buffer: drops, the serial recurrence
 ])
 def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     def check():
         with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
             assert op._backend.fuses_layout
+            op._backend.one_kernel = "always"  # auto takes it for eager low-latency calls only
             x, w, s, idx = _inputs(3, mode, "cuda")
             lay, h = op.dispatch_grouped(x, w, s, idx)  # the dispatch kernel's tail
             one = _snapshot(lay)
@@ -278,4 +280,31 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
             end = int(lay2.offs[-1])
             assert bool((lay2.src[end:] == -1).all()) and bool((lay2.m_indices[end:] == -1).all())
             assert bool((lay2.weights[end:] == 0).all())
+    run_collective(check)
+
+
+# --- memory: the report against what the op's construction allocates -----------------------------------------
+@pytest.mark.parametrize("gcap", [0, 256])
+def test_memory_report_holds_against_the_bytes_allocated(gcap):
+    from runtime import workspace
+
+    def check():
+        workspace.release_workspaces()  # the op's workspace is allocated afresh, not taken from the pool
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        op = EpDispatchCombineOp(_cfg("native", "bf16", grouped_capacity=gcap))
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        report = op.memory_report()
+        others = report["other_device_buffers"]
+        # torch's allocator rounds each tensor up to 512 bytes; the workspace is torch's only with the symmetric
+        # allocator (the default, vendor IPC, allocates it outside torch)
+        lo = sum(others.values())
+        slack = 512 * (len(others) + 8)
+        ws = report["symmetric_workspace"] if workspace.allocator_name() == "symmetric" else 0
+        print(f"rank {dist.get_rank()}: grouped_capacity={gcap}: torch allocated {grown} B at construction, the "
+              f"report's local buffers {lo} B (+ workspace {report['symmetric_workspace']} B)")
+        assert lo + ws <= grown <= lo + ws + slack, (grown, lo, ws, others)
+        assert report["total_device_bytes"] == report["symmetric_workspace"] + lo
+        op.close()
     run_collective(check)

@@ -136,9 +136,10 @@ def _grads(fn, tensors, grad):
     return torch.autograd.grad(fn(*leaves), leaves, grad)
 
 
-def scn_in_flight(rank, world):
-    """Two forwards, then their backwards in reverse order (gradient accumulation), against one at a time."""
-    cfg = _cfg(rank, world, 6, hidden_dim=8)
+def scn_in_flight(rank, world, max_inflight):
+    """Two forwards, then their backwards in reverse order (gradient accumulation), against one at a time; with two
+    workspace slots each forward holds one until its combine."""
+    cfg = _cfg(rank, world, 6, hidden_dim=8, max_inflight=max_inflight)
     a, b = _step_inputs(rank, cfg, 1, 6), _step_inputs(rank, cfg, 2, 6)
     with EpDispatchCombineOp(cfg) as op:
         want_a, want_b = grouped_step(op, *a), grouped_step(op, *b)
@@ -159,8 +160,9 @@ def scn_in_flight(rank, world):
     return True
 
 
-def test_several_forwards_in_flight_keep_their_routing():
-    assert all(get_world(2).run(scn_in_flight, timeout=120))
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_several_forwards_in_flight_keep_their_routing(max_inflight):
+    assert all(get_world(2).run(scn_in_flight, max_inflight, timeout=120))
 
 
 def scn_closed(rank, world):

@@ -20,7 +20,7 @@ FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "intranode_protocol", "kernel_backend",
                "timeout_s", "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows",
-               "enable_grouped_layout", "expert_alignment", "grouped_capacity", "grouped_combine", "grouped_dequantize",
+               "enable_grouped_layout", "expert_alignment", "grouped_capacity", "grouped_combine", "grouped_dequantize", "max_inflight",
                # the seed library's fields (runtime/aliases.py)
                "dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block",
                "schedule", "num_qp_per_pe", "dispatch_rdma_block_num", "combine_rdma_block_num",

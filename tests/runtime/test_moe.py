@@ -429,6 +429,9 @@ def test_build_close_ten_times_then_closed(no_env):
         "scale_stride_bytes": op.scale_stride_bytes, "grouped_layout": op.grouped_layout,
         "dispatch_grouped": lambda: op.dispatch_grouped(x, w, None, idx),
         "combine_grouped": lambda: op.combine_grouped(out, h), "grouped_out_view": op.grouped_out_view,
+        "dispatch_send": lambda: op.dispatch_send(x, w, None, idx), "combine_send": lambda: op.combine_send(out, routing=h),
+        "dispatch_grouped_send": lambda: op.dispatch_grouped_send(x, w, None, idx),
+        "combine_grouped_send": lambda: op.combine_grouped_send(out, h),
     }
     public = {n for n in dir(EpDispatchCombineOp) if not n.startswith("_") and callable(getattr(EpDispatchCombineOp, n))}
     # close is idempotent; available_backends is a classmethod (the machine's, no op state)

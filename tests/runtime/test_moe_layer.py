@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.ep_dist import get_world
-from tests.support.moe_layer_ref import REL_TOL, ROOT, check_block, dense_reference, load_example
+from tests.support.moe_layer_ref import REL_TOL, ROOT, check_block, dense_reference, load_example, torchrun_example
 
 
 def scn_block(rank, world, hidden, experts, topk, inter, tokens):
@@ -56,13 +56,9 @@ def test_grouped_experts_match_one_expert_at_a_time(monkeypatch):
 
 
 def test_example_command_runs_under_torchrun():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EPGEN_KERNEL_BACKEND="torch")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "moe_layer.py"), "--hidden", "256", "--experts", "8", "--topk", "4",
-           "--intermediate", "64", "--tokens", "16", "--iters", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    lines = res.stdout.strip().splitlines()  # rank 0 prints every rank's line whole, then the verdict
+    # rank 0 prints every rank's line whole, then the verdict
+    res, lines = torchrun_example("moe_layer", "--hidden", "256", "--experts", "8", "--topk", "4", "--intermediate", "64",
+                                  "--tokens", "16", "--iters", "2")
     assert [line.split(":")[0] for line in lines[-3:-1]] == ["rank 0", "rank 1"], res.stdout
     assert all(line.count("ms per layer (eager)") == 1 for line in lines[-3:-1]), res.stdout
     assert lines[-1].startswith("OK: the EP layer on 2 rank(s) matches its dense reference"), res.stdout

@@ -7,6 +7,9 @@ Every expert runs on every token (masked by the routing), with the weights the e
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +22,8 @@ REL_TOL = 1e-2  # per token: ||ep - reference||_2 <= REL_TOL * ||reference||_2
 
 
 def load_example(name: str = "moe_layer"):
-    """examples/NAME.py as a module (moe_layer by default; train_moe: the training example)."""
+    """examples/<name>.py as a module (moe_layer; moe_overlap: the same block as two overlapped micro-batches;
+    train_moe: the training example)."""
     spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -65,3 +69,14 @@ def check_block(hidden, experts, topk, inter, tokens, seed=0, device=None) -> fl
     worst = float(err.max())
     assert worst <= REL_TOL, f"largest per-token relative error {worst:.3g} > {REL_TOL} (token {int(err.argmax())})"
     return worst
+
+
+def torchrun_example(name: str, *args: str, ranks: int = 2) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """examples/<name>.py under torchrun on CPU (gloo, torch backend) with `args`: -> (the process, stdout's lines);
+    AssertionError when it fails."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EPGEN_KERNEL_BACKEND="torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(ROOT / "examples" / f"{name}.py"), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res, res.stdout.strip().splitlines()

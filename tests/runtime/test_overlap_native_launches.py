@@ -1,0 +1,112 @@
+"""The native backend's split-phase launches, on the host (no GPU): which kernel each half launches, with which
+phase (specs/kernels.toml [args.ep] `phase`), grid and argument block, per workspace slot. A stand-in kernel set
+records the launches; the kernels themselves run in tests/gpu/test_ep_overlap.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from generator.abi import STATE_SIZE
+from runtime.backends.native import PHASE_BOTH, PHASE_RECV, PHASE_SEND, NativeBackend
+from runtime.routing import RoutingHandle
+from tests.support.configs import make_config
+
+T, K, H = 6, 4, 64
+
+
+class Launches:
+    """A kernel set that records (role, grid, block, phase, argument block) per launch."""
+
+    def __init__(self):
+        self.log = []
+
+    def launch(self, role, grid, block, args=None, /, **kw):
+        self.log.append((role, grid, block, args.phase, args))
+        return 0
+
+
+def _backend(protocol, scatter=False, slots=2):
+    cfg = make_config(0, 1, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_token=K,
+                      max_inflight=slots)
+    nb = object.__new__(NativeBackend)
+    nb.config, nb.protocol, nb.capped, nb.id_check, nb.device = cfg, protocol, False, "off", torch.device("cpu")
+    nb._error_words, nb._late_words, nb._bad_seen = [0] * 8, 0, 0
+    nb.k = Launches()
+    nb.plan = types.SimpleNamespace(scatter=scatter)
+    nb._launch_geometry = lambda role, tokens, items: (7, 256, False)
+    nb._slots = []
+    R = cfg.max_recv_tokens
+    for _ in range(slots):  # what _setup_slot makes, stood in
+        nb._slots.append({"_slot_lay": {}, "state": torch.zeros(STATE_SIZE, dtype=torch.int32),
+                          "total_recv": torch.zeros(1, dtype=torch.int32), "recv_x": torch.zeros(R, H),
+                          "recv_scales": None, "recv_w": torch.zeros(R, K), "recv_idx": torch.zeros(R, K),
+                          "recv_src": torch.zeros(R), "comb_x": torch.zeros(R, H),
+                          "dargs": types.SimpleNamespace(), "cargs": types.SimpleNamespace(), "_had_weights": False,
+                          "_std": None, "_grp": None, "_last": None, "_placed": False})
+    nb.slot = 0
+    nb._load_slot(0)
+    nb.one_kernel = "auto"
+    return nb
+
+
+def _inputs():
+    return torch.zeros(T, H), torch.ones(T, K), None, torch.zeros(T, K, dtype=torch.int32)
+
+
+def _handle(fields):
+    return RoutingHandle(op_uid=1, config_key=(), num_tokens=T, **fields)
+
+
+@pytest.mark.parametrize("protocol,role", [("ll", "dispatch_ll"), ("bw", "dispatch")])
+def test_dispatch_halves_launch_send_then_receive(protocol, role):
+    nb = _backend(protocol)
+    nb.dispatch(*_inputs(), None)
+    call = nb.dispatch_send(*_inputs(), None)
+    assert nb.k.log[-1][3] == PHASE_SEND
+    outs = nb.dispatch_receive(call)
+    grids = [(r, g, p) for r, g, _, p, _ in nb.k.log]
+    recv_grid = 7 if protocol == "ll" else 1  # the bandwidth receive half is one block's wait for the arrivals
+    assert grids == [(role, 7, PHASE_BOTH), (role, 7, PHASE_SEND), (role, recv_grid, PHASE_RECV)]
+    assert outs[-1]["extra"]["protocol"] == protocol and nb.last_protocol == protocol
+    assert outs[0] is nb.recv_x
+
+
+@pytest.mark.parametrize("protocol,scatter,role,split", [("ll", False, "combine_ll", True),
+                                                         ("bw", False, "combine", True),
+                                                         ("bw", True, "combine", False)])
+def test_combine_halves(protocol, scatter, role, split):
+    nb = _backend(protocol, scatter=scatter)
+    *_, fields = nb.dispatch(*_inputs(), None)
+    h = _handle(fields)
+    y = torch.zeros(nb.config.max_recv_tokens, H)
+    nb.k.log.clear()
+    call = nb.combine_send(y, None, None, h)
+    assert call["deferred"] == (not split)
+    assert [p for *_, p, _ in nb.k.log] == ([PHASE_SEND] if split else [])  # deferred: nothing launched yet
+    out, _ = nb.combine_receive(call)
+    assert [(r, p) for r, _, _, p, _ in nb.k.log] == ([(role, PHASE_SEND)] if split else []) + \
+        [(role, PHASE_RECV if split else PHASE_BOTH)]
+    assert out.shape == (T, H) and nb._last == "combine"
+
+
+def test_each_slot_launches_with_its_own_argument_block_and_buffers():
+    nb = _backend("ll")
+    calls = []
+    for slot in (0, 1):
+        nb.select_slot(slot)
+        calls.append(nb.dispatch_send(*_inputs(), None))
+    nb.select_slot(0)
+    a0 = nb.dispatch_receive(calls[0])
+    nb.select_slot(1)
+    a1 = nb.dispatch_receive(calls[1])
+    args = [a for *_, a in nb.k.log]
+    assert args[0] is args[2] is nb._slots[0]["dargs"] and args[1] is args[3] is nb._slots[1]["dargs"]
+    assert a0[0] is nb._slots[0]["recv_x"] and a1[0] is nb._slots[1]["recv_x"]
+    assert a0[0] is not a1[0]
+    # host state of a slot survives the switches (whether the dispatch carried weights, its last leg)
+    assert nb._last == "dispatch" and nb._had_weights
+    nb.select_slot(0)
+    assert nb._last == "dispatch" and nb._had_weights
