@@ -78,6 +78,7 @@ class EpDispatchCombineOp:
         self._slots = SlotTable(config.max_inflight)
         self._slot_streams: dict[int, torch.cuda.Stream] = {}  # the stream of each slot's last half (_follow)
         self._generation = 0  # reset() and close() make pending handles void
+        self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -777,6 +778,8 @@ class EpDispatchCombineOp:
             self._by_slot, self._grouped_by, self._grouped_out, self._views = {}, {}, {}, {}
             self._slot_streams = {}
             self._backend.close()
+            if self._grad_op is not None:
+                self._grad_op.close()
 
     def __enter__(self):
         return self

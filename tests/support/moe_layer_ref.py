@@ -22,7 +22,8 @@ REL_TOL = 1e-2  # per token: ||ep - reference||_2 <= REL_TOL * ||reference||_2
 
 
 def load_example(name: str = "moe_layer"):
-    """examples/<name>.py as a module (moe_layer, or moe_overlap: the same block as two overlapped micro-batches)."""
+    """examples/<name>.py as a module (moe_layer; moe_overlap: the same block as two overlapped micro-batches;
+    train_moe: the training example)."""
     spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
