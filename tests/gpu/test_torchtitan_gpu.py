@@ -1,0 +1,46 @@
+"""runtime.integrations.torchtitan on the GPU (issue 36, item 4): torchtitan 0.3.0's own MoE module, bf16, built once
+with its AllToAllTokenDispatcher and once with EpgenTokenDispatcher on the native backend, the same weights and tokens
+(tests/support/titan_check.py): outputs and the gradients of the tokens, the router and the local experts agree within
+bf16 rounding, also with a rank that receives no token and an expert without pairs.
+
+Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
+    torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_torchtitan_gpu.py
+
+Needs torchtitan importable (pip install --no-deps torchtitan==0.3.0 && pip install spmd_types==0.2.3 tyro; a CUDA
+torch brings triton): without it the module skips and says why. On torch 2.11 the integration's
+install_torch_shims() supplies the torch.compiler._is_non_strict_tracing torchtitan 0.3.0 calls.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.gpu.dist_util import run_collective
+from tests.support import titan_check
+
+pytestmark = pytest.mark.multigpu
+
+if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+    pytest.skip("needs torchrun and GPUs", allow_module_level=True)
+_missing = titan_check.torchtitan_missing()
+if _missing:
+    pytest.skip(f"torchtitan is not importable on this machine, so the check cannot run: {_missing}",
+                allow_module_level=True)
+
+OUT_TOL = 1e-2  # ||epgen - a2a|| / ||a2a|| of the output: bf16 (2^-8) with the products summed in another order
+GRAD_TOL = 2e-2  # the gradients: the same roundings, then GEMMs over them
+SHAPE = dict(dim=1024, inter=256, experts_per_rank=8, top_k=4, batch=2, seq=64)
+
+
+@pytest.mark.parametrize("starve", [False, True], ids=["balanced", "starved"])
+def test_moe_bf16_native_matches_all_to_all_dispatcher(starve):
+    def check():
+        errs = titan_check.compare(**SHAPE, dtype=torch.bfloat16, device="cuda", seed=3, starve_rank=starve,
+                                   starve_expert=starve)
+        print(f"rank {torch.distributed.get_rank()}: {errs}")
+        assert errs["backend"] == "native", errs
+        bad = {k: errs[k] for k in ("out",) if not errs[k] <= OUT_TOL}
+        bad |= {k: errs[k] for k in ("x", "router", "w1", "w2", "w3") if not errs[k] <= GRAD_TOL}
+        assert not bad, f"relative errors above the bf16 bounds: {bad} ({errs})"
+    run_collective(check)
