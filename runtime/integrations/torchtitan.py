@@ -134,11 +134,13 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         return attrs.evolve(cfg, grouped_capacity=rows)
 
     def _build(self, hidden: int, tokens: int, dtype: torch.dtype) -> EpDispatchCombineOp:
+        group = self.ep_mesh.get_group()
+        op = _shared.acquire(self.op_config(hidden, tokens, dtype), group)
         if self.op is not None:
-            self.op.close()
-        self.op = EpDispatchCombineOp(self.op_config(hidden, tokens, dtype), self.ep_mesh.get_group())
+            _shared.release(self.op)
+        self.op = op
         self.hidden_dim, self.num_max_tokens_per_rank, self.dtype = hidden, tokens, dtype
-        return self.op
+        return op
 
     def op_for(self, x_TD: torch.Tensor) -> EpDispatchCombineOp:
         """The op for these tokens: built (collective, every rank alike: they dispatch the same token count) on
@@ -172,6 +174,39 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
         y = routed_output_RD.to(metadata.op.config.combine_dtype).contiguous()
         return _legs.combine(metadata.op, y, metadata.handle, metadata.layout).to(x_TD.dtype)
+
+
+class SharedOps:
+    """One op per (process group, config) for every dispatcher of the process: a model's MoE layers share one
+    workspace (as torchtitan's DeepEP dispatchers share one buffer) instead of one per layer. A later layer's
+    forward reuses the op before an earlier layer's backward: the legs keep what their backward needs
+    (runtime/autograd.py). An op no dispatcher uses any more is closed (every rank alike: they build and rebuild
+    in the same order)."""
+
+    def __init__(self):
+        self.ops: dict[tuple, list] = {}  # key -> [op, users]
+
+    @staticmethod
+    def key(cfg: EpDispatchCombineConfig, group) -> tuple:
+        return (getattr(group, "group_name", None) or id(group), cfg.key)
+
+    def acquire(self, cfg: EpDispatchCombineConfig, group) -> EpDispatchCombineOp:
+        entry = self.ops.get(self.key(cfg, group))
+        if entry is None or entry[0].closed:
+            entry = self.ops[self.key(cfg, group)] = [EpDispatchCombineOp(cfg, group), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def release(self, op: EpDispatchCombineOp) -> None:
+        for key, entry in list(self.ops.items()):
+            if entry[0] is op:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self.ops[key]
+                    op.close()
+
+
+_shared = SharedOps()
 
 
 class _Legs:

@@ -78,11 +78,14 @@ def relerr(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k: int = 3, batch: int = 2,
-            seq: int = 5, dtype=torch.float32, device="cpu", seed: int = 0, starve_rank: bool = False,
+            seq: int = 5, layers: int = 1, dtype=torch.float32, device="cpu", seed: int = 0, starve_rank: bool = False,
             starve_expert: bool = False, kernel_backend: str | None = None, grads: bool = True) -> dict:
-    """This rank's relative errors, epgen against torchtitan's all-to-all dispatcher (see the module docstring):
-    {"out", "x", "router", "w1", "w2", "w3": float}, plus "received_pairs" (pairs this rank's experts got) and
-    "empty_experts" (local experts without a pair), for the caller to see that the case it built was exercised."""
+    """This rank's relative errors, epgen against torchtitan's all-to-all dispatcher (see the module docstring), for
+    ``layers`` MoE layers in a row (each layer's dispatcher its own, epgen's sharing one op: the forwards of the later
+    layers run before the backwards of the earlier ones): {"out", "x", and per layer l "router{l}", "w1{l}", "w2{l}",
+    "w3{l}": float}, plus "received_pairs" (pairs the first layer's local experts got on this rank) and
+    "empty_experts" (its local experts without a pair), for the caller to see that the case it built was exercised,
+    and "backend" / "ops" (epgen's backend, and how many distinct ops its dispatchers used)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -94,21 +97,24 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     device = torch.device(device)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     shape = dict(dim=dim, inter=inter, experts=experts, top_k=top_k, world=world)
-    ref = build_moe(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k), **shape)
-    ours = build_moe(EpgenTokenDispatcher.Config(num_experts=experts, top_k=top_k, kernel_backend=kernel_backend),
-                     **shape)
-    init_weights(ref, rank, world, seed)
-    ours.load_state_dict(ref.state_dict())
     bias = torch.zeros(experts)
     if starve_rank:  # the last rank's experts are never chosen: it receives no token
         bias[(world - 1) * experts_per_rank:] = -1e4
     if starve_expert:  # and one expert of rank 0 gets no pair
         bias[1] = -1e4
     assert int((bias == 0).sum()) >= top_k, "the bias leaves fewer experts than top_k"
-    for m in (ref, ours):
-        m.expert_bias_E.copy_(bias)
-        m.to(device=device, dtype=dtype)
-        m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    models = {"ref": [], "ours": []}
+    for layer in range(layers):
+        ref = build_moe(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k), **shape)
+        ours = build_moe(EpgenTokenDispatcher.Config(num_experts=experts, top_k=top_k, kernel_backend=kernel_backend),
+                         **shape)
+        init_weights(ref, rank, world, seed + 101 * layer)
+        ours.load_state_dict(ref.state_dict())
+        for name, m in (("ref", ref), ("ours", ours)):
+            m.expert_bias_E.copy_(bias)
+            m.to(device=device, dtype=dtype)
+            m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+            models[name].append(m)
     g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
     x0 = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
     grad_out = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
@@ -117,35 +123,35 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     results = {}
     try:
         set_spmd_backend("partial_dtensor")  # gloo takes its all_to_all_single; "spmd_types" needs equal chunks
-        for name, m in (("ref", ref), ("ours", ours)):
+        for name, ms in models.items():
             x = x0.clone().requires_grad_(True)
-            out = m(x)
+            out = x
+            for m in ms:
+                out = m(out)
             if grads:
                 out.backward(grad_out)
-            experts_ = m.routed_experts.inner_experts
-            results[name] = {"out": out.detach(), "x": x.grad, "router": m.router.gate.weight.grad,
-                             "w1": experts_.w1_EFD.grad, "w2": experts_.w2_EDF.grad, "w3": experts_.w3_EFD.grad}
+            res = {"out": out.detach(), "x": x.grad}
+            for layer, m in enumerate(ms):
+                experts_ = m.routed_experts.inner_experts
+                res |= {f"router{layer}": m.router.gate.weight.grad, f"w1{layer}": experts_.w1_EFD.grad,
+                        f"w2{layer}": experts_.w2_EDF.grad, f"w3{layer}": experts_.w3_EFD.grad}
+            results[name] = res
     finally:
         set_spmd_backend(before)
     errs = {k: relerr(results["ours"][k], results["ref"][k]) for k in results["ref"]}
-    with torch.no_grad():  # the routing both ran: pairs per local expert on this rank
+    ref = models["ref"][0]
+    with torch.no_grad():  # the routing the first layer ran: pairs per local expert on this rank
         _, ids, _ = ref.router(x0, ref.expert_bias_E)
-        every = [torch.empty_like(ids) for _ in range(world)] if world > 1 else [ids]
-        if world > 1:
-            dist.all_gather(every, ids.contiguous())
+        every = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(every, ids.contiguous())
         counts = torch.bincount(torch.cat(every).flatten().cpu(), minlength=experts)
         mine = counts[rank * experts_per_rank:(rank + 1) * experts_per_rank]
     errs["received_pairs"] = int(mine.sum())
     errs["empty_experts"] = int((mine == 0).sum())
-    op = ours.routed_experts.token_dispatcher.op
-    errs["backend"] = op.backend_name if op is not None else None
+    ops = {id(m.routed_experts.token_dispatcher.op) for m in models["ours"]}
+    errs["ops"] = len(ops)
+    errs["backend"] = models["ours"][0].routed_experts.token_dispatcher.op.backend_name
     return errs
-
-
-def per_token_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest per-token ||a - b|| / ||b|| over the last dimension (bf16 checks)."""
-    a, b = a.double().flatten(0, -2), b.double().flatten(0, -2)
-    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).max())
 
 
 def env_requires_torchtitan() -> bool:
