@@ -90,7 +90,8 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         pad_multiple: rows each local expert's group is padded to a multiple of (epgen's expert_alignment; None:
         1, no padding). grouped_capacity: rows of the grouped layout (0: every local pair of top-k routing,
         ``grouped_rows``; a smaller one drops the last experts' last pairs and counts them in the layout's
-        ``dropped``). kernel_backend: "torch", "native" or None (the config's automatic choice)."""
+        ``dropped``). kernel_backend: "torch", "native" or None (the config's automatic choice). gpu_per_node: the
+        EP group's ranks per node (0: all on one node), for an EP group that spans nodes (docs/INTERNODE.md)."""
 
         hidden_dim: int | None = None
         num_max_tokens_per_rank: int | None = None
@@ -98,6 +99,7 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         pad_multiple: int | None = None
         grouped_capacity: int = 0
         kernel_backend: str | None = None
+        gpu_per_node: int = 0
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -107,6 +109,7 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         self.pad_multiple = config.pad_multiple or 1
         self.grouped_capacity = config.grouped_capacity
         self.kernel_backend = config.kernel_backend
+        self.gpu_per_node = config.gpu_per_node
         self.op: EpDispatchCombineOp | None = None
 
     # --- the op ----------------------------------------------------------------------------------
@@ -128,7 +131,8 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         cfg = EpDispatchCombineConfig(
             rank=group.rank(), world_size=world, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
             num_experts_per_rank=per_rank, num_experts_per_token=self.top_k, data_type=dtype,
-            kernel_backend=self.kernel_backend, enable_grouped_layout=True, expert_alignment=self.pad_multiple)
+            kernel_backend=self.kernel_backend, gpu_per_node=self.gpu_per_node, enable_grouped_layout=True,
+            expert_alignment=self.pad_multiple)
         rows = self.grouped_capacity or min(cfg.worst_case_grouped_rows,
                                             grouped_rows(world, tokens, per_rank, self.top_k, self.pad_multiple))
         return attrs.evolve(cfg, grouped_capacity=rows)
@@ -230,7 +234,7 @@ _legs = _Legs()
           description="epgen expert-parallel dispatch / combine (EpgenTokenDispatcher)")
 def epgen_dispatcher(cfg: AllToAllTokenDispatcher.Config, *, num_max_tokens_per_rank: int | None = None,
                      hidden_dim: int | None = None, pad_multiple: int | None = None, grouped_capacity: int = 0,
-                     kernel_backend: str | None = None) -> EpgenTokenDispatcher.Config:
+                     kernel_backend: str | None = None, gpu_per_node: int = 0) -> EpgenTokenDispatcher.Config:
     """torchtitan override: every ``AllToAllTokenDispatcher.Config`` of the model (``TorchAOTokenDispatcher``'s
     too, whose ``pad_multiple`` is kept unless given) becomes an ``EpgenTokenDispatcher.Config``; the kwargs are
     its fields (``--override.imports 'runtime.integrations.torchtitan.epgen_dispatcher={"kernel_backend":
@@ -239,4 +243,5 @@ def epgen_dispatcher(cfg: AllToAllTokenDispatcher.Config, *, num_max_tokens_per_
         pad_multiple = getattr(cfg, "pad_multiple", None)
     return EpgenTokenDispatcher.Config(num_experts=cfg.num_experts, top_k=cfg.top_k, hidden_dim=hidden_dim,
                                        num_max_tokens_per_rank=num_max_tokens_per_rank, pad_multiple=pad_multiple,
-                                       grouped_capacity=grouped_capacity, kernel_backend=kernel_backend)
+                                       grouped_capacity=grouped_capacity, kernel_backend=kernel_backend,
+                                       gpu_per_node=gpu_per_node)

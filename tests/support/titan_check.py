@@ -40,10 +40,15 @@ def torchtitan_missing() -> str | None:
 def build_moe(dispatcher_config, *, dim: int, inter: int, experts: int, top_k: int, world: int):
     """torchtitan's MoE (sigmoid router, normalised and scaled scores, bias-steered choice) holding this rank's
     experts (experts // world of them), with the given dispatcher config."""
+    return moe_config(dispatcher_config, dim=dim, inter=inter, experts=experts, top_k=top_k, world=world).build()
+
+
+def moe_config(dispatcher_config, *, dim: int, inter: int, experts: int, top_k: int, world: int):
+    """build_moe's config tree (torchtitan's MoE.Config)."""
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
 
-    cfg = MoE.Config(
+    return MoE.Config(
         num_experts=experts,
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=inter, num_experts=experts // world),
@@ -51,7 +56,6 @@ def build_moe(dispatcher_config, *, dim: int, inter: int, experts: int, top_k: i
         router=TokenChoiceTopKRouter.Config(num_experts=experts, gate=Linear.Config(in_features=dim, out_features=experts),
                                             top_k=top_k, score_func="sigmoid", route_norm=True, route_scale=2.5),
         load_balance_coeff=1e-3)
-    return cfg.build()
 
 
 def init_weights(moe, rank: int, world: int, seed: int) -> None:

@@ -1,0 +1,95 @@
+"""runtime.integrations.torchtitan against the real client (issue 36, item 4): torchtitan 0.3.0's own MoE module built
+once with its AllToAllTokenDispatcher and once with EpgenTokenDispatcher, the same weights and tokens, on 2 and 4 gloo
+ranks (torch backend): the outputs and the gradients of the tokens, the router and the local experts agree within
+1e-5 relative (fp32), including ranks that receive no token and experts without pairs (tests/support/titan_check.py).
+
+Needs torchtitan (scripts/test.sh installs it; elsewhere the tests skip, naming the install command, unless
+EPGEN_REQUIRE_TORCHTITAN is set)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import titan_check
+from tests.support.ep_dist import get_world
+
+_missing = titan_check.torchtitan_missing()
+if _missing and not titan_check.env_requires_torchtitan():
+    pytest.skip(_missing, allow_module_level=True)
+
+TOL = 1e-5
+META = ("received_pairs", "empty_experts", "ops", "backend")  # compare()'s facts about the run, not errors
+
+
+def test_torchtitan_imports():
+    assert _missing is None, _missing
+
+
+def scn_compare(rank, world, kwargs):
+    return titan_check.compare(**kwargs)
+
+
+def check(world: int, timeout: float = 240, **kwargs) -> list[dict]:
+    results = get_world(world).run(scn_compare, kwargs, timeout=timeout)
+    for rank, errs in enumerate(results):
+        assert errs["backend"] == "torch"
+        bad = {k: v for k, v in errs.items() if k not in META and not v <= TOL}
+        assert not bad, f"rank {rank} of {world}: relative errors above {TOL}: {bad} ({errs})"
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_matches_all_to_all_dispatcher(world):
+    results = check(world)
+    assert all(r["received_pairs"] > 0 for r in results)
+
+
+def test_two_layers_share_one_op_and_match():
+    """Two MoE layers in a row: their dispatchers share one op, the second layer's forward runs before the first
+    one's backward."""
+    results = check(2, layers=2, seed=2)
+    assert all(r["ops"] == 1 for r in results)
+    assert all(k in results[0] for k in ("router1", "w11", "w21", "w31"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_matches_with_a_rank_without_tokens_and_an_expert_without_pairs(world):
+    results = check(world, starve_rank=True, starve_expert=True, seed=1)
+    assert results[-1]["received_pairs"] == 0  # the last rank received nothing
+    assert results[0]["empty_experts"] >= 1  # rank 0's expert 1 got no pair
+
+
+def test_override_replaces_the_all_to_all_dispatchers_and_keeps_their_padding():
+    """torchtitan's @override machinery, as --override.imports runs it, on a model config tree: every
+    AllToAllTokenDispatcher.Config (TorchAOTokenDispatcher's too, its pad_multiple kept) becomes an
+    EpgenTokenDispatcher.Config carrying the override's kwargs."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
+
+    from runtime.integrations.torchtitan import EpgenTokenDispatcher
+
+    for cfg, pad in ((AllToAllTokenDispatcher.Config(num_experts=8, top_k=2), None),
+                     (TorchAOTokenDispatcher.Config(num_experts=8, top_k=2, pad_multiple=16), 16)):
+        tree = titan_check.moe_config(cfg, dim=16, inter=8, experts=8, top_k=2, world=2)
+        target = "runtime.integrations.torchtitan.epgen_dispatcher"
+        lines = apply_overrides(OverrideConfig(imports=[(target, {"num_max_tokens_per_rank": 64})]), tree)
+        new = tree.routed_experts.token_dispatcher
+        assert len(lines) == 1 and type(new) is EpgenTokenDispatcher.Config, lines
+        assert (new.num_experts, new.top_k, new.num_max_tokens_per_rank, new.pad_multiple) == (8, 2, 64, pad)
+
+
+def test_without_an_ep_mesh_it_is_torchtitans_local_dispatch():
+    """EP degree 1 (no mesh wired): the local reorder, as AllToAllTokenDispatcher does; no op, no process group."""
+    import torch
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from runtime.integrations.torchtitan import EpgenTokenDispatcher
+
+    outs = []
+    for d in (AllToAllTokenDispatcher.Config(num_experts=4, top_k=2), EpgenTokenDispatcher.Config(num_experts=4, top_k=2)):
+        m = titan_check.build_moe(d, dim=16, inter=8, experts=4, top_k=2, world=1)
+        titan_check.init_weights(m, 0, 1, seed=5)
+        m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=None)
+        outs.append(m(torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))))
+        assert getattr(m.routed_experts.token_dispatcher, "op", None) is None
+    assert torch.equal(outs[0], outs[1])
