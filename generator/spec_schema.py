@@ -109,6 +109,9 @@ class Family:
     protocol: str = "bw"  # intranode wire protocol: "bw" (bandwidth) or "ll" (low latency)
     args: str  # the [args.NAME] table of its launch arguments
     signature: "ArgList | None" = attrs.field(default=None, eq=False, repr=False)  # args, resolved by the loader
+    # every [args.NAME] table's limits by NAME (a kernel that runs another family's pass in its tail sizes its
+    # shared memory by that family's declared limits: one declaration)
+    limits_of: dict = attrs.field(factory=dict, eq=False, repr=False)
 
 
 # The launch argument types: "i64", or a pointer to T (const or not); struct fields are 64-bit "addr" / "i64".

@@ -156,7 +156,8 @@ def load(root: Path | str | None = None, templates: Path | str | None = None, tu
     arglists = load_arglists(srcs["kernels"], data["kernels"].get("args", {}))
     families = _named_tables(srcs["kernels"], data["kernels"], "family", Family, also=("args",), signature=None)
     _check_families(srcs["kernels"], families, dtypes, quants, topologies, targets, troot, arglists)
-    families = {n: attrs.evolve(f, signature=arglists[f.args]) for n, f in families.items()}
+    limits_of = {n: dict(a.limits) for n, a in arglists.items()}
+    families = {n: attrs.evolve(f, signature=arglists[f.args], limits_of=limits_of) for n, f in families.items()}
 
     rules = _load_rules(srcs["rules"], data["rules"])
     profiles = _named_tables(srcs["profiles"], data["profiles"], "profile", Profile)

@@ -70,6 +70,7 @@ class EpDispatchCombineOp:
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
         self._grouped: grouped.GroupedLayout | None = None  # the last grouped layout of that dispatch
         self._grouped_out: torch.Tensor | None = None  # grouped_out_view's buffer where the backend has none
+        self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
 
     # --- properties ----------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class EpDispatchCombineOp:
 
     # --- public API ----------------------------------------------------------------------------
     def dispatch(self, x=None, weights=None, scales=None, indices=None, return_routing: bool = False, routing=None, *,
-                 input=None):
+                 input=None, _layout: bool = False):
         """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle]). ``input``: the seed's
         name for x."""
         self._check_open("dispatch")
@@ -198,7 +199,8 @@ class EpDispatchCombineOp:
         self._last = self._packed = self._grouped = None  # the buffers are about to change
         routed = self._routed_across(indices)  # before the backend, which may raise on some ranks only
         try:
-            *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing)
+            *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing,
+                                                   **({"layout": True} if _layout else {}))
         except CapacityError:
             self._seq += 1  # the data moved; dropped_count() reports it
             raise
@@ -400,7 +402,8 @@ class EpDispatchCombineOp:
         handle) brings their rows back."""
         self._check_open("dispatch_grouped")
         self._need_grouped("dispatch_grouped")
-        *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing)
+        place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel places the layout itself
+        *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place)
         return self.grouped_layout(), handle
 
     def combine_grouped(self, expert_out, routing, apply_weights: bool = True):
@@ -435,6 +438,11 @@ class EpDispatchCombineOp:
         fused = getattr(self._backend, "grouped_fused", None)
         if fused is not None and fused(routing):  # config grouped_combine="fused", a bandwidth-protocol call
             return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
+        staged = getattr(self._backend, "combine_grouped_staged", None)
+        if staged is not None:  # one combine kernel, which forms the rows from the groups as it stages them
+            out = staged(expert_out, routing, apply_weights)
+            if out is not None:
+                return out
         own = getattr(self._backend, "grouped_reduce", None)
         if own is not None:
             rows = own(expert_out, apply_weights)
@@ -502,6 +510,8 @@ class EpDispatchCombineOp:
             self._closed = True
             self._last = self._packed = self._grouped = None
             self._backend.close()
+            if self._grad_op is not None:
+                self._grad_op.close()
 
     def __enter__(self):
         return self

@@ -256,6 +256,20 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
+  epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
+  epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
+  epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32
+  epg_i64 grp_counts;  // dispatch: real pairs per local expert [E] i32
+  epg_i64 grp_pair_pos;  // each (row, k) pair's grouped row or -1 [R * k] i32 (combine: 0, the plain leg)
+  epg_i64 grp_offs;  // dispatch: group ends [E] i32
+  epg_i64 grp_kept;  // dispatch: kept pairs per group [E] i32
+  epg_i64 grp_src;  // dispatch: each grouped row's pair id or -1 [P] i32
+  epg_i64 grp_m_indices;  // dispatch: each grouped row's local expert or -1 [P] i32
+  epg_i64 grp_weights;  // dispatch: each grouped row's weight [P] f32
+  epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
+  epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
+  epg_i64 grp_capacity;  // dispatch: grouped rows (P)
+  epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -266,6 +280,9 @@ constexpr int EPG_ST_DISPATCHES = 5;
 constexpr int EPG_ST_LAST = 6;
 constexpr int EPG_ST_LL_DISPATCHES = 7;
 constexpr int EPG_ST_LL_COMBINES = 8;
+constexpr int EPG_ST_GRID_ARRIVE = 9;
+constexpr int EPG_ST_GRID_GEN = 10;
+constexpr int EPG_ST_GROUPED_END = 11;
 
 // state[EPG_ST_LAST]: the kind of this op's last completed EP kernel. A kernel of the same kind starts with
 // an entry barrier (the peers are done with the buffers the previous one filled); read by every block at

@@ -183,34 +183,64 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 }
 // FP4: gfx942 has no FP4 conversion instructions; epg_fp4x8_* are deliberately not
 // defined, so an FP4 kernel for this target fails to compile instead of producing zeros.
-// Grouped layout, pass 1: per local expert, its (received row, k) pairs among the real ones (row <
-// total_recv) and each pair's position in its group. One block per local expert scans the pairs in pair-id
-// order, eight consecutive pairs per thread per step: a thread's hits are numbered after those of the
-// threads below it (a wave prefix of the per-thread counts from four bit-sliced ballots, then the waves
-// below), so a group holds its pairs in ascending pair id (runtime/grouped.py). pair_rel[p] = the position
-// (pairs of this expert only); counts[e] = the expert's pairs. The placement (grouped_place) then cuts them
-// at the buffer's rows.
-constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per step (a count of 0..8: four bits)
-EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx,
-    const int* __restrict__ total_recv,
-    int* __restrict__ pair_rel,
-    int* __restrict__ counts,
-    epg_i64 k,
-    epg_i64 first_expert) {
-  __shared__ int wave_sums[1024 / EPG_WAVE];
-  __shared__ int base;
+// Grouped layout, pass 1 (grouped_common.j2: epg_grouped_count): one block per local expert, its pairs'
+// positions in its group (pair_rel) and its count. The placement (grouped_place) then cuts them at the
+// buffer's rows. (A dispatch_grouped call runs both passes in its dispatch kernel's tail instead.)
+// ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
+// standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
+// place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
+// Limits shared with the runtime: specs/kernels.toml [args.grouped_place] limits.
+constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
+constexpr int EPG_GROUPED_MAX_THREADS = 1024;
+constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+
+// The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
+struct EpgGrouped {
+  const int* recv_idx;
+  const int* total_recv;
+  const char* recv_x;
+  const char* recv_scales;
+  const float* recv_w;
+  int* pair_rel;     // each local pair's position among its expert's pairs [R * k]
+  int* counts;       // real pairs per local expert [E]
+  int* pair_pos;     // each (row, k) pair's grouped row, or -1 [R * k]
+  char* out_x;       // grouped rows [P, out_row_bytes]
+  char* out_scales;  // grouped scales [P, scale_bytes]
+  int* offs;         // group ends [E]
+  int* kept_counts;  // kept pairs per group [E]
+  int* src;          // each grouped row's pair id, or -1 [P]
+  int* m_indices;    // each grouped row's local expert, or -1 [P]
+  float* weights;    // each grouped row's weight, 0 for padding [P]
+  int* dropped;      // pairs past the capacity [1]
+  epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
+};
+// A block's shared memory for the passes: the group bounds, the threads' prefix, the count's wave sums.
+struct EpgGroupedShared {
+  int start[EPG_GROUPED_MAX_EXPERTS];
+  int kept[EPG_GROUPED_MAX_EXPERTS];
+  int end[EPG_GROUPED_MAX_EXPERTS];
+  int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
+  int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
+  int base, over;
+};
+
+// Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
+// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step: a
+// thread's hits are numbered after those of the threads below it (a wave prefix of the per-thread counts from
+// four bit-sliced ballots, then the waves below), so a group holds its pairs in ascending pair id.
+EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int e) {
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
-  const int expert = (int)(first_expert + epg_block());
-  const epg_i64 pairs = (epg_i64)*total_recv * k;
+  const int expert = (int)(g.first_expert + e);
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
   const epg_u64 below = (1ull << lane) - 1ull;
-  if (tid == 0) base = 0;
+  if (tid == 0) sh.base = 0;
   epg_syncthreads();
   for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
     const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
     int hits = 0, c = 0;
 #pragma unroll
     for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
-      if (pb + u < pairs && recv_idx[pb + u] == expert) {
+      if (pb + u < pairs && g.recv_idx[pb + u] == expert) {
         hits |= 1 << u;
         ++c;
       }
@@ -221,17 +251,143 @@ EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx,
       pre += epg_popc(m & below) << b;
       total += epg_popc(m) << b;
     }
-    if (lane == 0) wave_sums[wave] = total;
+    if (lane == 0) sh.wave_sums[wave] = total;
     epg_syncthreads();
-    int pos = base + pre;
-    for (int w = 0; w < wave; ++w) pos += wave_sums[w];
+    int pos = sh.base + pre;
+    for (int w = 0; w < wave; ++w) pos += sh.wave_sums[w];
 #pragma unroll
     for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
-      if (hits & (1 << u)) pair_rel[pb + u] = pos++;
+      if (hits & (1 << u)) g.pair_rel[pb + u] = pos++;
     epg_syncthreads();
     if (tid == 0)
-      for (int w = 0; w < waves; ++w) base += wave_sums[w];
+      for (int w = 0; w < waves; ++w) sh.base += sh.wave_sums[w];
     epg_syncthreads();
   }
-  if (tid == 0) counts[epg_block()] = base;
+  if (tid == 0) g.counts[e] = sh.base;
+}
+
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
+// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
+// kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
+// the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
+// default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
+// Returns the end of the last group.
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
+  const int tid = epg_thread(), nt = epg_block_dim();
+  const int E = (int)g.num_local, A = (int)g.align;
+  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
+  int mine = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = g.counts[e];
+    sh.kept[e] = c;
+    mine += (c + A - 1) / A * A;
+  }
+  if (tid == 0) sh.over = 0;
+  sh.t_sum[tid] = mine;
+  epg_syncthreads();
+  for (int d = 1; d < nt; d <<= 1) {
+    const int add = tid >= d ? sh.t_sum[tid - d] : 0;
+    epg_syncthreads();
+    sh.t_sum[tid] += add;
+    epg_syncthreads();
+  }
+  int here = sh.t_sum[tid] - mine;
+  for (int e = lo; e < hi; ++e) {
+    const int c = sh.kept[e];
+    if ((epg_i64)here + c > g.capacity) sh.over = 1;
+    sh.start[e] = here;
+    here += (c + A - 1) / A * A;
+    sh.end[e] = here;
+  }
+  epg_syncthreads();
+  if (sh.over && tid == 0) {
+    epg_i64 at = 0, lost = 0;
+    for (int e = 0; e < E; ++e) {
+      const epg_i64 c = g.counts[e];
+      const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
+      sh.start[e] = (int)at;
+      sh.kept[e] = (int)kept;
+      lost += c - kept;
+      at += (kept + g.align - 1) / g.align * g.align;
+      sh.end[e] = (int)at;
+    }
+    if (epg_block() == 0) g.dropped[0] = (int)lost;
+  } else if (!sh.over && tid == 0 && epg_block() == 0) {
+    g.dropped[0] = 0;
+  }
+  epg_syncthreads();
+  if (epg_block() == 0)
+    for (int e = tid; e < E; e += nt) {
+      g.offs[e] = sh.end[e];
+      g.kept_counts[e] = sh.kept[e];
+    }
+  return E > 0 ? sh.end[E - 1] : 0;
+}
+
+// Place, one wave per real (received row, k) pair over the grid: a kept local pair copies its row (16-byte
+// vectors) and scales to grouped row start_e + position and records it (src, m_indices, weights, pair_pos);
+// every other pair gets pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
+  const int local = g.recv_idx[p] - (int)g.first_expert;
+  if (local < 0 || local >= g.num_local) return -1;
+  const int rel = g.pair_rel[p];
+  return rel < sh.kept[local] ? sh.start[local] + rel : -1;
+}
+EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
+  g.pair_pos[p] = row;
+  g.src[row] = (int)p;
+  g.m_indices[row] = g.recv_idx[p] - (int)g.first_expert;
+  g.weights[row] = g.has_weights ? g.recv_w[p] : 1.0f;
+}
+EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const int n16 = (int)(g.row_bytes / 16);
+  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < pairs; p += (epg_i64)epg_nblocks() * waves) {
+    const int row = epg_grouped_row(g, sh, p);  // wave-uniform
+    if (row < 0) {
+      if (lane == 0) g.pair_pos[p] = -1;
+      continue;
+    }
+    const epg_i64 from = p / g.k;
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes, g.recv_x + from * g.row_bytes, n16, lane);
+    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
+      g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+    if (lane == 0) epg_grouped_note(g, p, row);
+  }
+}
+
+// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is.
+EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
+  const int E = (int)g.num_local;
+  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
+    int lo = 0, hi = E;  // the first group ending past r (E: past the last group)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+    }
+    if (lo == E || r >= sh.start[lo] + sh.kept[lo]) {
+      g.src[r] = -1;
+      g.m_indices[r] = -1;
+      g.weights[r] = 0.f;
+    }
+  }
+}
+
+EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
+    int* __restrict__ pair_rel,
+    int* __restrict__ counts,
+    epg_i64 k,
+    epg_i64 first_expert) {
+  __shared__ EpgGroupedShared sh;
+  EpgGrouped g = {};
+  g.recv_idx = recv_idx;
+  g.total_recv = total_recv;
+  g.pair_rel = pair_rel;
+  g.counts = counts;
+  g.k = k;
+  g.first_expert = first_expert;
+  epg_grouped_count(g, sh, (int)epg_block());
 }

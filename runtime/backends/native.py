@@ -120,6 +120,8 @@ class NativeBackend:
         self._grp = self._grouped_setup() if cfg.enable_grouped_layout else None
         if self._grp is not None:
             self._grp.update(self._grouped_launchers(self._grp))
+            self._grouped_tail_fields(self._grp)
+        self._placed = False  # whether the last dispatch placed the grouped layout in its kernel
         self._last = None  # "dispatch" / "combine" (host order; the kernels keep their own in state "last")
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
@@ -312,7 +314,14 @@ class NativeBackend:
             f"{self.config.timeout_s}); the op needs reset() on every rank, or a rebuild if a "
             f"peer process died", rank=rank, peer=peer, phase=what)
 
-    def dispatch(self, x, weights, scales, indices, routing):
+    @property
+    def fuses_layout(self) -> bool:
+        """Does this op's dispatch kernel place the grouped layout in its tail (dispatch_grouped: one kernel)?
+        Every grouped op but the dequantizing ones (their placement decodes rows: grouped_place_fp8 / _fp4)."""
+        return self._grp is not None and "tail" in self._grp
+
+    def dispatch(self, x, weights, scales, indices, routing, layout: bool = False):
+        """layout=True (fuses_layout ops): the dispatch kernel also places the grouped layout (grouped_tail.j2)."""
         self.check(ids="warn")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
@@ -333,6 +342,8 @@ class NativeBackend:
         self._had_weights = weights is not None
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens = T
+        a.grp_x = self._grp["tail"] if layout else 0
+        self._placed = layout
         if protocol == "ll":
             self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
         else:
@@ -478,11 +489,31 @@ class NativeBackend:
             "dropped_view": g["dropped"][0],
         }
 
+    def _grouped_tail_fields(self, g: dict) -> None:
+        """The layout's buffers in the EP argument blocks (specs/kernels.toml [args.ep] grp_*), written once: a
+        dispatch_grouped sets grp_x to run the placement in its dispatch kernel's tail, a combine_grouped sets
+        grp_pair_pos to stage each received row as the weighted sum of its pairs (one kernel per leg). Not for
+        the dequantizing layouts (their placement decodes) nor for the scatter combine (it pushes staged rows)."""
+        cfg = self.config
+        if cfg.grouped_dequantize:
+            return
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        a = self.dargs
+        a.grp_scales, a.grp_pair_rel, a.grp_counts = ptr(g["scales"]), ptr(g["pair_rel"]), ptr(g["raw_counts"])
+        a.grp_pair_pos, a.grp_offs, a.grp_kept = ptr(g["pair_pos"]), ptr(g["offs"]), ptr(g["counts"])
+        a.grp_src, a.grp_m_indices, a.grp_weights = ptr(g["src"]), ptr(g["m_indices"]), ptr(g["weights"])
+        a.grp_dropped, a.grp_align, a.grp_capacity = ptr(g["dropped"]), cfg.expert_alignment, cfg.resolved_grouped_capacity
+        g["tail"] = g["x"].data_ptr()
+        if not self.plan.scatter:
+            g["stage"] = g["pair_pos"].data_ptr()
+
     def grouped_layout(self) -> grouped.GroupedLayout:
-        """Two launches on the current stream, sized by the device's total_recv (no host sync)."""
+        """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
+        stream, sized by the device's total_recv (no host sync)."""
         g = self._grp
-        g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
-        g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights))
+        if not self._placed:
+            g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
+            g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights))
         return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                      src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
                                      dropped=g["dropped_view"], pair_pos=g["pair_pos"])
@@ -551,7 +582,22 @@ class NativeBackend:
                 "total_device_bytes": lay["total"] + sum(extra.values()),
                 "pinned_host_bytes": self.error.numel() * 4}
 
-    def combine(self, expert_out, weights, indices, routing):
+    def combine_grouped_staged(self, expert_out, routing, apply_weights: bool):
+        """Grouped expert outputs [P, H] -> combined rows in one combine kernel (gather or low-latency): its
+        staging forms each received row from its pairs' grouped rows (grouped_tail.j2), so there is no reduce
+        pass. None when this op cannot (see _grouped_tail_fields): combine_grouped then reduces first."""
+        stage = self._grp.get("stage") if self._grp is not None else None
+        if stage is None:
+            return None
+        a = self.cargs
+        a.grp_pair_pos, a.grp_apply_weights = stage, int(apply_weights and self._had_weights)
+        try:
+            return self.combine(expert_out, None, None, routing, rows=self.config.max_recv_tokens)
+        finally:
+            a.grp_pair_pos = a.grp_apply_weights = 0
+
+    def combine(self, expert_out, weights, indices, routing, rows: int | None = None):
+        """rows: the received rows expert_out stands for (default: its own rows; a grouped staging names R)."""
         self.check(ids="warn")
         cfg = self.config
         slots = routing.extra.get("slots")
@@ -563,7 +609,7 @@ class NativeBackend:
         a = self.cargs
         a.slots, a.num_tokens = slots.data_ptr(), T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0]
+        a.expert_out, a.expert_rows = expert_out.data_ptr(), expert_out.shape[0] if rows is None else rows
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         protocol = routing.extra.get("protocol", "bw")  # the dispatch's: its slots and buffers
         if protocol == "ll":
@@ -590,7 +636,12 @@ class NativeBackend:
         torch.cuda.synchronize(self.device)  # kernels that gave up have exited by now
         dist.barrier(group=self.group)
         self.buf[: self.layout["recv_x"]].zero_()
-        self.state.zero_()
+        self.state.zero_()  # grouped_end too: every grouped row is marked padding again below
+        if self._grp is not None:
+            self._grp["src"].fill_(-1)
+            self._grp["m_indices"].fill_(-1)
+            self._grp["weights"].zero_()
+        self._placed = False
         self.total_recv.zero_()
         torch.cuda.synchronize(self.device)
         self.error.zero_()

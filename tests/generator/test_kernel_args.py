@@ -85,10 +85,16 @@ def test_shared_limits_are_rendered_from_the_spec(every_variant):
     specs, variants = every_variant
     limits = specs.arglists["grouped_place"]
     assert limits.limit("max_experts") == 1024
-    for v in (v for v in variants if v.family.args == "grouped_place"):
+    # the standalone placement and every EP kernel that runs the layout's passes (grouped_tail.j2) size their
+    # shared memory from the one declaration
+    users = [v for v in variants if v.family.args == "grouped_place" or v.family.name in (
+        "dispatch", "dispatch_ll", "combine_gather", "combine_ll")]
+    assert {v.family.name for v in users} >= {"grouped_place", "dispatch", "dispatch_ll"}
+    for v in users:
         src = R.render(v)
         assert f"constexpr int EPG_GROUPED_MAX_EXPERTS = {limits.limit('max_experts')};" in src
-        assert f"__shared__ int t_sum[{limits.limit('max_threads')}];" in src
+        assert f"constexpr int EPG_GROUPED_MAX_THREADS = {limits.limit('max_threads')};" in src
+        assert "int t_sum[EPG_GROUPED_MAX_THREADS];" in src
 
 
 def test_struct_mirror_follows_the_declaration():

@@ -41,7 +41,7 @@ RECORDS = {
     S.Profile: ("profiles", ("profile", "runtime"), None),
     S.Bucket: ("tuning", ("tuning", "sm_90", "dispatch", 0), None),
 }
-NOT_IN_FILES = {(S.Rule, "where")}  # filled in by the loader
+NOT_IN_FILES = {(S.Rule, "where"), (S.Family, "limits_of")}  # filled in by the loader
 
 
 def _fields():

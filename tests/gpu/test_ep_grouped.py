@@ -234,3 +234,48 @@ def test_fused_grouped_combine_in_a_cuda_graph():
                 assert torch.equal(got_staged, want)
                 dist.barrier()
     run_collective(check)  # its all-gather is the closing barrier
+
+
+# --- one kernel per leg: dispatch_grouped places the layout in its dispatch kernel's tail, combine_grouped stages
+# the received rows from the groups in its combine kernel (templates/kernels/grouped_tail.j2) ------------------
+def _snapshot(lay):
+    keep = lay.src >= 0
+    return {"offs": lay.offs.clone(), "counts": lay.counts.clone(), "dropped": lay.dropped.clone(),
+            "src": lay.src.clone(), "m_indices": lay.m_indices.clone(), "weights": lay.weights.clone(),
+            "x": lay.x.view(torch.uint8)[keep].clone(),
+            "scales": None if lay.scales is None else lay.scales.view(torch.uint8)[keep].clone(),
+            "pair_pos": lay.pair_pos.clone()}
+
+
+@pytest.mark.parametrize("mode,protocol,gcap", [
+    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp8_blockwise", "bw", 0), ("fp8_blockwise", "ll", 0),
+    ("bf16", "bw", 128),  # a small buffer: drops, the serial recurrence
+])
+def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
+    def check():
+        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
+            assert op._backend.fuses_layout
+            x, w, s, idx = _inputs(3, mode, "cuda")
+            lay, h = op.dispatch_grouped(x, w, s, idx)  # the dispatch kernel's tail
+            one = _snapshot(lay)
+            y = expert_rows(lay, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+            staged = op.combine_grouped(y, h)[0].clone()  # one combine kernel
+            staged_u = op.combine_grouped(y, h, apply_weights=False)[0].clone()
+            op.dispatch(x, w, s, idx, routing=h)  # replay: the same rows in the same slots
+            two = _snapshot(op.grouped_layout())  # the standalone grouped_count + grouped_place
+            for name, got in one.items():
+                want = two[name]
+                assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), name
+            reduced = op.combine(op._backend.grouped_reduce(y, True), routing=h)[0]  # the reduce pass, then combine
+            assert torch.equal(staged, reduced), (staged.float() - reduced.float()).abs().max()
+            reduced_u = op.combine(op._backend.grouped_reduce(y, False), routing=h)[0]
+            assert torch.equal(staged_u, reduced_u)
+            if gcap:
+                assert int(lay.dropped) > 0
+            # a smaller batch after a larger one: the rows past its groups are padding again
+            small = tuple(None if t is None else t[: T // 4] for t in (x, w, s, idx))
+            lay2, _ = op.dispatch_grouped(*small)
+            end = int(lay2.offs[-1])
+            assert bool((lay2.src[end:] == -1).all()) and bool((lay2.m_indices[end:] == -1).all())
+            assert bool((lay2.weights[end:] == 0).all())
+    run_collective(check)

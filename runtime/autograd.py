@@ -1,0 +1,463 @@
+"""Training through epgen: dispatch and combine that record autograd (docs/TRAINING.md).
+
+Public surface (names stable; each takes the op first):
+
+  dispatch_grouped(op, x, weights=None, indices=...) -> (GroupedLayout, Handle)
+      op.dispatch_grouped with a backward: ``layout.x`` (float payloads, or a quantized dispatch with
+      grouped_dequantize=True) carries the gradient back to ``x``, ``layout.weights`` (float32 [P]) to
+      ``weights``. The layout's tensors are fresh (not the op's buffers), so several forwards may be in flight.
+  combine_grouped(op, y, handle, apply_weights=True) -> out [num_tokens, hidden]
+      op.combine_grouped with a backward: gradients reach ``y`` and (apply_weights=True) the routing weights:
+      d out / d w of a pair = <y row of the pair, output gradient of its token>, summed in float32.
+  dispatch(op, x, weights=None, indices=...) -> (out, out_weights, out_indices, total_recv, Handle)
+  combine(op, y, handle, weights=None) -> (out, out_weights)
+      the plain legs (bf16/fp32 payloads): gradients reach x / weights and y / weights.
+  Handle: what a backward needs of its forward's routing (ids copied out of the op's reused buffers);
+      ``handle.routing`` is the op's RoutingHandle.
+  OP_NAMES: the torch.library ops ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped",
+      "epgen::combine_grouped"), e.g. for a selective activation checkpointing policy.
+
+Every function takes the op's own path, unchanged, when autograd is off (``torch.is_grad_enabled()`` False:
+``torch.no_grad()``, inference): the op's outputs are then its buffers, as with the op methods. With autograd on it
+runs as the custom op ``epgen::NAME`` (torch.library, ``register_autograd``), whose arguments are tensors and
+integers only: the op and the handle are named by integer ids in this module's registries (as torchtitan's
+DeepEP integration names its handles).
+
+Backward (no new routing, no host sync):
+  * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
+    summed over its destination ranks; in the grouped form each received row first sums its local pairs'
+    gradient rows, in float32); the weights' gradients travel in combine's weights channel;
+  * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient;
+  * pairs or rows the forward dropped (receive cap ``max_total_recv_tokens``, grouped capacity) get zero
+    gradient; rows past total_recv and grouped padding rows get zero gradient;
+  * a quantized dispatch (fp8 / fp4 blockwise) or a quantized combine (quant_type) is treated as the identity for
+    the gradient: the backward moves the gradients unquantized (data_type) through a companion op of the same
+    routing geometry without quantization, built on first use (collectively: every rank's forward) and closed
+    with the op.
+A backward through a handle whose op was closed raises ClosedError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from typing import Optional
+
+import attrs
+import torch
+
+from . import grouped
+from .errors import ClosedError, InputError
+from .routing import RoutingHandle
+
+OP_NAMES = ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # op uid -> op
+_HANDLES: "weakref.WeakValueDictionary[int, _Saved]" = weakref.WeakValueDictionary()  # handle id -> saved routing
+_PENDING: dict[int, "_Saved"] = {}  # made by a forward, until its wrapper takes it (the same call)
+_IDS = itertools.count(1)
+
+
+class _Saved:
+    """A forward's routing as its backward needs it, copied out of the op's reused buffers."""
+
+    __slots__ = ("op", "routing", "ids", "total", "pair_pos", "src", "__weakref__")
+
+    def __init__(self, op, routing: RoutingHandle, ids: torch.Tensor, total=None, pair_pos=None, src=None):
+        self.op, self.routing, self.ids = op, routing, ids
+        self.total, self.pair_pos, self.src = total, pair_pos, src
+
+
+class Handle:
+    """A forward's routing for combine / combine_grouped and for the backwards (see the module docstring).
+
+    routing: the op's RoutingHandle; id: this handle's id in the registry the custom ops read; weights: the
+    grouped layout's differentiable weights (dispatch_grouped; combine_grouped applies them)."""
+
+    __slots__ = ("id", "op_uid", "routing", "weights", "_saved")
+
+    def __init__(self, op, routing: RoutingHandle, saved: _Saved | None, weights: torch.Tensor | None = None,
+                 handle_id: int = 0):
+        self.id, self.op_uid, self.routing, self.weights, self._saved = handle_id, op.uid, routing, weights, saved
+        if saved is not None:
+            _HANDLES[handle_id] = saved
+
+    @property
+    def num_tokens(self) -> int:
+        return self.routing.num_tokens
+
+    def __repr__(self) -> str:
+        return f"Handle(id={self.id}, op_uid={self.op_uid}, seq={self.routing.seq}, tokens={self.num_tokens})"
+
+
+# --- registries ------------------------------------------------------------------------------------
+def _register(op) -> None:
+    if op.closed:
+        raise ClosedError("epgen autograd: this EpDispatchCombineOp is closed")
+    if op.combine_weights != "values":
+        raise InputError("epgen autograd: the op must be built with combine_weights='values' (the default)")
+    _OPS[op.uid] = op
+    if _needs_grad_op(op.config) and op._grad_op is None:
+        op._grad_op = _make_grad_op(op)
+
+
+def _op(op_id: int, call: str):
+    op = _OPS.get(op_id)
+    if op is None or op.closed:
+        raise ClosedError(f"{call}: the op (uid {op_id}) is closed or gone")
+    return op
+
+
+def _live(saved: _Saved, call: str):
+    """The op of a saved routing, refusing a closed one (a backward after op.close())."""
+    if saved.op.closed:
+        raise ClosedError(f"backward of {call}: the EpDispatchCombineOp (uid {saved.op.uid}) its forward ran on "
+                          f"is closed; run the backward before op.close()")
+    return saved.op
+
+
+def _take(handle_id: int) -> _Saved:
+    saved = _PENDING.get(handle_id) or _HANDLES.get(handle_id)
+    if saved is None:
+        raise InputError(f"epgen autograd: no routing under handle id {handle_id} (call the functions of "
+                         f"runtime.autograd, not the custom ops directly)")
+    return saved
+
+
+# --- the companion op for quantized legs -------------------------------------------------------------
+def _needs_grad_op(cfg) -> bool:
+    return cfg.dispatch_quant_type != "none" or cfg.quant_type != "none"
+
+
+def _make_grad_op(op):
+    """The op the gradients of a quantized op move through: the same routing geometry, no quantization
+    (collective, like any op's construction)."""
+    from .op import EpDispatchCombineOp
+
+    cfg = op.config
+    protocol = getattr(op._backend, "protocol", None)
+    fields = dict(dispatch_quant_type="none", quant_type="none", combine_mode=None, grouped_dequantize=False,
+                  enable_grouped_layout=False, enable_std_moe=False, strict_capacity=False)
+    if protocol in ("ll", "bw"):
+        fields["intranode_protocol"] = protocol
+    group = getattr(op._backend, "group", None)
+    return EpDispatchCombineOp(attrs.evolve(cfg, **fields), group)
+
+
+def _mover(op, routing: RoutingHandle, quantized: bool):
+    """(op, routing) a gradient moves through: the op itself, or its unquantized companion."""
+    if not quantized:
+        return op, routing
+    g = op._grad_op
+    return g, attrs.evolve(routing, op_uid=g.uid, config_key=g.config.key)
+
+
+# --- the two moves every backward is made of ---------------------------------------------------------
+def _rows_mask(total: torch.Tensor, rows: int) -> torch.Tensor:
+    return (torch.arange(rows, device=total.device) < total.to(torch.int64)).unsqueeze(1)
+
+
+def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor | None):
+    """combine's backward: dispatch the output gradient [T, H] (and [T, k]) along the forward's routing ->
+    (rows [R, H] data_type, zero past total_recv; weights rows [R, k] or None)."""
+    op = _live(saved, call)
+    cfg = op.config
+    mover, routing = _mover(op, saved.routing, cfg.dispatch_quant_type != "none")
+    out, out_w, _, _, total = mover.dispatch(grad.to(cfg.data_type).contiguous(), grad_w, None, saved.ids,
+                                             routing=routing)
+    keep = _rows_mask(total, out.shape[0])
+    rows = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if out_w is not None:
+        out_w = torch.where(keep, out_w, torch.zeros((), dtype=out_w.dtype, device=out_w.device))
+    return rows, out_w
+
+
+def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Tensor | None):
+    """dispatch's backward: combine gradient rows [R, H] (and [R, k]) back to the tokens, summed over the
+    destination ranks -> (grad [T, H] combine dtype, grad weights [T, k] float32 or None)."""
+    op = _live(saved, call)
+    cfg = op.config
+    mover, routing = _mover(op, saved.routing, cfg.quant_type != "none")
+    return mover.combine(rows.to(mover.config.combine_dtype).contiguous(), rows_w, routing=routing)
+
+
+def _pair_rows(pair_pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    return pair_pos.long().view(-1, k)[:rows]
+
+
+def _sum_pairs(grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Grouped rows' gradients [P, H] -> per received row the float32 sum of its local pairs' rows [R, H]."""
+    return grouped.reduce(grad_xg, types.SimpleNamespace(pair_pos=pair_pos), None, rows, k, torch.float32,
+                          apply_weights=False)
+
+
+def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Grouped rows' values [P] -> [R, k] per (received row, column) pair, 0 where the pair has no row."""
+    pos = _pair_rows(pair_pos, k, rows)
+    return torch.where(pos >= 0, wg[pos.clamp(min=0)], torch.zeros((), dtype=wg.dtype, device=wg.device))
+
+
+# --- epgen::dispatch_grouped -----------------------------------------------------------------------
+@torch.library.custom_op("epgen::dispatch_grouped", mutates_args=())
+def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
+                         handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _op(op_id, "epgen::dispatch_grouped")
+    layout, routing = op.dispatch_grouped(x, weights, None, indices)
+    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
+                                 src=layout.src.clone())
+    scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
+    return (layout.x.clone(), layout.weights.clone(), scales, layout.offs.clone(), layout.counts.clone(),
+            layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()))
+
+
+@_dispatch_grouped_op.register_fake
+def _(x, weights, indices, op_id, handle_id):
+    op = _OPS[op_id]
+    cfg = op.config
+    P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+    if cfg.grouped_dequantize:
+        xg, scales = x.new_empty((P, cfg.hidden_dim), dtype=cfg.data_type), x.new_empty((P, 0))
+    else:
+        xg = x.new_empty((P, op.dispatch_out_cols), dtype=op.dispatch_out_dtype)
+        sd = op.dispatch_out_scales_dtype
+        scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
+    i32 = dict(dtype=torch.int32)
+    return (xg, x.new_empty((P,), dtype=torch.float32), scales, x.new_empty((E,), **i32), x.new_empty((E,), **i32),
+            x.new_empty((P,), **i32), x.new_empty((P,), **i32), x.new_empty((), **i32))
+
+
+def _dispatch_grouped_setup(ctx, inputs, output):
+    ctx.saved = _take(inputs[4])
+    ctx.x_dtype = inputs[0].dtype
+    ctx.mark_non_differentiable(*output[2:])
+    if output[0].dtype not in FLOAT_DTYPES:
+        ctx.mark_non_differentiable(output[0])
+
+
+def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
+    saved = ctx.saved
+    op = _live(saved, "epgen::dispatch_grouped")
+    cfg = op.config
+    R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
+    if grad_xg is None:
+        rows = torch.zeros((R, cfg.hidden_dim), dtype=torch.float32, device=op.device)
+    else:
+        rows = _sum_pairs(grad_xg, saved.pair_pos, R, k)
+    rows_w = _pair_weights(grad_wg.float(), saved.pair_pos, R, k) if grad_wg is not None else None
+    gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
+    gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
+
+
+torch.library.register_autograd("epgen::dispatch_grouped", _dispatch_grouped_backward,
+                                setup_context=_dispatch_grouped_setup)
+
+
+def dispatch_grouped(op, x, weights=None, indices=None):
+    """op.dispatch_grouped(x, weights, None, indices) recording autograd -> (GroupedLayout, Handle); see the
+    module docstring. The layout's x and weights are differentiable (x: float payloads, or grouped_dequantize)."""
+    if not torch.is_grad_enabled():
+        layout, routing = op.dispatch_grouped(x, weights, None, indices)
+        return layout, Handle(op, routing, None, layout.weights)
+    _register(op)
+    hid = next(_IDS)
+    try:
+        xg, wg, scales, offs, counts, src, m_idx, dropped = _dispatch_grouped_op(
+            x.contiguous(), None if weights is None else weights.contiguous(), indices, op.uid, hid)
+    finally:
+        saved = _PENDING.pop(hid, None)
+    handle = Handle(op, saved.routing, saved, wg, hid)
+    layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
+                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped, pair_pos=saved.pair_pos,
+                                   seq=saved.routing.seq)
+    return layout, handle
+
+
+# --- epgen::combine_grouped ------------------------------------------------------------------------
+@torch.library.custom_op("epgen::combine_grouped", mutates_args=())
+def _combine_grouped_op(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id: int,
+                        apply_weights: bool) -> torch.Tensor:
+    op = _op(op_id, "epgen::combine_grouped")
+    saved = _take(handle_id)
+    last = op._grouped
+    if last is not None and last.seq == saved.routing.seq:  # the op's own path: its layout is this handle's
+        return op.combine_grouped(y, saved.routing, apply_weights)[0]
+    cfg = op.config  # an older handle: the pairs' rows from the saved map, then the combine
+    R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
+    checks_shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
+    if tuple(y.shape) != checks_shape or y.dtype != cfg.combine_dtype:
+        raise InputError(f"combine_grouped: expert_out must be {list(checks_shape)} {cfg.combine_dtype}, got "
+                         f"{list(y.shape)} {y.dtype}")
+    pw = _pair_weights(wg, saved.pair_pos, R, k) if apply_weights else None
+    rows = grouped.reduce(y, types.SimpleNamespace(pair_pos=saved.pair_pos), pw, R, k, cfg.combine_dtype,
+                          apply_weights)
+    return op.combine(rows, routing=saved.routing)[0]
+
+
+@_combine_grouped_op.register_fake
+def _(y, wg, op_id, handle_id, apply_weights):
+    cfg = _OPS[op_id].config
+    return y.new_empty((_HANDLES[handle_id].routing.num_tokens, cfg.hidden_dim), dtype=cfg.combine_dtype)
+
+
+def _combine_grouped_setup(ctx, inputs, output):
+    y, wg, _, handle_id, apply_weights = inputs
+    ctx.saved, ctx.apply_weights = _take(handle_id), apply_weights
+    ctx.save_for_backward(y, wg)
+
+
+def _combine_grouped_backward(ctx, grad_out):
+    saved = ctx.saved
+    y, wg = ctx.saved_tensors
+    k = saved.op.config.num_experts_per_token
+    rows, _ = _replay(saved, "epgen::combine_grouped", grad_out, None)
+    src = saved.src.long()
+    filled = (src >= 0).unsqueeze(1)
+    g = torch.where(filled, rows[torch.div(src.clamp(min=0), k, rounding_mode="floor")].float(),
+                    torch.zeros((), dtype=torch.float32, device=rows.device))  # [P, H]: each pair's token gradient
+    grad_y = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_y = (wg.unsqueeze(1) * g if ctx.apply_weights else g).to(y.dtype)
+    if ctx.needs_input_grad[1] and ctx.apply_weights:
+        grad_w = (y.float() * g).sum(1)
+    return grad_y, grad_w, None, None, None
+
+
+torch.library.register_autograd("epgen::combine_grouped", _combine_grouped_backward,
+                                setup_context=_combine_grouped_setup)
+
+
+def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.Tensor:
+    """op.combine_grouped(y, handle.routing, apply_weights) recording autograd -> out [num_tokens, hidden]
+    (a fresh tensor); gradients reach y and, with apply_weights, the layout's weights (module docstring)."""
+    if not isinstance(handle, Handle):
+        raise InputError(f"combine_grouped: handle must be the runtime.autograd.Handle of dispatch_grouped, got "
+                         f"{type(handle).__name__}")
+    if handle.op_uid != op.uid:
+        raise InputError(f"combine_grouped: the handle comes from another op (uid {handle.op_uid}, this op is uid "
+                         f"{op.uid})")
+    if not torch.is_grad_enabled() or handle._saved is None:
+        return op.combine_grouped(y, handle.routing, apply_weights)[0]
+    if handle.weights is None:
+        raise InputError("combine_grouped: the handle is not from dispatch_grouped")
+    _register(op)
+    return _combine_grouped_op(y.contiguous(), handle.weights, op.uid, handle.id, bool(apply_weights))
+
+
+# --- epgen::dispatch (plain) -----------------------------------------------------------------------
+def _check_plain(op, call: str) -> None:
+    cfg = op.config
+    if cfg.prequantized or cfg.dispatch_quant_type != "none":
+        raise InputError(f"{call}: a quantized dispatch returns {op.dispatch_out_dtype} rows, which carry no "
+                         f"gradient; train through dispatch_grouped with grouped_dequantize=True")
+
+
+@torch.library.custom_op("epgen::dispatch", mutates_args=())
+def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
+                 handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _op(op_id, "epgen::dispatch")
+    out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
+    total = total.clone()
+    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), total=total)
+    if out_w is None:
+        out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
+    return out.clone(), out_w.clone(), out_i.clone(), total.clone()
+
+
+@_dispatch_op.register_fake
+def _(x, weights, indices, op_id, handle_id):
+    cfg = _OPS[op_id].config
+    R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
+    return (x.new_empty((R, x.shape[1])), x.new_empty((R, k), dtype=torch.float32),
+            x.new_empty((R, k), dtype=torch.int32), x.new_empty((1,), dtype=torch.int32))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.saved = _take(inputs[4])
+    ctx.x_dtype = inputs[0].dtype
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _dispatch_backward(ctx, grad_out, grad_w, *_):
+    saved = ctx.saved
+    keep = _rows_mask(saved.total, grad_out.shape[0])
+    rows = torch.where(keep, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
+    rows_w = None
+    if ctx.needs_input_grad[1]:
+        rows_w = torch.where(keep, grad_w, torch.zeros((), dtype=grad_w.dtype, device=grad_w.device)).contiguous()
+    gx, gw = _gather_back(saved, "epgen::dispatch", rows, rows_w)
+    return (gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None), gw, None, None, None
+
+
+torch.library.register_autograd("epgen::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+
+
+def dispatch(op, x, weights=None, indices=None):
+    """op.dispatch(x, weights, None, indices, return_routing=True) recording autograd -> (out [R, H],
+    out_weights [R, k] float32 or None, out_indices, total_recv, Handle); out and out_weights are differentiable
+    (bf16/fp32 payloads; a quantized dispatch trains through dispatch_grouped)."""
+    if not torch.is_grad_enabled():
+        out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
+        return out, out_w, out_i, total, Handle(op, routing, None)
+    _check_plain(op, "dispatch")
+    _register(op)
+    hid = next(_IDS)
+    try:
+        out, out_w, out_i, total = _dispatch_op(x.contiguous(), None if weights is None else weights.contiguous(),
+                                                indices, op.uid, hid)
+    finally:
+        saved = _PENDING.pop(hid, None)
+    return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid)
+
+
+# --- epgen::combine (plain) ------------------------------------------------------------------------
+@torch.library.custom_op("epgen::combine", mutates_args=())
+def _combine_op(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
+                handle_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    op = _op(op_id, "epgen::combine")
+    saved = _take(handle_id)
+    out, out_w = op.combine(y, weights, routing=saved.routing)
+    if out_w is None:
+        out_w = torch.zeros((out.shape[0], op.config.num_experts_per_token), dtype=torch.float32, device=out.device)
+    return out, out_w
+
+
+@_combine_op.register_fake
+def _(y, weights, op_id, handle_id):
+    cfg = _OPS[op_id].config
+    T = _HANDLES[handle_id].routing.num_tokens
+    return (y.new_empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype),
+            y.new_empty((T, cfg.num_experts_per_token), dtype=torch.float32))
+
+
+def _combine_setup(ctx, inputs, output):
+    y, weights, _, handle_id = inputs
+    ctx.saved, ctx.rows, ctx.y_dtype = _take(handle_id), y.shape[0], y.dtype
+
+
+def _combine_backward(ctx, grad_out, grad_w):
+    rows, rows_w = _replay(ctx.saved, "epgen::combine", grad_out, grad_w.contiguous()
+                           if ctx.needs_input_grad[1] else None)
+    grad_y = rows[:ctx.rows].to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
+    grad_weights = rows_w[:ctx.rows] if rows_w is not None else None
+    return grad_y, grad_weights, None, None
+
+
+torch.library.register_autograd("epgen::combine", _combine_backward, setup_context=_combine_setup)
+
+
+def combine(op, y, handle: Handle, weights=None):
+    """op.combine(y, weights, routing=handle.routing) recording autograd -> (out [num_tokens, H], out_weights
+    [num_tokens, k] or None); gradients reach y and weights."""
+    if not isinstance(handle, Handle):
+        raise InputError(f"combine: handle must be a runtime.autograd.Handle, got {type(handle).__name__}")
+    if handle.op_uid != op.uid:
+        raise InputError(f"combine: the handle comes from another op (uid {handle.op_uid}, this op is uid {op.uid})")
+    if not torch.is_grad_enabled() or handle._saved is None:
+        return op.combine(y, weights, routing=handle.routing)
+    _register(op)
+    out, out_w = _combine_op(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)
+    return out, (out_w if weights is not None else None)

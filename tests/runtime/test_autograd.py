@@ -1,0 +1,237 @@
+"""runtime/autograd.py on the torch backend: gloo ranks at W = 1, 2, 4 (tests/support/ep_dist.py).
+
+gradcheck of every leg (dispatch, combine, dispatch_grouped, combine_grouped) as a function of every rank's
+inputs (tests/support/autograd_legs.py): fp64 inputs on fp32 ops. The inputs are multiples of 1/8 with few bits
+and eps = 1/8, so every value the legs compute is exact in fp32 and the central differences of these linear (and,
+for the weights, bilinear) maps are exact: gradcheck's default tolerances hold. Receive-cap drops, grouped-capacity
+drops and repeated ids (a token naming one expert, or one rank, twice) included. Then: several forwards in flight,
+a backward after op.close(), torch.utils.checkpoint, the no-grad path, fp8 dispatch (bf16 gradients) and the
+registered op names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.autograd_legs import (combine_grouped_leg, combine_leg, dispatch_grouped_leg, dispatch_leg,
+                                         grouped_step, linear_experts)
+from tests.support.configs import make_config
+from tests.support.ep_dist import get_world
+from runtime import ClosedError, EpDispatchCombineOp, InputError
+from runtime import autograd as ag
+
+H, K = 4, 2
+EIGHTHS = 1 / 8
+
+
+def _cfg(rank, world, tokens, **kw):
+    fields = dict(hidden_dim=H, max_num_inp_token_per_rank=tokens, num_experts_per_rank=2, num_experts_per_token=K,
+                  data_type=torch.float32, enable_grouped_layout=True, expert_alignment=2)
+    return make_config(rank, world, **{**fields, **kw})
+
+
+def _dyadic(g, *shape):
+    """Multiples of 1/8 in [-1, 1]: exact in fp32, and so are their sums and products here."""
+    return torch.randint(-8, 9, shape, generator=g, dtype=torch.int64).to(torch.float64) * EIGHTHS
+
+
+def _global_inputs(world, tokens, num_experts, seed, repeats):
+    g = torch.Generator().manual_seed(seed)
+    X = _dyadic(g, world, tokens, H)
+    Wt = _dyadic(g, world, tokens, K)
+    ids = torch.randint(0, num_experts, (world, tokens, K), generator=g).to(torch.int32)
+    if repeats:  # token 0 names one expert twice, token 1 two experts of one rank
+        ids[:, 0, 1] = ids[:, 0, 0]
+        ids[:, 1, 1] = ids[:, 1, 0] // 2 * 2 + (1 - ids[:, 1, 0] % 2)
+    return X, Wt, ids
+
+
+def _gradcheck(fn, inputs):
+    inputs = tuple(t.requires_grad_(True) for t in inputs)
+    return torch.autograd.gradcheck(fn, inputs, eps=EIGHTHS, atol=1e-6, rtol=1e-6)
+
+
+def scn_gradcheck(rank, world, leg, tokens, seed, repeats, cfg_fields):
+    cfg = _cfg(rank, world, tokens, **cfg_fields)
+    X, Wt, ids = _global_inputs(world, tokens, cfg.num_experts, seed, repeats)
+    n = tokens - (rank % 2)  # ranks with fewer tokens than the others
+    my_ids = ids[rank, :n].contiguous()
+    g = torch.Generator().manual_seed(seed + 1)
+    with EpDispatchCombineOp(cfg) as op:
+        if leg == "dispatch_grouped":
+            ok = _gradcheck(lambda X, Wt: dispatch_grouped_leg(op, X, Wt, my_ids, n), (X, Wt))
+        elif leg == "combine_grouped":
+            Y = _dyadic(g, world, cfg.resolved_grouped_capacity, H)
+            ok = _gradcheck(lambda X, Wt, Y: combine_grouped_leg(op, X, Wt, Y, my_ids, n), (X, Wt, Y))
+        elif leg == "combine_grouped_unweighted":
+            Y = _dyadic(g, world, cfg.resolved_grouped_capacity, H)
+            ok = _gradcheck(lambda X, Y: combine_grouped_leg(op, X, Wt, Y, my_ids, n, apply_weights=False), (X, Y))
+        elif leg == "dispatch":
+            ok = _gradcheck(lambda X, Wt: dispatch_leg(op, X, Wt, my_ids, n), (X, Wt))
+        else:
+            R = cfg.max_recv_tokens
+            Y, Wc = _dyadic(g, world, R, H), _dyadic(g, world, R, K)
+            ok = _gradcheck(lambda Y, Wc: combine_leg(op, X, Y, Wc, my_ids, n), (Y, Wc))
+    return ok
+
+
+LEGS = ["dispatch_grouped", "combine_grouped", "combine_grouped_unweighted", "dispatch", "combine"]
+DROPS = {"none": {}, "recv_cap": {"max_total_recv_tokens": 3}, "grouped_cap": {"grouped_capacity": 4}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("leg", LEGS)
+def test_gradcheck_every_leg(world, leg):
+    assert all(get_world(world).run(scn_gradcheck, leg, 3, 7, True, {}, timeout=240))
+
+
+@pytest.mark.parametrize("drops", ["recv_cap", "grouped_cap"])
+@pytest.mark.parametrize("leg", ["dispatch_grouped", "combine_grouped", "dispatch", "combine"])
+def test_gradcheck_with_drops(leg, drops):
+    if drops == "grouped_cap" and leg in ("dispatch", "combine"):
+        pytest.skip("the plain legs have no grouped layout")
+    assert all(get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240))
+
+
+def test_gradcheck_one_rank():
+    assert all(get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
+
+
+# --- semantics beyond gradcheck ------------------------------------------------------------------------
+def _step_inputs(rank, cfg, seed, tokens):
+    """(x, w, ids, expert matrices, upstream gradient) of one rank's step."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(tokens, cfg.hidden_dim, generator=g).to(cfg.data_type)
+    w = torch.rand(tokens, K, generator=g)
+    ids = torch.randint(0, cfg.num_experts, (tokens, K), generator=g).to(torch.int32)
+    gg = torch.Generator().manual_seed(seed)
+    ew = torch.randn(cfg.num_experts_per_rank, cfg.hidden_dim, cfg.hidden_dim, generator=gg).to(cfg.data_type)
+    grad = torch.randn(tokens, cfg.hidden_dim, generator=g).to(cfg.data_type)
+    return x, w, ids, ew, grad
+
+
+def scn_in_flight(rank, world):
+    """Two forwards, then their backwards in reverse order (gradient accumulation), against one at a time."""
+    cfg = _cfg(rank, world, 6, hidden_dim=8)
+    a, b = _step_inputs(rank, cfg, 1, 6), _step_inputs(rank, cfg, 2, 6)
+    with EpDispatchCombineOp(cfg) as op:
+        want_a, want_b = grouped_step(op, *a), grouped_step(op, *b)
+        outs = []
+        for x, w, ids, ew, grad in (a, b):  # both forwards first: the second reuses every buffer of the op
+            x, w, ew = (t.clone().requires_grad_(True) for t in (x, w, ew))
+            layout, h = ag.dispatch_grouped(op, x, w, ids)
+            outs.append((x, w, ew, layout, h))
+        # the experts and both combines after both dispatches (the older handle first: not the op's last layout)
+        ys = [ag.combine_grouped(op, linear_experts(layout, ew), h) for _, _, ew, layout, h in outs]
+        got = []
+        for (x, w, ew, _, _), out, (_, _, _, _, grad) in reversed(list(zip(outs, ys, (a, b)))):
+            got.append((out.detach(), *torch.autograd.grad(out, (x, w, ew), grad)))
+        got.reverse()
+    for want, have in zip((want_a, want_b), got):
+        for u, v in zip(want, have):
+            assert torch.equal(u, v)
+    return True
+
+
+def test_several_forwards_in_flight_keep_their_routing():
+    assert all(get_world(2).run(scn_in_flight, timeout=120))
+
+
+def scn_closed(rank, world):
+    cfg = _cfg(rank, world, 4)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 3, 4)
+    op = EpDispatchCombineOp(cfg)
+    x.requires_grad_(True)
+    layout, h = ag.dispatch_grouped(op, x, w, ids)
+    out = ag.combine_grouped(op, layout.x * 2, h)
+    op.close()
+    with pytest.raises(ClosedError, match=r"^backward of epgen::combine_grouped: the EpDispatchCombineOp \(uid \d+\) "
+                                          r"its forward ran on is closed; run the backward before op.close\(\)$"):
+        out.backward(grad)
+    return True
+
+
+def test_backward_through_a_closed_op_is_a_clear_error():
+    assert all(get_world(2).run(scn_closed, timeout=120))
+
+
+def scn_checkpoint(rank, world):
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = _cfg(rank, world, 5, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 4, 5)
+
+    def layer(x, w, ew):
+        layout, h = ag.dispatch_grouped(op, x, w, ids)
+        return torch.tanh(ag.combine_grouped(op, torch.relu(linear_experts(layout, ew)), h))
+
+    with EpDispatchCombineOp(cfg) as op:
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
+        want = torch.autograd.grad(layer(*leaves), leaves, grad)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
+        got = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False), leaves, grad)
+    assert all(torch.equal(u, v) for u, v in zip(want, got))
+    return True
+
+
+def test_checkpoint_recomputation_gives_the_same_gradients():
+    assert all(get_world(2).run(scn_checkpoint, timeout=120))
+
+
+def scn_no_grad(rank, world):
+    """Autograd off: the op's own path and buffers (nothing cloned), the same values as with autograd on."""
+    cfg = _cfg(rank, world, 5, hidden_dim=8)
+    x, w, ids = _step_inputs(rank, cfg, 5, 5)[:3]
+    with EpDispatchCombineOp(cfg) as op:
+        with torch.no_grad():
+            layout, h = ag.dispatch_grouped(op, x, w, ids)
+            assert h.id == 0 and not layout.x.requires_grad  # no routing saved, no custom op
+            plain = ag.combine_grouped(op, layout.x, h).clone()
+        layout2, h2 = ag.dispatch_grouped(op, x, w, ids)
+        assert h2.id > 0 and torch.equal(layout2.x, layout.x)
+        assert torch.equal(ag.combine_grouped(op, layout2.x, h2), plain)
+    return True
+
+
+def test_no_grad_takes_the_ops_own_path():
+    assert all(get_world(2).run(scn_no_grad, timeout=120))
+
+
+def scn_fp8(rank, world):
+    """fp8_blockwise dispatch (grouped_dequantize): the gradients move unquantized, the same bits as a bf16 op's
+    for the same routing and the same upstream gradient (the quantization is the identity for the gradient)."""
+    kw = dict(hidden_dim=128, data_type=torch.bfloat16)
+    fp8 = _cfg(rank, world, 4, dispatch_quant_type="fp8_blockwise", grouped_dequantize=True, **kw)
+    bf16 = _cfg(rank, world, 4, **kw)
+    x, w, ids, _, grad = _step_inputs(rank, bf16, 6, 4)
+    grads = []
+    for cfg in (fp8, bf16):
+        with EpDispatchCombineOp(cfg) as op:
+            xx = x.clone().requires_grad_(True)
+            layout, h = ag.dispatch_grouped(op, xx, w, ids)
+            assert layout.x.dtype == torch.bfloat16
+            out = ag.combine_grouped(op, layout.x * 3, h, apply_weights=False)
+            grads.append(torch.autograd.grad(out, xx, grad)[0])
+    assert grads[0].dtype == torch.bfloat16 and torch.equal(grads[0], grads[1])
+    return True
+
+
+def test_fp8_dispatch_moves_bf16_gradients():
+    assert all(get_world(2).run(scn_fp8, timeout=180))
+
+
+def test_plain_dispatch_of_a_quantized_op_says_where_to_train():
+    cfg = _cfg(0, 1, 4, hidden_dim=128, data_type=torch.bfloat16, dispatch_quant_type="fp8_blockwise")
+    with EpDispatchCombineOp(cfg) as op:
+        x = torch.randn(4, 128).to(torch.bfloat16).requires_grad_(True)
+        ids = torch.zeros(4, K, dtype=torch.int32)
+        with pytest.raises(InputError, match="grouped_dequantize=True"):
+            ag.dispatch(op, x, None, ids)
+
+
+def test_the_custom_ops_are_registered_under_epgen():
+    assert ag.OP_NAMES == ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
+    for name in ag.OP_NAMES:
+        ns, op_name = name.split("::")
+        assert hasattr(getattr(torch.ops, ns), op_name)
