@@ -60,7 +60,7 @@ from torchtitan.models.common.token_dispatcher import (  # noqa: E402
     LocalTokenDispatcher,
 )
 
-from .. import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
+from .. import EpDispatchCombineConfig, EpDispatchCombineOp, autograd  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +168,10 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         scores = topk_scores_TK.to(torch.float32).contiguous()
         ids = topk_expert_ids_TK.to(torch.int32).contiguous()
         rows, layout, handle = _legs.dispatch(op, x, scores, ids)
+        if self.pad_multiple > 1:  # padding rows zero (the native backend leaves them as they were): the grouped
+            # GEMMs' weight gradients sum padding row x zero gradient, which a stale non-finite row would spoil
+            rows = torch.where((layout.m_indices >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype,
+                                                                                        device=rows.device))
         offs = layout.offs.to(torch.int64)
         counts = torch.diff(offs, prepend=offs.new_zeros(1))  # group sizes: GroupedExperts' cumsum gives offs
         return rows, counts, EpgenDispatchMetadata(op=op, handle=handle, layout=layout)
@@ -214,17 +218,19 @@ _shared = SharedOps()
 
 
 class _Legs:
-    """The two legs, with autograd where the inputs need it."""
+    """The two legs: runtime.autograd's dispatch_grouped / combine_grouped (the custom ops epgen::dispatch_grouped /
+    epgen::combine_grouped with their backwards when autograd is on; the op's own calls under torch.no_grad()).
+    With autograd on the layout's rows are fresh tensors (not the op's buffers), so a later layer's forward on the
+    shared op leaves the rows an earlier layer's backward needs alone."""
 
     @staticmethod
     def dispatch(op, x, scores, ids):
-        layout, handle = op.dispatch_grouped(x.detach(), scores.detach(), None, ids)
+        layout, handle = autograd.dispatch_grouped(op, x, scores, ids)
         return layout.x, layout, handle
 
     @staticmethod
     def combine(op, y, handle, layout):
-        out, _ = op.combine_grouped(y.detach(), handle)
-        return out
+        return autograd.combine_grouped(op, y, handle)
 
 
 _legs = _Legs()
@@ -245,3 +251,4 @@ def epgen_dispatcher(cfg: AllToAllTokenDispatcher.Config, *, num_max_tokens_per_
                                        num_max_tokens_per_rank=num_max_tokens_per_rank, pad_multiple=pad_multiple,
                                        grouped_capacity=grouped_capacity, kernel_backend=kernel_backend,
                                        gpu_per_node=gpu_per_node)
+

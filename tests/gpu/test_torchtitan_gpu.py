@@ -1,7 +1,8 @@
 """runtime.integrations.torchtitan on the GPU (issue 36, item 4): torchtitan 0.3.0's own MoE module, bf16, built once
 with its AllToAllTokenDispatcher and once with EpgenTokenDispatcher on the native backend, the same weights and tokens
 (tests/support/titan_check.py): outputs and the gradients of the tokens, the router and the local experts agree within
-bf16 rounding, also with a rank that receives no token and an expert without pairs.
+bf16 rounding, also with a rank that receives no token and an expert without pairs, two layers sharing one op,
+groups padded to 16 rows, and activation checkpointing.
 
 Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
     torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_torchtitan_gpu.py
@@ -34,11 +35,15 @@ META = ("received_pairs", "empty_experts", "ops", "backend")  # compare()'s fact
 SHAPE = dict(dim=1024, inter=256, experts_per_rank=8, top_k=4, batch=2, seq=64)
 
 
-@pytest.mark.parametrize("starve,layers", [(False, 1), (True, 1), (False, 2)], ids=["balanced", "starved", "two-layers"])
-def test_moe_bf16_native_matches_all_to_all_dispatcher(starve, layers):
+CASES = {"balanced": {}, "starved": dict(starve_rank=True, starve_expert=True),
+         "two-layers": dict(layers=2), "padded-16": dict(layers=2, pad_multiple=16),
+         "two-layers-checkpointed": dict(layers=2, ac="full")}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_bf16_native_matches_all_to_all_dispatcher(case):
     def check():
-        errs = titan_check.compare(**SHAPE, dtype=torch.bfloat16, device="cuda", seed=3, starve_rank=starve,
-                                   starve_expert=starve, layers=layers)
+        errs = titan_check.compare(**SHAPE, dtype=torch.bfloat16, device="cuda", seed=3, **CASES[case])
         print(f"rank {torch.distributed.get_rank()}: {errs}")
         assert errs["backend"] == "native", errs
         grads = {k: v for k, v in errs.items() if k not in ("out", *META)}

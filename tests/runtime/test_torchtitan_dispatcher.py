@@ -52,6 +52,15 @@ def test_two_layers_share_one_op_and_match():
     assert all(k in results[0] for k in ("router1", "w11", "w21", "w31"))
 
 
+@pytest.mark.parametrize("opts", [{"ac": "full"}, {"ac": "selective"}, {"pad_multiple": 16}],
+                         ids=["checkpointed", "torchtitan-selective-ac", "groups-padded-to-16"])
+def test_two_layers_match_under_activation_checkpointing_and_padding(opts):
+    """Each epgen layer recomputed in the backward (torch's non-reentrant checkpoint; torchtitan's SelectiveAC policy,
+    which recomputes epgen's dispatch and combine), or its groups padded to 16 rows (the counts GroupedExperts gets
+    include the padding): the same outputs and gradients as torchtitan's dispatcher without either."""
+    check(2, layers=2, seed=4, **opts)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_matches_with_a_rank_without_tokens_and_an_expert_without_pairs(world):
     results = check(world, starve_rank=True, starve_expert=True, seed=1)

@@ -72,6 +72,19 @@ def init_weights(moe, rank: int, world: int, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
+def checkpointed(module, ac: str):
+    """module wrapped in activation checkpointing: "full" (torch's non-reentrant checkpoint wrapper) or "selective"
+    (torchtitan's SelectiveAC policy, as its trainer applies it to a block)."""
+    if ac == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        return checkpoint_wrapper(module, preserve_rng_state=False)
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    assert ac == "selective", ac
+    return SelectiveAC.Config().build()._wrap_block(module)
+
+
 def relerr(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are zero); inf when only one side has a gradient."""
     if a is None or b is None:
@@ -83,13 +96,18 @@ def relerr(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k: int = 3, batch: int = 2,
             seq: int = 5, layers: int = 1, dtype=torch.float32, device="cpu", seed: int = 0, starve_rank: bool = False,
-            starve_expert: bool = False, kernel_backend: str | None = None, grads: bool = True) -> dict:
+            starve_expert: bool = False, kernel_backend: str | None = None, grads: bool = True,
+            ac: str | None = None, pad_multiple: int | None = None) -> dict:
     """This rank's relative errors, epgen against torchtitan's all-to-all dispatcher (see the module docstring), for
     ``layers`` MoE layers in a row (each layer's dispatcher its own, epgen's sharing one op: the forwards of the later
     layers run before the backwards of the earlier ones): {"out", "x", and per layer l "router{l}", "w1{l}", "w2{l}",
     "w3{l}": float}, plus "received_pairs" (pairs the first layer's local experts got on this rank) and
     "empty_experts" (its local experts without a pair), for the caller to see that the case it built was exercised,
-    and "backend" / "ops" (epgen's backend, and how many distinct ops its dispatchers used)."""
+    and "backend" / "ops" (epgen's backend, and how many distinct ops its dispatchers used). ``ac`` wraps each epgen
+    layer in activation checkpointing (the reference runs without): "full" (non-reentrant, every activation
+    recomputed in the backward, dispatch and combine included) or "selective" (torchtitan's SelectiveAC policy, which
+    recomputes the ops it does not list: epgen's among them). ``pad_multiple``: epgen's groups padded to a multiple of
+    it (the reference's are not: the padding rows must change nothing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -110,8 +128,8 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     models = {"ref": [], "ours": []}
     for layer in range(layers):
         ref = build_moe(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k), **shape)
-        ours = build_moe(EpgenTokenDispatcher.Config(num_experts=experts, top_k=top_k, kernel_backend=kernel_backend),
-                         **shape)
+        ours = build_moe(EpgenTokenDispatcher.Config(num_experts=experts, top_k=top_k, kernel_backend=kernel_backend,
+                                                     pad_multiple=pad_multiple), **shape)
         init_weights(ref, rank, world, seed + 101 * layer)
         ours.load_state_dict(ref.state_dict())
         for name, m in (("ref", ref), ("ours", ours)):
@@ -123,6 +141,9 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     x0 = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
     grad_out = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
 
+    run = dict(models)
+    if ac is not None:
+        run["ours"] = [checkpointed(m, ac) for m in models["ours"]]
     before = get_spmd_backend()
     results = {}
     try:
@@ -130,7 +151,7 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
         for name, ms in models.items():
             x = x0.clone().requires_grad_(True)
             out = x
-            for m in ms:
+            for m in run[name]:
                 out = m(out)
             if grads:
                 out.backward(grad_out)
