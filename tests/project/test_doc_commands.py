@@ -169,6 +169,9 @@ def _pip(argv: list[str]) -> None:
     if argv[0] == "wheel":
         _pip_wheel(argv)
         return
+    if argv[0] == "download":  # wheels for a machine without an index: exact pins or names, into a folder
+        assert "--no-deps" in argv and "-d" in argv, f"pip {' '.join(argv)}: download with --no-deps -d FOLDER"
+        return
     assert argv[0] == "install", f"pip {argv[0]}: not documented here"
     for arg in argv[1:]:
         m = re.fullmatch(r"\.\[([\w,]+)\]|[^\s\[]+\.whl\[([\w,]+)\]|\$\(ls [^\s)]*epgen-\*\.whl\)\[([\w,]+)\]", arg)
