@@ -37,6 +37,7 @@ This module imports torchtitan (``pip install 'epgen[torchtitan]'``); nothing el
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import attrs
@@ -111,6 +112,7 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         self.kernel_backend = config.kernel_backend
         self.gpu_per_node = config.gpu_per_node
         self.op: EpDispatchCombineOp | None = None
+        self._release: weakref.finalize | None = None
 
     # --- the op ----------------------------------------------------------------------------------
     def init_buffer(self) -> None:
@@ -140,8 +142,10 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
     def _build(self, hidden: int, tokens: int, dtype: torch.dtype) -> EpDispatchCombineOp:
         group = self.ep_mesh.get_group()
         op = _shared.acquire(self.op_config(hidden, tokens, dtype), group)
-        if self.op is not None:
-            _shared.release(self.op)
+        if self._release is not None:
+            self._release()  # the old op, closed when no other dispatcher uses it
+        self._release = weakref.finalize(self, _shared.release, op)  # also when this dispatcher is collected
+        self._release.atexit = False  # not at interpreter exit: the process group may be gone by then
         self.op = op
         self.hidden_dim, self.num_max_tokens_per_rank, self.dtype = hidden, tokens, dtype
         return op
