@@ -135,17 +135,19 @@ def dense_error(x: torch.Tensor, y: torch.Tensor, block: MoEBlock, hidden: int, 
     return float(((y.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)).max())
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description="A DeepSeek-V3-shaped MoE block with epgen expert parallelism")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
-    p.add_argument("--capacity", type=int, default=0, help="rows of the grouped layout, a multiple of 16 (0: the worst case)")
-    p.add_argument("--iters", type=int, default=10)
-    args = p.parse_args()
-    try:  # before any process group: every rank refuses the count alike, in one line
+def shape_arguments(p: argparse.ArgumentParser, hidden=7168, experts=256, topk=8, inter=2048, tokens=128) -> None:
+    """The layer's shape flags (examples/train_moe.py takes them too, with defaults of its own)."""
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--experts", type=int, default=experts)
+    p.add_argument("--topk", type=int, default=topk)
+    p.add_argument("--intermediate", type=int, default=inter)
+    p.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
+
+
+def init_ranks(p: argparse.ArgumentParser, args) -> None:
+    """Refuse an expert count the world size does not divide (before any process group: every rank alike, in one
+    line), then join the process group: NCCL on GPUs (the generated kernels), gloo on CPU (the torch backend)."""
+    try:
         experts_per_rank(args.experts, int(os.environ.get("WORLD_SIZE", 1)))
     except ValueError as e:
         p.error(str(e))
@@ -154,6 +156,15 @@ def main() -> int:
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         dist.init_process_group("gloo")  # the torch backend of epgen runs on gloo
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="A DeepSeek-V3-shaped MoE block with epgen expert parallelism")
+    shape_arguments(p)
+    p.add_argument("--capacity", type=int, default=0, help="rows of the grouped layout, a multiple of 16 (0: the worst case)")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    init_ranks(p, args)
     block = build(args.hidden, args.experts, args.topk, args.intermediate, args.tokens, args.capacity)
     g = torch.Generator(device=block.gate.device).manual_seed(dist.get_rank())
     x = torch.randn(args.tokens, args.hidden, generator=g, device=block.gate.device).to(torch.bfloat16)

@@ -118,6 +118,19 @@ def _live(saved: _Saved, call: str):
     return saved.op
 
 
+def _handle_tensor(handle_id: int) -> torch.Tensor:
+    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device)."""
+    return torch.tensor(handle_id, dtype=torch.int64)
+
+
+def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
+    """The routing a forward custom op saved: this call's, or, where selective activation checkpointing replays
+    the op's saved outputs instead of running it, the original forward's, named by the output's handle id."""
+    named = int(handle_t)  # read on every call (checkpointing then replays the read as it replays the op)
+    saved = _PENDING.pop(handle_id, None)
+    return saved if saved is not None else _take(named)
+
+
 def _take(handle_id: int) -> _Saved:
     saved = _PENDING.get(handle_id) or _HANDLES.get(handle_id)
     if saved is None:
@@ -203,14 +216,15 @@ def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -
 @torch.library.custom_op("epgen::dispatch_grouped", mutates_args=())
 def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                          handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
     op = _op(op_id, "epgen::dispatch_grouped")
     layout, routing = op.dispatch_grouped(x, weights, None, indices)
     _PENDING[handle_id] = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
                                  src=layout.src.clone())
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
     return (layout.x.clone(), layout.weights.clone(), scales, layout.offs.clone(), layout.counts.clone(),
-            layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()))
+            layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()), _handle_tensor(handle_id))
 
 
 @_dispatch_grouped_op.register_fake
@@ -226,11 +240,12 @@ def _(x, weights, indices, op_id, handle_id):
         scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
     i32 = dict(dtype=torch.int32)
     return (xg, x.new_empty((P,), dtype=torch.float32), scales, x.new_empty((E,), **i32), x.new_empty((E,), **i32),
-            x.new_empty((P,), **i32), x.new_empty((P,), **i32), x.new_empty((), **i32))
+            x.new_empty((P,), **i32), x.new_empty((P,), **i32), x.new_empty((), **i32),
+            torch.empty((), dtype=torch.int64))
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
-    ctx.saved = _take(inputs[4])
+    ctx.saved = _take(int(output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(*output[2:])
     if output[0].dtype not in FLOAT_DTYPES:
@@ -265,10 +280,12 @@ def dispatch_grouped(op, x, weights=None, indices=None):
     _register(op)
     hid = next(_IDS)
     try:
-        xg, wg, scales, offs, counts, src, m_idx, dropped = _dispatch_grouped_op(
+        xg, wg, scales, offs, counts, src, m_idx, dropped, hid_t = _dispatch_grouped_op(
             x.contiguous(), None if weights is None else weights.contiguous(), indices, op.uid, hid)
-    finally:
-        saved = _PENDING.pop(hid, None)
+    except BaseException:
+        _PENDING.pop(hid, None)
+        raise
+    saved = _saved_after(hid, hid_t)
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
                                    src=src, m_indices=m_idx, weights=wg, dropped=dropped, pair_pos=saved.pair_pos,
@@ -357,14 +374,14 @@ def _check_plain(op, call: str) -> None:
 
 @torch.library.custom_op("epgen::dispatch", mutates_args=())
 def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
-                 handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
     _PENDING[handle_id] = _Saved(op, routing, indices.clone(), total=total)
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
-    return out.clone(), out_w.clone(), out_i.clone(), total.clone()
+    return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id)
 
 
 @_dispatch_op.register_fake
@@ -372,11 +389,12 @@ def _(x, weights, indices, op_id, handle_id):
     cfg = _OPS[op_id].config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
     return (x.new_empty((R, x.shape[1])), x.new_empty((R, k), dtype=torch.float32),
-            x.new_empty((R, k), dtype=torch.int32), x.new_empty((1,), dtype=torch.int32))
+            x.new_empty((R, k), dtype=torch.int32), x.new_empty((1,), dtype=torch.int32),
+            torch.empty((), dtype=torch.int64))
 
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.saved = _take(inputs[4])
+    ctx.saved = _take(int(output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(output[2], output[3])
 
@@ -406,10 +424,12 @@ def dispatch(op, x, weights=None, indices=None):
     _register(op)
     hid = next(_IDS)
     try:
-        out, out_w, out_i, total = _dispatch_op(x.contiguous(), None if weights is None else weights.contiguous(),
-                                                indices, op.uid, hid)
-    finally:
-        saved = _PENDING.pop(hid, None)
+        out, out_w, out_i, total, hid_t = _dispatch_op(x.contiguous(), None if weights is None else weights.contiguous(),
+                                                       indices, op.uid, hid)
+    except BaseException:
+        _PENDING.pop(hid, None)
+        raise
+    saved = _saved_after(hid, hid_t)
     return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid)
 
 
