@@ -54,7 +54,8 @@ def install_torch_shims() -> None:
 
 install_torch_shims()
 
-from torchtitan.config import override  # noqa: E402  (after the shim)
+from torchtitan.config import derive, override  # noqa: E402  (after the shim)
+from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: E402
 from torchtitan.models.common.token_dispatcher import (  # noqa: E402
     AllToAllTokenDispatcher,
     BaseEPTokenDispatcher,
@@ -256,3 +257,32 @@ def epgen_dispatcher(cfg: AllToAllTokenDispatcher.Config, *, num_max_tokens_per_
                                        grouped_capacity=grouped_capacity, kernel_backend=kernel_backend,
                                        gpu_per_node=gpu_per_node)
 
+
+def epgen_save_ops() -> set:
+    """epgen's custom ops (runtime.autograd.OP_NAMES: epgen::dispatch_grouped, combine_grouped, dispatch, combine) as
+    the op overloads a selective activation checkpointing policy matches."""
+    out = set()
+    for name in autograd.OP_NAMES:
+        namespace, _, op = name.partition("::")
+        out.add(getattr(getattr(torch.ops, namespace), op).default)
+    return out
+
+
+class EpgenSelectiveAC(SelectiveAC):
+    """torchtitan's per-op selective activation checkpointing that also saves epgen's dispatch and combine outputs
+    (as it saves all_to_all_single's and DeepEP's): the recomputation in the backward then moves no tokens again."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        return super().get_save_ops() | epgen_save_ops()
+
+
+@override(target=SelectiveAC.Config, exact=True,
+          description="selective activation checkpointing that saves epgen's dispatch / combine outputs")
+def epgen_selective_ac(cfg: SelectiveAC.Config) -> EpgenSelectiveAC.Config:
+    """torchtitan override: its SelectiveAC config (its MoE configs' default) becomes EpgenSelectiveAC's, the same
+    fields (``--override.imports runtime.integrations.torchtitan.epgen_selective_ac``)."""
+    return derive(cfg, EpgenSelectiveAC.Config)

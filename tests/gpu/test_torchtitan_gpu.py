@@ -31,13 +31,14 @@ if _missing:
 
 OUT_TOL = 1e-2  # ||epgen - a2a|| / ||a2a|| of the output: bf16 (2^-8) with the products summed in another order
 GRAD_TOL = 2e-2  # the gradients: the same roundings, then GEMMs over them
-META = ("received_pairs", "empty_experts", "ops", "backend")  # compare()'s facts about the run, not errors
+META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches")  # compare()'s facts about the run, not errors
 SHAPE = dict(dim=1024, inter=256, experts_per_rank=8, top_k=4, batch=2, seq=64)
 
 
 CASES = {"balanced": {}, "starved": dict(starve_rank=True, starve_expert=True),
          "two-layers": dict(layers=2), "padded-16": dict(layers=2, pad_multiple=16),
-         "two-layers-checkpointed": dict(layers=2, ac="full")}
+         "two-layers-checkpointed": dict(layers=2, ac="full"),
+         "two-layers-epgen-selective-ac": dict(layers=2, ac="selective_epgen")}
 
 
 @pytest.mark.parametrize("case", list(CASES))

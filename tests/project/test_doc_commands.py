@@ -136,7 +136,8 @@ def _torchtitan_train(argv: list[str]) -> None:
     targets = argv[argv.index("--override.imports") + 1:]
     targets = targets[:next((i for i, a in enumerate(targets) if a.startswith("--")), len(targets))]
     assert targets, f"torchtitan.train {argv}: no --override.imports target"
-    for token in targets:
+    entries = [e for t in targets for e in ([t] if "=" in t else t.split(","))]  # torchtitan's parse_cli_imports
+    for token in entries:
         target, _, kwargs = token.partition("=")
         module, _, func = target.rpartition(".")
         assert module == "runtime.integrations.torchtitan" and func in factories, \

@@ -18,7 +18,7 @@ if _missing and not titan_check.env_requires_torchtitan():
     pytest.skip(_missing, allow_module_level=True)
 
 TOL = 1e-5
-META = ("received_pairs", "empty_experts", "ops", "backend")  # compare()'s facts about the run, not errors
+META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches")  # compare()'s facts about the run, not errors
 
 
 def test_torchtitan_imports():
@@ -44,15 +44,20 @@ def test_moe_matches_all_to_all_dispatcher(world):
     assert all(r["received_pairs"] > 0 for r in results)
 
 
-@pytest.mark.parametrize("opts", [{"ac": "full"}, {"ac": "selective"}, {"pad_multiple": 16}],
-                         ids=["checkpointed", "torchtitan-selective-ac", "groups-padded-to-16"])
-def test_two_layers_match_under_activation_checkpointing_and_padding(opts):
-    """Each epgen layer recomputed in the backward (torch's non-reentrant checkpoint; torchtitan's SelectiveAC policy,
-    which recomputes epgen's dispatch and combine), or its groups padded to 16 rows (the counts GroupedExperts gets
-    include the padding): the same outputs and gradients as torchtitan's dispatcher without either. The two layers'
-    dispatchers share one op: the second layer's forward runs on it before the first one's backward."""
+@pytest.mark.parametrize("opts,dispatches", [({}, 4), ({"ac": "full"}, 6), ({"ac": "selective"}, 6),
+                                              ({"ac": "selective_epgen"}, 4), ({"pad_multiple": 16}, 4)],
+                         ids=["plain", "checkpointed", "torchtitan-selective-ac", "epgen-selective-ac",
+                              "groups-padded-to-16"])
+def test_two_layers_match_under_activation_checkpointing_and_padding(opts, dispatches):
+    """Two layers, each recomputed in the backward (torch's non-reentrant checkpoint; torchtitan's SelectiveAC policy,
+    which recomputes epgen's dispatch and combine; EpgenSelectiveAC, which saves their outputs instead: no dispatch
+    again), or its groups padded to 16 rows (the counts GroupedExperts gets include the padding): the same outputs
+    and gradients as torchtitan's dispatcher without either. The two layers' dispatchers share one op: the second
+    layer's forward runs on it before the first one's backward. Dispatches: 2 forwards + 2 replays (the combines'
+    backwards), + 2 when the forwards are recomputed."""
     results = check(2, layers=2, seed=4, **opts)
     assert all(r["ops"] == 1 for r in results)
+    assert [r["dispatches"] for r in results] == [dispatches] * 2
     assert all(k in results[0] for k in ("router1", "w11", "w21", "w31"))
 
 

@@ -81,8 +81,10 @@ def checkpointed(module, ac: str):
         return checkpoint_wrapper(module, preserve_rng_state=False)
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-    assert ac == "selective", ac
-    return SelectiveAC.Config().build()._wrap_block(module)
+    from runtime.integrations.torchtitan import EpgenSelectiveAC
+
+    policy = {"selective": SelectiveAC, "selective_epgen": EpgenSelectiveAC}[ac]
+    return policy.Config().build()._wrap_block(module)
 
 
 def relerr(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -103,10 +105,12 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     layers run before the backwards of the earlier ones): {"out", "x", and per layer l "router{l}", "w1{l}", "w2{l}",
     "w3{l}": float}, plus "received_pairs" (pairs the first layer's local experts got on this rank) and
     "empty_experts" (its local experts without a pair), for the caller to see that the case it built was exercised,
-    and "backend" / "ops" (epgen's backend, and how many distinct ops its dispatchers used). ``ac`` wraps each epgen
+    and "backend" / "ops" / "dispatches" (epgen's backend, how many distinct ops its dispatchers used, how many
+    dispatches its op ran: forwards, recomputations, the combine backwards' replays). ``ac`` wraps each epgen
     layer in activation checkpointing (the reference runs without): "full" (non-reentrant, every activation
     recomputed in the backward, dispatch and combine included) or "selective" (torchtitan's SelectiveAC policy, which
-    recomputes the ops it does not list: epgen's among them). ``pad_multiple``: epgen's groups padded to a multiple of
+    recomputes the ops it does not list: epgen's among them) or "selective_epgen" (runtime.integrations.torchtitan's
+    EpgenSelectiveAC: the same policy, epgen's ops saved). ``pad_multiple``: epgen's groups padded to a multiple of
     it (the reference's are not: the padding rows must change nothing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
@@ -144,10 +148,20 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     run = dict(models)
     if ac is not None:
         run["ours"] = [checkpointed(m, ac) for m in models["ours"]]
+    from runtime import EpDispatchCombineOp
+
+    moved = []  # epgen's dispatches (forward, recomputation, the combine backwards' replays)
+    real_dispatch = EpDispatchCombineOp.dispatch
+
+    def counted(self, *args, **kwargs):
+        moved.append(1)
+        return real_dispatch(self, *args, **kwargs)
+
     before = get_spmd_backend()
     results = {}
     try:
         set_spmd_backend("partial_dtensor")  # gloo takes its all_to_all_single; "spmd_types" needs equal chunks
+        EpDispatchCombineOp.dispatch = counted
         for name, ms in models.items():
             x = x0.clone().requires_grad_(True)
             out = x
@@ -163,6 +177,7 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
             results[name] = res
     finally:
         set_spmd_backend(before)
+        EpDispatchCombineOp.dispatch = real_dispatch
     errs = {k: relerr(results["ours"][k], results["ref"][k]) for k in results["ref"]}
     ref = models["ref"][0]
     with torch.no_grad():  # the routing the first layer ran: pairs per local expert on this rank
@@ -175,6 +190,7 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     errs["empty_experts"] = int((mine == 0).sum())
     ops = {id(m.routed_experts.token_dispatcher.op) for m in models["ours"]}
     errs["ops"] = len(ops)
+    errs["dispatches"] = len(moved)
     errs["backend"] = models["ours"][0].routed_experts.token_dispatcher.op.backend_name
     return errs
 
