@@ -1,8 +1,9 @@
 """runtime.integrations.torchtitan on the GPU (issue 36, item 4): torchtitan 0.3.0's own MoE module, bf16, built once
 with its AllToAllTokenDispatcher and once with EpgenTokenDispatcher on the native backend, the same weights and tokens
 (tests/support/titan_check.py): outputs and the gradients of the tokens, the router and the local experts agree within
-bf16 rounding, also with a rank that receives no token and an expert without pairs, two layers sharing one op,
-groups padded to 16 rows, and activation checkpointing.
+bf16 rounding (against torchtitan's MoE in float32, epgen is no further off than torchtitan's own bf16 path), also
+with a rank that receives no token and an expert without pairs, two layers sharing one op, groups padded to 16 rows,
+and activation checkpointing (torch's, and EpgenSelectiveAC saving epgen's ops).
 
 Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
     torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_torchtitan_gpu.py
@@ -29,12 +30,16 @@ if _missing:
     pytest.skip(f"torchtitan is not importable on this machine, so the check cannot run: {_missing}",
                 allow_module_level=True)
 
-OUT_TOL = 1e-2  # ||epgen - a2a|| / ||a2a|| of the output: bf16 (2^-8) with the products summed in another order
-GRAD_TOL = 2e-2  # the gradients: the same roundings, then GEMMs over them
-META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches")  # compare()'s facts about the run, not errors
+# bf16: both sides round differently (epgen sums each token's products in float32, torchtitan rounds each product to
+# bf16 and adds in bf16), so the yardstick is torchtitan's MoE in float32 on the same weights and tokens: epgen's error
+# against it at most NOISE_RATIO x the all-to-all dispatcher's own (+ NOISE_FLOOR); with one layer also the two bf16
+# runs within DIRECT_TOL of each other (with two, the second layer's router sees the first one's differently rounded
+# output and may choose other experts for a token: measured on CPU in bf16, torch backend, hidden 256, top-4 of 16:
+# one layer 0.3 % apart, two layers up to 12 % on the second router's gradient, epgen's error against float32
+# 0.37-1.0x the reference's everywhere)
+NOISE_RATIO, NOISE_FLOOR, DIRECT_TOL = 1.25, 1e-3, 0.05
+META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches", "noise")  # compare()'s facts, not errors
 SHAPE = dict(dim=1024, inter=256, experts_per_rank=8, top_k=4, batch=2, seq=64)
-
-
 CASES = {"balanced": {}, "starved": dict(starve_rank=True, starve_expert=True),
          "two-layers": dict(layers=2), "padded-16": dict(layers=2, pad_multiple=16),
          "two-layers-checkpointed": dict(layers=2, ac="full"),
@@ -47,8 +52,10 @@ def test_moe_bf16_native_matches_all_to_all_dispatcher(case):
         errs = titan_check.compare(**SHAPE, dtype=torch.bfloat16, device="cuda", seed=3, **CASES[case])
         print(f"rank {torch.distributed.get_rank()}: {errs}")
         assert errs["backend"] == "native", errs
-        grads = {k: v for k, v in errs.items() if k not in ("out", *META)}
-        bad = {k: v for k, v in grads.items() if not v <= GRAD_TOL}
-        bad |= {"out": errs["out"]} if not errs["out"] <= OUT_TOL else {}
-        assert not bad, f"relative errors above the bf16 bounds: {bad} ({errs})"
+        direct = {k: v for k, v in errs.items() if k not in META}
+        single = CASES[case].get("layers", 1) == 1
+        bad = {k: v for k, v in direct.items() if single and not v <= DIRECT_TOL}
+        bad |= {f"{k} vs float32": (ours, ref) for k, (ours, ref) in errs["noise"].items()
+                if not ours <= NOISE_RATIO * ref + NOISE_FLOOR}
+        assert not bad, f"epgen vs torchtitan's all-to-all dispatcher in bf16: {bad} ({errs})"
     run_collective(check)

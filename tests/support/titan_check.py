@@ -106,7 +106,9 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     "w3{l}": float}, plus "received_pairs" (pairs the first layer's local experts got on this rank) and
     "empty_experts" (its local experts without a pair), for the caller to see that the case it built was exercised,
     and "backend" / "ops" / "dispatches" (epgen's backend, how many distinct ops its dispatchers used, how many
-    dispatches its op ran: forwards, recomputations, the combine backwards' replays). ``ac`` wraps each epgen
+    dispatches its op ran: forwards, recomputations, the combine backwards' replays). Below float32 also "noise":
+    {tensor: (epgen's relative error, the reference's own)} against torchtitan's MoE run in float32 on the same
+    weights and tokens, the yardstick for a low-precision comparison. ``ac`` wraps each epgen
     layer in activation checkpointing (the reference runs without): "full" (non-reentrant, every activation
     recomputed in the backward, dispatch and combine included) or "selective" (torchtitan's SelectiveAC policy, which
     recomputes the ops it does not list: epgen's among them) or "selective_epgen" (runtime.integrations.torchtitan's
@@ -141,6 +143,12 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
             m.to(device=device, dtype=dtype)
             m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
             models[name].append(m)
+        if dtype != torch.float32:  # the reference in float32 on the same (rounded) weights: what both approximate
+            truth = build_moe(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k), **shape)
+            truth.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+            truth.to(device=device)
+            truth.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+            models.setdefault("truth", []).append(truth)
     g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
     x0 = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
     grad_out = torch.randn(batch, seq, dim, generator=g).to(device=device, dtype=dtype)
@@ -163,12 +171,12 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
         set_spmd_backend("partial_dtensor")  # gloo takes its all_to_all_single; "spmd_types" needs equal chunks
         EpDispatchCombineOp.dispatch = counted
         for name, ms in models.items():
-            x = x0.clone().requires_grad_(True)
+            x = x0.clone().to(torch.float32 if name == "truth" else dtype).requires_grad_(True)
             out = x
             for m in run[name]:
                 out = m(out)
             if grads:
-                out.backward(grad_out)
+                out.backward(grad_out.to(out.dtype))
             res = {"out": out.detach(), "x": x.grad}
             for layer, m in enumerate(ms):
                 experts_ = m.routed_experts.inner_experts
@@ -179,6 +187,9 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
         set_spmd_backend(before)
         EpDispatchCombineOp.dispatch = real_dispatch
     errs = {k: relerr(results["ours"][k], results["ref"][k]) for k in results["ref"]}
+    if "truth" in results:  # {tensor: (epgen's error, the reference's own error)}, both against float32
+        errs["noise"] = {k: (relerr(results["ours"][k], results["truth"][k]), relerr(results["ref"][k], results["truth"][k]))
+                         for k in results["ref"]}
     ref = models["ref"][0]
     with torch.no_grad():  # the routing the first layer ran: pairs per local expert on this rank
         _, ids, _ = ref.router(x0, ref.expert_bias_E)
