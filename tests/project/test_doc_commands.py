@@ -132,7 +132,8 @@ def _torchtitan_train(argv: list[str]) -> None:
     src = ROOT / "runtime" / "integrations" / "torchtitan.py"
     factories = {node.name: {a.arg for a in node.args.args + node.args.kwonlyargs}
                  for node in ast.parse(src.read_text()).body if isinstance(node, ast.FunctionDef)
-                 and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "override" for d in node.decorator_list)}
+                 and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "override"
+                         for d in node.decorator_list)}
     targets = argv[argv.index("--override.imports") + 1:]
     targets = targets[:next((i for i, a in enumerate(targets) if a.startswith("--")), len(targets))]
     assert targets, f"torchtitan.train {argv}: no --override.imports target"

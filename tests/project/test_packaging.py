@@ -141,7 +141,8 @@ def torchtitan_check_installs() -> dict[str, str]:
 
 def test_the_torchtitan_check_installs_the_extras_torchtitan():
     """scripts/test.sh installs the torchtitan release the [torchtitan] extra pins (without its training dependencies,
-    then the modules its MoE imports: issue 36's measured set), and triton, which the extra adds for torch's CPU build."""
+    then the modules its MoE imports: issue 36's measured set), and triton, which the extra adds for torch's CPU
+    build."""
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torchtitan"]
     installs = torchtitan_check_installs()
     assert installs["torchtitan"] in extra and "triton" in extra and "triton" in installs

@@ -9,6 +9,7 @@ EPGEN_REQUIRE_TORCHTITAN is set)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support import titan_check
 from tests.support.ep_dist import get_world
@@ -18,7 +19,6 @@ if _missing and not titan_check.env_requires_torchtitan():
     pytest.skip(_missing, allow_module_level=True)
 
 TOL = 1e-5
-META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches")  # compare()'s facts about the run, not errors
 
 
 def test_torchtitan_imports():
@@ -29,11 +29,24 @@ def scn_compare(rank, world, kwargs):
     return titan_check.compare(**kwargs)
 
 
+def scn_low_precision(rank, world, layers):
+    errs = titan_check.compare(dim=256, inter=64, experts_per_rank=8, top_k=4, seq=64, layers=layers,
+                               dtype=torch.bfloat16, seed=3, starve_rank=True, starve_expert=True)
+    return titan_check.low_precision_misses(errs, layers)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_bf16_is_as_close_to_float32_as_torchtitans_own(layers):
+    """The GPU check's bf16 criteria (tests/gpu/test_torchtitan_gpu.py: epgen's error against torchtitan's MoE in
+    float32 at most 1.25x the all-to-all dispatcher's own), here on CPU with the torch backend."""
+    assert get_world(2).run(scn_low_precision, layers, timeout=240) == [{}, {}]
+
+
 def check(world: int, timeout: float = 240, **kwargs) -> list[dict]:
     results = get_world(world).run(scn_compare, kwargs, timeout=timeout)
     for rank, errs in enumerate(results):
         assert errs["backend"] == "torch"
-        bad = {k: v for k, v in errs.items() if k not in META and not v <= TOL}
+        bad = {k: v for k, v in errs.items() if k not in titan_check.META and not v <= TOL}
         assert not bad, f"rank {rank} of {world}: relative errors above {TOL}: {bad} ({errs})"
     return results
 
@@ -89,13 +102,13 @@ def test_override_replaces_the_all_to_all_dispatchers_and_keeps_their_padding():
 
 def test_without_an_ep_mesh_it_is_torchtitans_local_dispatch():
     """EP degree 1 (no mesh wired): the local reorder, as AllToAllTokenDispatcher does; no op, no process group."""
-    import torch
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     from runtime.integrations.torchtitan import EpgenTokenDispatcher
 
     outs = []
-    for d in (AllToAllTokenDispatcher.Config(num_experts=4, top_k=2), EpgenTokenDispatcher.Config(num_experts=4, top_k=2)):
+    for cls in (AllToAllTokenDispatcher, EpgenTokenDispatcher):
+        d = cls.Config(num_experts=4, top_k=2)
         m = titan_check.build_moe(d, dim=16, inter=8, experts=4, top_k=2, world=1)
         titan_check.init_weights(m, 0, 1, seed=5)
         m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=None)

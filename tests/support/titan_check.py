@@ -53,7 +53,8 @@ def moe_config(dispatcher_config, *, dim: int, inter: int, experts: int, top_k: 
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=inter, num_experts=experts // world),
             token_dispatcher=dispatcher_config),
-        router=TokenChoiceTopKRouter.Config(num_experts=experts, gate=Linear.Config(in_features=dim, out_features=experts),
+        router=TokenChoiceTopKRouter.Config(num_experts=experts,
+                                            gate=Linear.Config(in_features=dim, out_features=experts),
                                             top_k=top_k, score_func="sigmoid", route_norm=True, route_scale=2.5),
         load_balance_coeff=1e-3)
 
@@ -188,7 +189,8 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
         EpDispatchCombineOp.dispatch = real_dispatch
     errs = {k: relerr(results["ours"][k], results["ref"][k]) for k in results["ref"]}
     if "truth" in results:  # {tensor: (epgen's error, the reference's own error)}, both against float32
-        errs["noise"] = {k: (relerr(results["ours"][k], results["truth"][k]), relerr(results["ref"][k], results["truth"][k]))
+        truth = results["truth"]
+        errs["noise"] = {k: (relerr(results["ours"][k], truth[k]), relerr(results["ref"][k], truth[k]))
                          for k in results["ref"]}
     ref = models["ref"][0]
     with torch.no_grad():  # the routing the first layer ran: pairs per local expert on this rank
@@ -204,6 +206,25 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     errs["dispatches"] = len(moved)
     errs["backend"] = models["ours"][0].routed_experts.token_dispatcher.op.backend_name
     return errs
+
+
+# Below float32 the two sides round differently (epgen sums a token's products in float32, torchtitan rounds each
+# product to bf16 and adds in bf16), so the yardstick is torchtitan's MoE in float32 on the same weights and tokens:
+# epgen's error against it at most NOISE_RATIO x the all-to-all dispatcher's own (+ NOISE_FLOOR); with one layer also
+# the two low-precision runs within DIRECT_TOL of each other (with two, the second layer's router sees the first one's
+# differently rounded output and may choose other experts for a token: measured on CPU in bf16, torch backend, hidden
+# 256, top-4 of 16: one layer 0.3 % apart, two layers up to 12 % on the second router's gradient, epgen's error
+# against float32 0.37-1.0x the reference's everywhere)
+NOISE_RATIO, NOISE_FLOOR, DIRECT_TOL = 1.25, 1e-3, 0.05
+META = ("received_pairs", "empty_experts", "ops", "backend", "dispatches", "noise")  # compare()'s facts, not errors
+
+
+def low_precision_misses(errs: dict, layers: int) -> dict:
+    """The tensors of a compare() below float32 that miss the bounds above (empty: the check passes)."""
+    bad = {k: v for k, v in errs.items() if k not in META and layers == 1 and not v <= DIRECT_TOL}
+    bad |= {f"{k} vs float32": (ours, ref) for k, (ours, ref) in errs["noise"].items()
+            if not ours <= NOISE_RATIO * ref + NOISE_FLOOR}
+    return bad
 
 
 def env_requires_torchtitan() -> bool:
