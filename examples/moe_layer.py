@@ -152,8 +152,11 @@ def init_ranks(p: argparse.ArgumentParser, args) -> None:
     except ValueError as e:
         p.error(str(e))
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():
+            dist.init_process_group("gloo")  # ranks sharing a GPU (NCCL refuses them): correctness runs only
+        else:
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         dist.init_process_group("gloo")  # the torch backend of epgen runs on gloo
 

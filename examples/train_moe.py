@@ -93,6 +93,16 @@ def initial_weights(experts, hidden, inter, seed, device, dtype):
     return layer.router_weight(experts, hidden, seed, device, dtype), w13, w2
 
 
+def all_reduce(t: torch.Tensor) -> None:
+    """Sum t over the ranks in place (through the host where a gloo group meets GPU tensors: ranks sharing a GPU)."""
+    if t.is_cuda and dist.get_backend() == "gloo":
+        host = t.cpu()
+        dist.all_reduce(host)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t)
+
+
 def train(args) -> list[tuple[float, float | None]]:
     """-> per step (EP loss over every rank's tokens, the dense run's loss on rank 0 or None)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -116,10 +126,10 @@ def train(args) -> list[tuple[float, float | None]]:
             loss = mse(model(x), target, world * args.tokens)  # this rank's share of the global loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            dist.all_reduce(model.gate.grad)  # the replicated router: the sum of every rank's share
+            all_reduce(model.gate.grad)  # the replicated router: the sum of every rank's share
             opt.step()
             total = loss.detach().float().clone()
-            dist.all_reduce(total)
+            all_reduce(total)
             want = None
             if dense is not None:
                 xs, ts = zip(*(batch(step, r, args.tokens, args.hidden, args.seed, device, dtype)
@@ -164,7 +174,8 @@ def verdict(losses, dtype, world: int) -> tuple[bool, str]:
     """(ok, line): the loss fell, and (with the dense run) agreed with it at every step."""
     first, last = losses[0][0], losses[-1][0]
     fell = last < first
-    text = f"{world} rank(s), {len(losses)} steps: loss {first:.6f} -> {last:.6f} ({'falls' if fell else 'does NOT fall'})"
+    text = (f"{world} rank(s), {len(losses)} steps: loss {first:.6f} -> {last:.6f} "
+            f"({'falls' if fell else 'does NOT fall'})")
     ok = fell
     if all(d is not None for _, d in losses):
         worst = max(abs(ep - d) / abs(d) for ep, d in losses)
@@ -175,7 +186,7 @@ def verdict(losses, dtype, world: int) -> tuple[bool, str]:
     return ok, f"{'OK' if ok else 'FAILED'}: {text}"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a small MoE model through epgen's differentiable EP legs")
     layer.shape_arguments(p, hidden=64, experts=8, topk=2, inter=32, tokens=32)
     p.add_argument("--steps", type=int, default=40)
@@ -184,6 +195,11 @@ def main() -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the dense run on rank 0")
     p.add_argument("--plot", metavar="FILE.png", help="save the loss curve (needs matplotlib)")
+    return p
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     layer.init_ranks(p, args)
     try:

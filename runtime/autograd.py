@@ -29,12 +29,18 @@ Backward (no new routing, no host sync):
     gradient rows, in float32); the weights' gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient;
   * pairs or rows the forward dropped (receive cap ``max_total_recv_tokens``, grouped capacity) get zero
-    gradient; rows past total_recv and grouped padding rows get zero gradient;
+    gradient; rows past total_recv and grouped padding rows get zero gradient (and the padding rows of the
+    layout's x are zeros: a grouped GEMM over them gives finite weight gradients);
   * a quantized dispatch (fp8 / fp4 blockwise) or a quantized combine (quant_type) is treated as the identity for
     the gradient: the backward moves the gradients unquantized (data_type) through a companion op of the same
     routing geometry without quantization, built on first use (collectively: every rank's forward) and closed
     with the op.
-A backward through a handle whose op was closed raises ClosedError.
+A backward through a handle whose op was closed raises ClosedError. A handle saved for a backward keeps the routing
+it needs (ids, pair map, row count: copies), so later forwards on the same op cannot change it; where the op's
+native combine sends rows to the origins of the op's last dispatch (low latency, scatter, internode) and that was
+another handle's, a combine through the handle first replays a dispatch of zeros along it. The forwards return the
+handle id as their last output, so selective activation checkpointing that saves these ops replays them whole.
+Under torch.compile the four functions run as they are between the compiled parts (torch.compiler.disable).
 """
 
 from __future__ import annotations
@@ -52,12 +58,13 @@ from .errors import ClosedError, InputError
 from .routing import RoutingHandle
 
 OP_NAMES = ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # op uid -> op
 _HANDLES: "weakref.WeakValueDictionary[int, _Saved]" = weakref.WeakValueDictionary()  # handle id -> saved routing
 _PENDING: dict[int, "_Saved"] = {}  # made by a forward, until its wrapper takes it (the same call)
 _IDS = itertools.count(1)
+_LAST: dict[int, tuple[int, weakref.ref]] = {}  # op uid -> (its dispatch count, the _Saved) after a dispatch here
 
 
 class _Saved:
@@ -118,6 +125,14 @@ def _live(saved: _Saved, call: str):
     return saved.op
 
 
+def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
+    """A combine recording autograd needs its dispatch's saved routing: refuse a handle of a dispatch run with
+    autograd off for inputs that need a gradient (they would silently get none)."""
+    if handle._saved is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        raise InputError(f"{call}: the handle comes from a dispatch run with autograd off (torch.no_grad()), so "
+                         f"no gradient can go back through it; dispatch with autograd on")
+
+
 def _handle_tensor(handle_id: int) -> torch.Tensor:
     """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device)."""
     return torch.tensor(handle_id, dtype=torch.int64)
@@ -129,6 +144,17 @@ def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
     named = int(handle_t)  # read on every call (checkpointing then replays the read as it replays the op)
     saved = _PENDING.pop(handle_id, None)
     return saved if saved is not None else _take(named)
+
+
+def _forward(custom_op, x, weights, indices, op_id: int):
+    """Run a forward custom op under a fresh handle id -> (its outputs, the routing it saved, the id)."""
+    hid = next(_IDS)
+    try:
+        outs = custom_op(x.contiguous(), None if weights is None else weights.contiguous(), indices, op_id, hid)
+    except BaseException:
+        _PENDING.pop(hid, None)
+        raise
+    return outs, _saved_after(hid, outs[-1]), hid
 
 
 def _take(handle_id: int) -> _Saved:
@@ -180,6 +206,7 @@ def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor |
     mover, routing = _mover(op, saved.routing, cfg.dispatch_quant_type != "none")
     out, out_w, _, _, total = mover.dispatch(grad.to(cfg.data_type).contiguous(), grad_w, None, saved.ids,
                                              routing=routing)
+    _dispatched(mover, saved)
     keep = _rows_mask(total, out.shape[0])
     rows = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if out_w is not None:
@@ -193,7 +220,26 @@ def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Ten
     op = _live(saved, call)
     cfg = op.config
     mover, routing = _mover(op, saved.routing, cfg.quant_type != "none")
-    return mover.combine(rows.to(mover.config.combine_dtype).contiguous(), rows_w, routing=routing)
+    return _combine_through(mover, routing, saved, rows.to(mover.config.combine_dtype).contiguous(), rows_w)
+
+
+def _dispatched(op, saved: _Saved) -> None:
+    """Note that op's last dispatch moved along saved's routing (a forward, or a replay)."""
+    _LAST[op.uid] = (op._seq, weakref.ref(saved))
+
+
+def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
+    """op.combine through a handle that may not be op's last dispatch. The native low-latency and scatter combines
+    (and the internode ones) send each received row to the origin the op's last dispatch recorded: where that
+    dispatch was another one, a replay of zeros along this routing first puts its origins back."""
+    needs_last = op.backend_name != "torch" and (routing.extra.get("protocol") == "ll" or op.config.is_internode
+                                                or op.config.resolved_combine_mode == "scatter")
+    last = _LAST.get(op.uid)
+    if needs_last and not (last is not None and last[0] == op._seq and last[1]() is saved):
+        zeros = torch.zeros((routing.num_tokens, op.config.hidden_dim), dtype=op.config.data_type, device=op.device)
+        op.dispatch(zeros, None, None, saved.ids, routing=routing)
+        _dispatched(op, saved)
+    return op.combine(rows, rows_w, routing=routing)
 
 
 def _pair_rows(pair_pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
@@ -220,11 +266,21 @@ def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indic
                                                   torch.Tensor]:
     op = _op(op_id, "epgen::dispatch_grouped")
     layout, routing = op.dispatch_grouped(x, weights, None, indices)
-    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
-                                 src=layout.src.clone())
+    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
+                                         src=layout.src.clone())
+    _dispatched(op, saved)
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
-    return (layout.x.clone(), layout.weights.clone(), scales, layout.offs.clone(), layout.counts.clone(),
-            layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()), _handle_tensor(handle_id))
+    return (_zero_padding(layout.x, layout.src), layout.weights.clone(), scales, layout.offs.clone(),
+            layout.counts.clone(), layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()),
+            _handle_tensor(handle_id))
+
+
+def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A copy of the grouped rows with every row that holds no pair zeroed (the native layout leaves them as they
+    were): a grouped GEMM over a group's padding rows then gives finite, zero, weight gradients."""
+    raw = x.view(torch.uint8)  # any payload dtype, fp8 included
+    filled = (src >= 0).unsqueeze(1)
+    return torch.where(filled, raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(x.dtype)
 
 
 @_dispatch_grouped_op.register_fake
@@ -248,7 +304,7 @@ def _dispatch_grouped_setup(ctx, inputs, output):
     ctx.saved = _take(int(output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(*output[2:])
-    if output[0].dtype not in FLOAT_DTYPES:
+    if output[0].dtype not in _FLOAT_DTYPES:
         ctx.mark_non_differentiable(output[0])
 
 
@@ -271,6 +327,7 @@ torch.library.register_autograd("epgen::dispatch_grouped", _dispatch_grouped_bac
                                 setup_context=_dispatch_grouped_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def dispatch_grouped(op, x, weights=None, indices=None):
     """op.dispatch_grouped(x, weights, None, indices) recording autograd -> (GroupedLayout, Handle); see the
     module docstring. The layout's x and weights are differentiable (x: float payloads, or grouped_dequantize)."""
@@ -278,14 +335,8 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         layout, routing = op.dispatch_grouped(x, weights, None, indices)
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
-    hid = next(_IDS)
-    try:
-        xg, wg, scales, offs, counts, src, m_idx, dropped, hid_t = _dispatch_grouped_op(
-            x.contiguous(), None if weights is None else weights.contiguous(), indices, op.uid, hid)
-    except BaseException:
-        _PENDING.pop(hid, None)
-        raise
-    saved = _saved_after(hid, hid_t)
+    (xg, wg, scales, offs, counts, src, m_idx, dropped, _), saved, hid = _forward(_dispatch_grouped_op, x, weights,
+                                                                                    indices, op.uid)
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
                                    src=src, m_indices=m_idx, weights=wg, dropped=dropped, pair_pos=saved.pair_pos,
@@ -311,7 +362,7 @@ def _combine_grouped_op(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id
     pw = _pair_weights(wg, saved.pair_pos, R, k) if apply_weights else None
     rows = grouped.reduce(y, types.SimpleNamespace(pair_pos=saved.pair_pos), pw, R, k, cfg.combine_dtype,
                           apply_weights)
-    return op.combine(rows, routing=saved.routing)[0]
+    return _combine_through(op, saved.routing, saved, rows, None)[0]
 
 
 @_combine_grouped_op.register_fake
@@ -338,8 +389,8 @@ def _combine_grouped_backward(ctx, grad_out):
     grad_y = grad_w = None
     if ctx.needs_input_grad[0]:
         grad_y = (wg.unsqueeze(1) * g if ctx.apply_weights else g).to(y.dtype)
-    if ctx.needs_input_grad[1] and ctx.apply_weights:
-        grad_w = (y.float() * g).sum(1)
+    if ctx.needs_input_grad[1] and ctx.apply_weights:  # padding rows of y may hold anything: 0 there
+        grad_w = torch.where(filled.squeeze(1), (y.float() * g).sum(1), torch.zeros((), device=g.device))
     return grad_y, grad_w, None, None, None
 
 
@@ -347,6 +398,7 @@ torch.library.register_autograd("epgen::combine_grouped", _combine_grouped_backw
                                 setup_context=_combine_grouped_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.Tensor:
     """op.combine_grouped(y, handle.routing, apply_weights) recording autograd -> out [num_tokens, hidden]
     (a fresh tensor); gradients reach y and, with apply_weights, the layout's weights (module docstring)."""
@@ -357,6 +409,7 @@ def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.
         raise InputError(f"combine_grouped: the handle comes from another op (uid {handle.op_uid}, this op is uid "
                          f"{op.uid})")
     if not torch.is_grad_enabled() or handle._saved is None:
+        _no_saved_routing("combine_grouped", handle, y)
         return op.combine_grouped(y, handle.routing, apply_weights)[0]
     if handle.weights is None:
         raise InputError("combine_grouped: the handle is not from dispatch_grouped")
@@ -378,7 +431,8 @@ def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torc
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
-    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), total=total)
+    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), total=total)
+    _dispatched(op, saved)
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
     return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id)
@@ -413,6 +467,7 @@ def _dispatch_backward(ctx, grad_out, grad_w, *_):
 torch.library.register_autograd("epgen::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def dispatch(op, x, weights=None, indices=None):
     """op.dispatch(x, weights, None, indices, return_routing=True) recording autograd -> (out [R, H],
     out_weights [R, k] float32 or None, out_indices, total_recv, Handle); out and out_weights are differentiable
@@ -422,14 +477,7 @@ def dispatch(op, x, weights=None, indices=None):
         return out, out_w, out_i, total, Handle(op, routing, None)
     _check_plain(op, "dispatch")
     _register(op)
-    hid = next(_IDS)
-    try:
-        out, out_w, out_i, total, hid_t = _dispatch_op(x.contiguous(), None if weights is None else weights.contiguous(),
-                                                       indices, op.uid, hid)
-    except BaseException:
-        _PENDING.pop(hid, None)
-        raise
-    saved = _saved_after(hid, hid_t)
+    (out, out_w, out_i, total, _), saved, hid = _forward(_dispatch_op, x, weights, indices, op.uid)
     return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid)
 
 
@@ -469,6 +517,7 @@ def _combine_backward(ctx, grad_out, grad_w):
 torch.library.register_autograd("epgen::combine", _combine_backward, setup_context=_combine_setup)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def combine(op, y, handle: Handle, weights=None):
     """op.combine(y, weights, routing=handle.routing) recording autograd -> (out [num_tokens, H], out_weights
     [num_tokens, k] or None); gradients reach y and weights."""
@@ -477,6 +526,7 @@ def combine(op, y, handle: Handle, weights=None):
     if handle.op_uid != op.uid:
         raise InputError(f"combine: the handle comes from another op (uid {handle.op_uid}, this op is uid {op.uid})")
     if not torch.is_grad_enabled() or handle._saved is None:
+        _no_saved_routing("combine", handle, y, weights)
         return op.combine(y, weights, routing=handle.routing)
     _register(op)
     out, out_w = _combine_op(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)

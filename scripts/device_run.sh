@@ -46,7 +46,7 @@ fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
   # oversubscribed runs name each test as it ends and dump every rank's Python stacks when one outlasts FH_TIMEOUT s
   EP_PYTEST=${EP_PYTEST:-$([ -n "$OVERSUB" ] && echo "-v -o faulthandler_timeout=${FH_TIMEOUT:-150}" || echo -q)}
-  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_grouped.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py tests/gpu/test_floor.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
+  timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_grouped.py tests/gpu/test_ep_autograd.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py tests/gpu/test_floor.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then

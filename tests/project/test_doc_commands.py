@@ -320,7 +320,8 @@ def plan(cmd: str):
             return "parsed", "a placeholder for the ranks"
         if script in PLACEHOLDER_SCRIPTS:
             return "parsed", "the reader's own script"
-        if script == "examples/moe_layer.py" and "--hidden" in rest:
+        if script == "examples/moe_layer.py" and "--hidden" in rest or script == "examples/train_moe.py" and \
+                "--dtype" not in rest:  # the CPU runs (the GPU ones pick bf16)
             return "run", lambda: _run([sys.executable, "-m", "torch.distributed.run", *argv])
         return "parsed", "needs a GPU"
     if script == "scripts/test.sh":
@@ -365,6 +366,7 @@ def test_every_command_that_needs_no_gpu_is_run():
     ran = {c for _, c, _ in RUN}
     for cmd in ("python3 -m generator build --arch gfx950", "epgen doctor", "pip wheel --no-deps -w dist .",
                 "torchrun --nproc-per-node 2 examples/moe_layer.py --hidden 512 --experts 16 --intermediate 128",
+                "torchrun --nproc-per-node 2 examples/train_moe.py --steps 10",
                 "python scripts/sweep_table.py", "python scripts/plot_bench.py",
                 "python scripts/layer_table.py results/2026-12-01-2xH200-7b1a81d/layer.jsonl"):
         assert cmd in ran, f"{cmd}: documented, needs no GPU, and is not run"

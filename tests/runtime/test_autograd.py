@@ -73,7 +73,10 @@ def scn_gradcheck(rank, world, leg, tokens, seed, repeats, cfg_fields):
             R = cfg.max_recv_tokens
             Y, Wc = _dyadic(g, world, R, H), _dyadic(g, world, R, K)
             ok = _gradcheck(lambda Y, Wc: combine_leg(op, X, Y, Wc, my_ids, n), (Y, Wc))
-    return ok
+        with torch.no_grad():  # what the caps dropped here: (received rows, grouped pairs)
+            layout, _ = op.dispatch_grouped(X[rank, :n].float(), None, None, my_ids)
+            dropped = (int(op.dropped_count()), int(layout.dropped))
+    return ok, dropped
 
 
 LEGS = ["dispatch_grouped", "combine_grouped", "combine_grouped_unweighted", "dispatch", "combine"]
@@ -84,7 +87,7 @@ DROPS = {"none": {}, "recv_cap": {"max_total_recv_tokens": 3}, "grouped_cap": {"
 @pytest.mark.parametrize("leg", LEGS)
 def test_gradcheck_every_leg(world, leg):
     tokens = 3 if world == 2 else 2  # gradcheck's cost grows with every rank's inputs and outputs
-    assert all(get_world(world).run(scn_gradcheck, leg, tokens, 7, True, {}, timeout=240))
+    assert all(ok for ok, _ in get_world(world).run(scn_gradcheck, leg, tokens, 7, True, {}, timeout=240))
 
 
 @pytest.mark.parametrize("drops", ["recv_cap", "grouped_cap"])
@@ -92,11 +95,13 @@ def test_gradcheck_every_leg(world, leg):
 def test_gradcheck_with_drops(leg, drops):
     if drops == "grouped_cap" and leg in ("dispatch", "combine"):
         pytest.skip("the plain legs have no grouped layout")
-    assert all(get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240))
+    res = get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240)
+    assert all(ok for ok, _ in res)
+    assert sum(d[0 if drops == "recv_cap" else 1] for _, d in res) > 0, res  # the cap did drop
 
 
 def test_gradcheck_one_rank():
-    assert all(get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
+    assert all(ok for ok, _ in get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
 
 
 # --- semantics beyond gradcheck ------------------------------------------------------------------------
@@ -110,6 +115,20 @@ def _step_inputs(rank, cfg, seed, tokens):
     ew = torch.randn(cfg.num_experts_per_rank, cfg.hidden_dim, cfg.hidden_dim, generator=gg).to(cfg.data_type)
     grad = torch.randn(tokens, cfg.hidden_dim, generator=g).to(cfg.data_type)
     return x, w, ids, ew, grad
+
+
+def _layer(op, ids):
+    """A layer on the legs: relu'd linear experts between dispatch_grouped and combine_grouped, tanh after."""
+    def layer(x, w, ew):
+        layout, h = ag.dispatch_grouped(op, x, w, ids)
+        return torch.tanh(ag.combine_grouped(op, torch.relu(linear_experts(layout, ew)), h))
+    return layer
+
+
+def _grads(fn, tensors, grad):
+    """Gradients of fn(*tensors) (fresh leaves) for the output gradient grad."""
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    return torch.autograd.grad(fn(*leaves), leaves, grad)
 
 
 def scn_in_flight(rank, world):
@@ -175,14 +194,9 @@ def scn_checkpoint(rank, world, selective):
 
     cfg = _cfg(rank, world, 5, hidden_dim=8)
     x, w, ids, ew, grad = _step_inputs(rank, cfg, 4, 5)
-
-    def layer(x, w, ew):
-        layout, h = ag.dispatch_grouped(op, x, w, ids)
-        return torch.tanh(ag.combine_grouped(op, torch.relu(linear_experts(layout, ew)), h))
-
     with EpDispatchCombineOp(cfg) as op:
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
-        want = torch.autograd.grad(layer(*leaves), leaves, grad)
+        layer = _layer(op, ids)
+        want = _grads(layer, (x, w, ew), grad)
         leaves = [t.clone().requires_grad_(True) for t in (x, w, ew)]
         out = checkpoint(layer, *leaves, use_reentrant=False, **kwargs)
         before = op._seq  # dispatches so far
@@ -244,6 +258,17 @@ def test_fp8_dispatch_moves_bf16_gradients():
     assert all(get_world(2).run(scn_fp8, timeout=180))
 
 
+def test_a_combine_needing_gradients_refuses_a_handle_made_without_autograd():
+    with EpDispatchCombineOp(_cfg(0, 1, 4)) as op:
+        x, ids = torch.randn(4, H), torch.zeros(4, K, dtype=torch.int32)
+        with torch.no_grad():
+            layout, h = ag.dispatch_grouped(op, x, None, ids)
+        y = layout.x.clone().requires_grad_(True)
+        with pytest.raises(InputError, match="^combine_grouped: the handle comes from a dispatch run with autograd off"):
+            ag.combine_grouped(op, y, h)
+        assert torch.equal(ag.combine_grouped(op, layout.x, h), 2 * x)  # nothing needs a gradient: the op's path
+
+
 def test_plain_dispatch_of_a_quantized_op_says_where_to_train():
     cfg = _cfg(0, 1, 4, hidden_dim=128, data_type=torch.bfloat16, dispatch_quant_type="fp8_blockwise")
     with EpDispatchCombineOp(cfg) as op:
@@ -258,3 +283,17 @@ def test_the_custom_ops_are_registered_under_epgen():
     for name in ag.OP_NAMES:
         ns, op_name = name.split("::")
         assert hasattr(getattr(torch.ops, ns), op_name)
+
+
+def test_a_compiled_layer_runs_the_legs_as_they_are():
+    """torch.compile of a layer calling the legs: they run eagerly between the compiled parts (graph breaks), with
+    the same gradients."""
+    cfg = _cfg(0, 1, 5, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(0, cfg, 8, 5)
+    with EpDispatchCombineOp(cfg) as op:
+        layer = _layer(op, ids)
+        want = _grads(layer, (x, w, ew), grad)
+        compiled = torch.compile(layer, backend="aot_eager")
+        for _ in range(2):
+            got = _grads(compiled, (x, w, ew), grad)
+            assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(want, got))

@@ -5,7 +5,6 @@ without matplotlib."""
 from __future__ import annotations
 
 import builtins
-import importlib.util
 import os
 import re
 import subprocess
@@ -13,16 +12,9 @@ import sys
 
 import torch
 
-from tests.support.moe_layer_ref import ROOT
+from tests.support.moe_layer_ref import ROOT, load_example
 
 STEP = re.compile(r"^step +(\d+)  loss ([0-9.]+)  dense ([0-9.]+)  rel\.diff ([0-9.e+-]+)$")
-
-
-def load_train():
-    spec = importlib.util.spec_from_file_location("train_moe_example", ROOT / "examples" / "train_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_training_at_two_ranks_matches_the_dense_run_and_the_loss_falls(tmp_path):
@@ -44,7 +36,7 @@ def test_training_at_two_ranks_matches_the_dense_run_and_the_loss_falls(tmp_path
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
-    ex = load_train()
+    ex = load_example("train_moe")
     real_import = builtins.__import__
 
     def no_matplotlib(name, *args, **kw):
@@ -60,7 +52,7 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
 
 
 def test_verdict_needs_a_falling_loss_and_agreement():
-    ex = load_train()
+    ex = load_example("train_moe")
     assert ex.verdict([(2.0, 2.0), (1.0, 1.0)], torch.float32, 2)[0]
     assert not ex.verdict([(1.0, 1.0), (2.0, 2.0)], torch.float32, 2)[0]  # rises
     ok, line = ex.verdict([(2.0, 2.0), (1.0, 1.1)], torch.float32, 2)

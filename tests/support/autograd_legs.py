@@ -101,8 +101,10 @@ def combine_leg(op, X, Y, Wc, ids, n):
 
 
 def linear_experts(layout, expert_w: torch.Tensor) -> torch.Tensor:
-    """Each grouped row times its local expert's matrix expert_w [E_local, H, H] (padding rows: expert 0's)."""
-    return torch.bmm(layout.x.unsqueeze(1), expert_w[layout.m_indices.long().clamp(min=0)]).squeeze(1)
+    """Each grouped row times its local expert's matrix expert_w [E_local, H, H] (padding rows: expert 0's), in
+    float32 whatever the rows' dtype (exact inputs give the same bits on every device), then the rows' dtype."""
+    m = layout.m_indices.long().clamp(min=0)
+    return torch.bmm(layout.x.float().unsqueeze(1), expert_w.float()[m]).squeeze(1).to(layout.x.dtype)
 
 
 def grouped_step(op, x, w, ids, expert_w, grad_out, apply_weights=True):

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 REL_TOL = 1e-2  # per token: ||ep - reference||_2 <= REL_TOL * ||reference||_2
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("moe_layer_example", ROOT / "examples" / "moe_layer.py")
+def load_example(name: str = "moe_layer"):
+    """examples/NAME.py as a module (moe_layer by default; train_moe: the training example)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

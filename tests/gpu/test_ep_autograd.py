@@ -1,0 +1,173 @@
+"""runtime/autograd.py on the native backend against the torch backend's backward, on real GPUs: the grouped legs
+(bf16 and fp32; weighted and unweighted; a receive cap and a small grouped buffer, with drops) and the plain legs,
+forward and every gradient (tokens, routing weights, expert weights) bit-exact: the inputs are exact in a few
+bits, so every sum is exact whatever its order (the legs' own sums also run in the same order on both backends);
+an fp8_blockwise dispatch (grouped_dequantize) moves the same bf16 gradients as a bf16 op; several forwards in
+flight (bandwidth, low-latency and scatter combines); a forward + backward captured in one CUDA graph, replayed on
+new inputs; and examples/train_moe.py's training in bf16 against its dense run.
+
+Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_autograd.py
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runtime import EpDispatchCombineOp
+from runtime import autograd as ag
+from tests.gpu.dist_util import captured, run_collective
+from tests.support.autograd_legs import grouped_step, linear_experts
+from tests.support.configs import dist_config
+from tests.support.ep_oracle import random_routing
+from tests.support.moe_layer_ref import load_example
+
+pytestmark = pytest.mark.multigpu
+
+if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+    pytest.skip("needs torchrun and GPUs", allow_module_level=True)
+
+T, K, EPR, H = 48, 4, 4, 128
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _cfg(backend, dtype, **kw):
+    return dist_config(hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR, num_experts_per_token=K,
+                       kernel_backend=backend, data_type=dtype, enable_grouped_layout=True, **kw)
+
+
+def _inputs(seed, dtype, device="cuda"):
+    """(x, weights, ids, expert matrices [EPR, H, H] float32, output gradient), exact in a few bits: x in 1/16ths up
+    to 4, weights in 1/8ths, expert entries in {-1, 0, 1} / 8, gradients in {-1, 0, 1} / 2. Every sum the legs, the
+    experts and their backward take is then exact in float32 (at most 20 significant bits), so the sums' order
+    (CPU against GPU reductions, atomics) cannot show; each rounding to bf16 is of an exact value."""
+    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+    x = (torch.randint(-64, 65, (T, H), generator=g).float() / 16).to(dtype)
+    w = torch.randint(1, 9, (T, K), generator=g).float() / 8
+    ids = random_routing(g, T, K, EPR * dist.get_world_size())
+    ge = torch.Generator().manual_seed(seed * 31 + 1000 + dist.get_rank())  # this rank's experts
+    ew = torch.randint(-1, 2, (EPR, H, H), generator=ge).float() / 8
+    grad = (torch.randint(-1, 2, (T, H), generator=g).float() / 2).to(dtype)
+    return tuple(t.to(device) for t in (x, w, ids, ew, grad))
+
+
+def _on(op, tensors):
+    return tuple(t.to(op.device) for t in tensors)
+
+
+def _equal(got, want, what):
+    for name, a, b in zip(("out", "grad x", "grad weights", "grad experts"), got, want):
+        a, b = a.cpu(), b.cpu()
+        assert torch.equal(a, b), f"{what}: {name} differs by {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype,apply_weights,recv_cap,gcap,protocol", [
+    ("bf16", True, 0, 0, "bw"), ("fp32", True, 0, 0, "bw"), ("bf16", False, 0, 0, "bw"), ("bf16", True, 0, 0, "ll"),
+    ("bf16", True, 60, 0, "bw"),   # a receive cap (~90 rows arrive): rows dropped, zero gradient
+    ("bf16", True, 0, 96, "bw"),   # a small grouped buffer (~180 local pairs): pairs dropped, zero gradient
+    ("bf16", True, 0, 0, "scatter"),
+])
+def test_grouped_backward_matches_torch_backend(dtype, apply_weights, recv_cap, gcap, protocol):
+    def check():
+        kw = dict(max_total_recv_tokens=recv_cap, grouped_capacity=gcap)
+        mode = dict(combine_mode="scatter") if protocol == "scatter" else {}
+        native = mode or dict(intranode_protocol=protocol)
+        with EpDispatchCombineOp(_cfg("native", DTYPES[dtype], **kw, **native)) as op, \
+                EpDispatchCombineOp(_cfg("torch", DTYPES[dtype], **kw, **mode)) as ref:
+            for seed in (1, 2):
+                inputs = _inputs(seed, DTYPES[dtype])
+                got = grouped_step(op, *inputs, apply_weights=apply_weights)
+                torch.cuda.synchronize()
+                want = grouped_step(ref, *_on(ref, inputs), apply_weights=apply_weights)
+                _equal(got, want, f"seed {seed}")
+    run_collective(check)  # its all-gather is the closing barrier
+
+
+def _plain_step(op, x, w, ids, grad):
+    """dispatch -> rows times 3 -> combine (weights too) and the backward -> (out, grad x, grad w)."""
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out, out_w, _, _, h = ag.dispatch(op, x, w, ids)
+    y, yw = ag.combine(op, out * 3, h, weights=out_w * 2)
+    gx, gw = torch.autograd.grad((y, yw), (x, w), (grad, torch.ones_like(yw)))
+    return y.detach(), gx, gw
+
+
+def test_plain_backward_matches_torch_backend():
+    def check():
+        with EpDispatchCombineOp(_cfg("native", torch.bfloat16)) as op, \
+                EpDispatchCombineOp(_cfg("torch", torch.bfloat16)) as ref:
+            x, w, ids, _, grad = _inputs(3, torch.bfloat16)
+            got = _plain_step(op, x, w, ids, grad)
+            torch.cuda.synchronize()
+            want = _plain_step(ref, *_on(ref, (x, w, ids, grad)))
+            _equal(got, want, "plain legs")
+    run_collective(check)
+
+
+def test_fp8_dispatch_moves_the_gradients_of_a_bf16_op():
+    def check():
+        fp8 = _cfg("native", torch.bfloat16, dispatch_quant_type="fp8_blockwise", grouped_dequantize=True)
+        grads = []
+        for cfg in (fp8, _cfg("native", torch.bfloat16)):
+            with EpDispatchCombineOp(cfg) as op:
+                x, w, ids, _, grad = _inputs(4, torch.bfloat16)
+                xx = x.clone().requires_grad_(True)
+                layout, h = ag.dispatch_grouped(op, xx, w, ids)
+                assert layout.x.dtype == torch.bfloat16
+                out = ag.combine_grouped(op, layout.x * 3, h, apply_weights=False)
+                grads.append(torch.autograd.grad(out, xx, grad)[0])
+                torch.cuda.synchronize()
+        assert torch.equal(grads[0], grads[1]), (grads[0].float() - grads[1].float()).abs().max()
+    run_collective(check)
+
+
+@pytest.mark.parametrize("protocol", ["bw", "ll", "scatter"])
+def test_forwards_in_flight_keep_their_routing(protocol):
+    """The low-latency and scatter combines send rows to the origins of the op's last dispatch: combining an older
+    handle first replays it (runtime/autograd.py, _combine_through)."""
+    def check():
+        native = dict(combine_mode="scatter") if protocol == "scatter" else dict(intranode_protocol=protocol)
+        with EpDispatchCombineOp(_cfg("native", torch.bfloat16, **native)) as op:
+            a, b = _inputs(5, torch.bfloat16), _inputs(6, torch.bfloat16)
+            want = [grouped_step(op, *a), grouped_step(op, *b)]
+            steps = []
+            for x, w, ids, ew, grad in (a, b):  # both dispatches, then both combines, then both backwards
+                x, w, ew = (t.clone().requires_grad_(True) for t in (x, w, ew))
+                steps.append((x, w, ew, grad, *ag.dispatch_grouped(op, x, w, ids)))
+            steps = [(x, w, ew, grad, ag.combine_grouped(op, linear_experts(layout, ew), h))
+                     for x, w, ew, grad, layout, h in steps]
+            for (x, w, ew, grad, out), wanted in zip(steps, want):
+                _equal((out.detach(), *torch.autograd.grad(out, (x, w, ew), grad)), wanted, "in flight")
+    run_collective(check)
+
+
+def test_forward_and_backward_in_a_cuda_graph():
+    def check():
+        with EpDispatchCombineOp(_cfg("native", torch.bfloat16)) as op:
+            static = [t.clone() for t in _inputs(7, torch.bfloat16)]
+            g, res = captured(lambda: grouped_step(op, *static))
+            for rep in range(3):
+                fresh = _inputs(40 + rep, torch.bfloat16)
+                for s, t in zip(static, fresh):
+                    s.copy_(t)
+                g.replay()
+                torch.cuda.synchronize()
+                got = [t.clone() for t in res]
+                dist.barrier()
+                want = grouped_step(op, *fresh)
+                torch.cuda.synchronize()
+                _equal(got, want, f"replay {rep}")
+                dist.barrier()
+    run_collective(check)
+
+
+def test_train_moe_example_matches_its_dense_run_in_bf16():
+    def check():
+        ex = load_example("train_moe")
+        W = dist.get_world_size()
+        args = ex.parser().parse_args(["--dtype", "bf16", "--steps", "12", "--hidden", "256", "--experts", str(8 * W),
+                                       "--topk", "4", "--intermediate", "128", "--tokens", "64"])
+        ok, line = ex.verdict(ex.train(args), torch.bfloat16, W)
+        assert ok, line
+    run_collective(check)
