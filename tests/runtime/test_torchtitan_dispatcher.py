@@ -42,6 +42,16 @@ def test_bf16_is_as_close_to_float32_as_torchtitans_own(layers):
     assert get_world(2).run(scn_low_precision, layers, timeout=240) == [{}, {}]
 
 
+def scn_no_grad(rank, world):
+    with torch.no_grad():  # evaluation: the op's own calls, no autograd bookkeeping
+        return titan_check.compare(grads=False, layers=2, seed=6)
+
+
+def test_no_grad_forward_matches():
+    for errs in get_world(2).run(scn_no_grad, timeout=240):
+        assert errs["out"] <= TOL and errs["dispatches"] == 2, errs
+
+
 def check(world: int, timeout: float = 240, **kwargs) -> list[dict]:
     results = get_world(world).run(scn_compare, kwargs, timeout=timeout)
     for rank, errs in enumerate(results):
