@@ -7,7 +7,7 @@ with a rank that receives no token and an expert without pairs, two layers shari
 and activation checkpointing (torch's, and EpgenSelectiveAC saving epgen's ops).
 
 Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
-    torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_torchtitan_gpu.py
+    torchrun --nproc-per-node 2 -m pytest -m multigpu -q -rs tests/gpu/test_torchtitan_gpu.py
 
 Needs torchtitan importable (pip install --no-deps torchtitan==0.3.0 && pip install spmd_types==0.2.3 tyro; a CUDA
 torch brings triton): without it the module skips and says why. On torch 2.11 the integration's
