@@ -18,7 +18,8 @@ A subclass of torchtitan's ``BaseEPTokenDispatcher`` (torchtitan/models/common/t
   the group sizes, so ``GroupedExperts``' ``cumsum`` gives epgen's group ends (``layout.offs``). With
   ``pad_multiple`` (``expert_alignment``, default 1: no padding, the counts are the real pair counts) each group is
   padded to a multiple of it, as torchtitan's ``TorchAOTokenDispatcher`` pads for fp8 / mxfp8 grouped GEMMs, and
-  the counts include the padding. ``num_local_tokens_per_expert_E`` is not needed (epgen counts on the receive side).
+  the counts include the padding (the padding rows zeroed). ``num_local_tokens_per_expert_E`` is not needed (epgen
+  counts on the receive side).
 * ``combine(routed_output_RD, metadata, x_TD)`` -> ``out_TD``: each pair's output row times its router score in
   float32 (epgen's ``combine_grouped``; torchtitan's reference applies the scores in float32 after its return
   exchange: the same products, summed in another order), summed per token over the ranks.
@@ -30,7 +31,12 @@ Gradients reach the tokens, the router scores and the expert outputs through epg
 Selected in a torchtitan run with its ``@override`` mechanism: ``--override.imports
 runtime.integrations.torchtitan.epgen_dispatcher`` replaces every ``AllToAllTokenDispatcher.Config`` of the model
 (the ``TorchAOTokenDispatcher`` one too, keeping its ``pad_multiple``); kwargs as JSON:
-``'runtime.integrations.torchtitan.epgen_dispatcher={"num_max_tokens_per_rank": 8192}'``.
+``'runtime.integrations.torchtitan.epgen_dispatcher={"num_max_tokens_per_rank": 8192}'``. A second override,
+``epgen_selective_ac``, makes torchtitan's selective activation checkpointing (``SelectiveAC``) save epgen's ops'
+outputs (``EpgenSelectiveAC``), so that its recomputation moves no tokens again.
+
+Every dispatcher of the process with the same EP group and sizes shares one op (``SharedOps``): one workspace for
+the model, not one per MoE layer.
 
 This module imports torchtitan (``pip install 'epgen[torchtitan]'``); nothing else in epgen imports it.
 """
