@@ -125,3 +125,19 @@ def test_without_an_ep_mesh_it_is_torchtitans_local_dispatch():
         outs.append(m(torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))))
         assert getattr(m.routed_experts.token_dispatcher, "op", None) is None
     assert torch.equal(outs[0], outs[1])
+
+
+def test_grouped_rows_bound_every_local_pair_of_top_k_routing():
+    """The layout's default rows: every received row's local pairs (at most min(top_k, experts per rank) of them,
+    top-k ids being distinct) plus each group's padding; the config's worst case when a rank holds top_k experts or
+    more, fewer rows when it holds fewer (256 experts over 64 ranks: 4 per rank, top-8)."""
+    from runtime import EpDispatchCombineConfig
+    from runtime.integrations.torchtitan import grouped_rows
+
+    for world, tokens, per_rank, k, align in ((2, 64, 8, 4, 1), (4, 33, 16, 8, 16), (64, 128, 4, 8, 1)):
+        cfg = EpDispatchCombineConfig(rank=0, world_size=world, hidden_dim=64, max_num_inp_token_per_rank=tokens,
+                                      num_experts_per_rank=per_rank, num_experts_per_token=k, kernel_backend="torch",
+                                      enable_grouped_layout=True, expert_alignment=align)
+        rows = grouped_rows(world, tokens, per_rank, k, align)
+        assert rows % align == 0 and rows >= world * tokens * min(k, per_rank) + per_rank * (align - 1)
+        assert rows == cfg.worst_case_grouped_rows if per_rank >= k else rows < cfg.worst_case_grouped_rows
