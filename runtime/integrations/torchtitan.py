@@ -18,8 +18,9 @@ A subclass of torchtitan's ``BaseEPTokenDispatcher`` (torchtitan/models/common/t
   the group sizes, so ``GroupedExperts``' ``cumsum`` gives epgen's group ends (``layout.offs``). With
   ``pad_multiple`` (``expert_alignment``, default 1: no padding, the counts are the real pair counts) each group is
   padded to a multiple of it, as torchtitan's ``TorchAOTokenDispatcher`` pads for fp8 / mxfp8 grouped GEMMs, and
-  the counts include the padding (the padding rows zeroed). ``num_local_tokens_per_expert_E`` is not needed (epgen
-  counts on the receive side).
+  the counts include the padding (runtime.autograd hands out the rows with the padding zeroed, so the grouped GEMMs'
+  weight gradients over it are zero). ``num_local_tokens_per_expert_E`` is not needed (epgen counts on the receive
+  side).
 * ``combine(routed_output_RD, metadata, x_TD)`` -> ``out_TD``: each pair's output row times its router score in
   float32 (epgen's ``combine_grouped``; torchtitan's reference applies the scores in float32 after its return
   exchange: the same products, summed in another order), summed per token over the ranks.
@@ -179,10 +180,6 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         scores = topk_scores_TK.to(torch.float32).contiguous()
         ids = topk_expert_ids_TK.to(torch.int32).contiguous()
         rows, layout, handle = _legs.dispatch(op, x, scores, ids)
-        if self.pad_multiple > 1:  # padding rows zero (the native backend leaves them as they were): the grouped
-            # GEMMs' weight gradients sum padding row x zero gradient, which a stale non-finite row would spoil
-            rows = torch.where((layout.m_indices >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype,
-                                                                                        device=rows.device))
         offs = layout.offs.to(torch.int64)
         counts = torch.diff(offs, prepend=offs.new_zeros(1))  # group sizes: GroupedExperts' cumsum gives offs
         return rows, counts, EpgenDispatchMetadata(op=op, handle=handle, layout=layout)
