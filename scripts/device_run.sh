@@ -25,7 +25,7 @@
 # GPROF_ARGS: its options; $OUT/grouped_profile.jsonl), TITAN=1 (docs/TORCHTITAN.md: torchtitan's own MoE with its
 # all-to-all dispatcher against epgen's, bf16, 2 ranks on GPU 0, tests/gpu/test_torchtitan_gpu.py, $OUT/titan.log; torchtitan
 # installed first from the wheels in TITAN_WHEELS, default .titan-wheels, when that folder is there: the machine has no
-# index; pip download --no-deps -d .titan-wheels torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard
+# index; pip download --no-deps -d .titan-wheels torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard typing_extensions
 # makes it here, and the device tool carries it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
