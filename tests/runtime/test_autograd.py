@@ -90,11 +90,10 @@ def test_gradcheck_every_leg(world, leg):
     assert all(ok for ok, _ in get_world(world).run(scn_gradcheck, leg, tokens, 7, True, {}, timeout=240))
 
 
-@pytest.mark.parametrize("drops", ["recv_cap", "grouped_cap"])
-@pytest.mark.parametrize("leg", ["dispatch_grouped", "combine_grouped", "dispatch", "combine"])
+@pytest.mark.parametrize("leg,drops", [(leg, drops) for drops in DROPS if drops != "none"
+                                       for leg in ("dispatch_grouped", "combine_grouped", "dispatch", "combine")
+                                       if drops == "recv_cap" or "grouped" in leg])  # plain legs: no grouped layout
 def test_gradcheck_with_drops(leg, drops):
-    if drops == "grouped_cap" and leg in ("dispatch", "combine"):
-        pytest.skip("the plain legs have no grouped layout")
     res = get_world(2).run(scn_gradcheck, leg, 4, 11, True, DROPS[drops], timeout=240)
     assert all(ok for ok, _ in res)
     assert sum(d[0 if drops == "recv_cap" else 1] for _, d in res) > 0, res  # the cap did drop
