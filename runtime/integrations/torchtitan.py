@@ -247,16 +247,23 @@ _legs = _Legs()
 @override(target=AllToAllTokenDispatcher.Config,
           description="epgen expert-parallel dispatch / combine (EpgenTokenDispatcher)")
 def epgen_dispatcher(cfg: AllToAllTokenDispatcher.Config, *, num_max_tokens_per_rank: int | None = None,
-                     hidden_dim: int | None = None, pad_multiple: int | None = None, grouped_capacity: int = 0,
-                     kernel_backend: str | None = None, gpu_per_node: int = 0) -> EpgenTokenDispatcher.Config:
+                     hidden_dim: int | None = None, dtype: str | None = None, pad_multiple: int | None = None,
+                     grouped_capacity: int = 0, kernel_backend: str | None = None,
+                     gpu_per_node: int = 0) -> EpgenTokenDispatcher.Config:
     """torchtitan override: every ``AllToAllTokenDispatcher.Config`` of the model (``TorchAOTokenDispatcher``'s
     too, whose ``pad_multiple`` is kept unless given) becomes an ``EpgenTokenDispatcher.Config``; the kwargs are
     its fields (``--override.imports 'runtime.integrations.torchtitan.epgen_dispatcher={"kernel_backend":
-    "torch"}'``)."""
+    "torch"}'``), ``dtype`` by its torch name ("bfloat16", "float32": JSON has no dtypes)."""
+    if dtype is not None:
+        dtype_ = getattr(torch, dtype, None)
+        if not isinstance(dtype_, torch.dtype):
+            raise ValueError(f"epgen_dispatcher: dtype={dtype!r} is not a torch dtype name (e.g. \"bfloat16\")")
+        dtype = dtype_
     if pad_multiple is None:
         pad_multiple = getattr(cfg, "pad_multiple", None)
     return EpgenTokenDispatcher.Config(num_experts=cfg.num_experts, top_k=cfg.top_k, hidden_dim=hidden_dim,
-                                       num_max_tokens_per_rank=num_max_tokens_per_rank, pad_multiple=pad_multiple,
+                                       num_max_tokens_per_rank=num_max_tokens_per_rank, dtype=dtype,
+                                       pad_multiple=pad_multiple,
                                        grouped_capacity=grouped_capacity, kernel_backend=kernel_backend,
                                        gpu_per_node=gpu_per_node)
 

@@ -52,6 +52,32 @@ def test_no_grad_forward_matches():
         assert errs["out"] <= TOL and errs["dispatches"] == 2, errs
 
 
+def scn_sizes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime.integrations.torchtitan import EpgenTokenDispatcher
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    d = EpgenTokenDispatcher.Config(num_experts=4 * world, top_k=2, hidden_dim=16, num_max_tokens_per_rank=8,
+                                    dtype=torch.float32).build()
+    d.wire_meshes(ep_mesh=mesh)  # torchtitan's call: all three sizes given, the op is built here
+    built = d.op
+    seen = [built is not None and built.config.max_num_inp_token_per_rank == 8]
+    for tokens in (5, 8, 12):  # fewer or as many: the same op; more: built again, for 12
+        x = torch.randn(tokens, 16)
+        ids = torch.stack([torch.randperm(4 * world)[:2] for _ in range(tokens)])
+        rows, counts, meta = d.dispatch(x, torch.rand(tokens, 2), ids, None)
+        out = d.combine(torch.zeros_like(rows), meta, x)
+        seen.append((d.op is built, d.op.config.max_num_inp_token_per_rank, int(counts.sum()), tuple(out.shape)))
+    return seen, built.closed
+
+
+def test_the_op_is_built_at_wire_meshes_when_sized_and_again_for_more_tokens():
+    for seen, old_closed in get_world(2).run(scn_sizes, timeout=240):
+        assert seen[0] and [s[:2] for s in seen[1:]] == [(True, 8), (True, 8), (False, 12)], seen
+        assert [s[3] for s in seen[1:]] == [(5, 16), (8, 16), (12, 16)] and old_closed  # the old op released
+
+
 def check(world: int, timeout: float = 240, **kwargs) -> list[dict]:
     results = get_world(world).run(scn_compare, kwargs, timeout=timeout)
     for rank, errs in enumerate(results):
@@ -104,10 +130,12 @@ def test_override_replaces_the_all_to_all_dispatchers_and_keeps_their_padding():
                      (TorchAOTokenDispatcher.Config(num_experts=8, top_k=2, pad_multiple=16), 16)):
         tree = titan_check.moe_config(cfg, dim=16, inter=8, experts=8, top_k=2, world=2)
         target = "runtime.integrations.torchtitan.epgen_dispatcher"
-        lines = apply_overrides(OverrideConfig(imports=[(target, {"num_max_tokens_per_rank": 64})]), tree)
+        kwargs = {"num_max_tokens_per_rank": 64, "dtype": "bfloat16"}
+        lines = apply_overrides(OverrideConfig(imports=[(target, kwargs)]), tree)
         new = tree.routed_experts.token_dispatcher
         assert len(lines) == 1 and type(new) is EpgenTokenDispatcher.Config, lines
         assert (new.num_experts, new.top_k, new.num_max_tokens_per_rank, new.pad_multiple) == (8, 2, 64, pad)
+        assert new.dtype is torch.bfloat16
 
 
 def test_without_an_ep_mesh_it_is_torchtitans_local_dispatch():
