@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 2 examples/train_moe.py --dtype bf16      # GPUs: NCCL, the generated kernels
 
 The model is examples/moe_layer.py's block (softmax router, top-k, SiLU-gated experts sharded over the ranks)
-trained with AdamW to fit a fixed random linear map of synthetic tokens (mean squared error). Each rank draws its
+trained with AdamW to fit a fixed random linear map of synthetic tokens (mean squared error); the parameters are
+float32, the forward and the communication run in --dtype (bf16: mixed precision). Each rank draws its
 own batch per step; the router is replicated (its gradient is all-reduced, as data parallelism does), the experts
 are expert-parallel (each rank's experts get their gradients from every rank's tokens through the backward of
 dispatch_grouped / combine_grouped). Rank 0 also trains the same model densely in one process (every rank's
@@ -49,35 +50,44 @@ def batch(step: int, rank: int, tokens: int, hidden: int, seed: int, device, dty
     return x.to(device, dtype), (x @ A.t()).to(device, dtype)
 
 
-class EPMoE(torch.nn.Module):
-    """Router (replicated) + this rank's experts, dispatch / combine through runtime.autograd."""
-
-    def __init__(self, op: EpDispatchCombineOp, gate, w13, w2):
-        super().__init__()
-        self.op, self.k = op, op.config.num_experts_per_token
-        self.gate, self.w13, self.w2 = (torch.nn.Parameter(t.clone()) for t in (gate, w13, w2))
-
-    def forward(self, x):
-        weights, ids = layer.route(x, self.gate, self.k)  # weights differentiable w.r.t. the gate
-        lay, h = ag.dispatch_grouped(self.op, x, weights, ids)
-        y = layer.experts_grouped(lay.x, lay.offs, self.w13, self.w2)
-        return ag.combine_grouped(self.op, y, h)  # sum_k w_k expert_k(x): the weights' gradient too
-
-
-class DenseMoE(torch.nn.Module):
-    """The same model in one process: every expert on its tokens, no communication."""
+class MoEParams(torch.nn.Module):
+    """Router [E, H] and experts (w13 [E', 2I, H], w2 [E', H, I]), float32 (the optimizer's master weights); the
+    forward computes in the tokens' dtype (bf16: mixed precision)."""
 
     def __init__(self, gate, w13, w2, k: int):
         super().__init__()
         self.k = k
-        self.gate, self.w13, self.w2 = (torch.nn.Parameter(t.clone()) for t in (gate, w13, w2))
+        self.gate, self.w13, self.w2 = (torch.nn.Parameter(t.float().clone()) for t in (gate, w13, w2))
+
+    def weights(self, dtype):
+        return (p.to(dtype) for p in (self.gate, self.w13, self.w2))
+
+
+class EPMoE(MoEParams):
+    """Router (replicated) + this rank's experts, dispatch / combine through runtime.autograd."""
+
+    def __init__(self, op: EpDispatchCombineOp, gate, w13, w2):
+        super().__init__(gate, w13, w2, op.config.num_experts_per_token)
+        self.op = op
 
     def forward(self, x):
-        weights, ids = layer.route(x, self.gate, self.k)
+        gate, w13, w2 = self.weights(x.dtype)
+        weights, ids = layer.route(x, gate, self.k)  # weights differentiable w.r.t. the gate
+        lay, h = ag.dispatch_grouped(self.op, x, weights, ids)
+        y = layer.experts_grouped(lay.x, lay.offs, w13, w2)
+        return ag.combine_grouped(self.op, y, h)  # sum_k w_k expert_k(x): the weights' gradient too
+
+
+class DenseMoE(MoEParams):
+    """The same model in one process: every expert on its tokens, no communication."""
+
+    def forward(self, x):
+        gate, w13, w2 = self.weights(x.dtype)
+        weights, ids = layer.route(x, gate, self.k)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
             coef = (weights * (ids == e)).sum(1, keepdim=True)
-            out = out + coef * layer.expert_ffn(x, self.w13[e], self.w2[e]).float()
+            out = out + coef * layer.expert_ffn(x, w13[e], w2[e]).float()
         return out.to(x.dtype)
 
 
@@ -113,7 +123,7 @@ def train(args) -> list[tuple[float, float | None]]:
                                   max_num_inp_token_per_rank=args.tokens, num_experts_per_rank=per_rank,
                                   num_experts_per_token=args.topk, data_type=dtype, enable_grouped_layout=True,
                                   expert_alignment=16)
-    gate, w13, w2 = initial_weights(args.experts, args.hidden, args.intermediate, args.seed, device, dtype)
+    gate, w13, w2 = initial_weights(args.experts, args.hidden, args.intermediate, args.seed, device, torch.float32)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     losses = []
     with EpDispatchCombineOp(cfg) as op:
@@ -138,7 +148,7 @@ def train(args) -> list[tuple[float, float | None]]:
                 dense_opt.zero_grad(set_to_none=True)
                 dloss.backward()
                 dense_opt.step()
-                want = float(dloss)
+                want = float(dloss.detach())
             losses.append((float(total), want))
             if rank == 0:
                 line = f"step {step:3d}  loss {float(total):.6f}"

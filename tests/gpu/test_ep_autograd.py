@@ -166,8 +166,8 @@ def test_train_moe_example_matches_its_dense_run_in_bf16():
     def check():
         ex = load_example("train_moe")
         W = dist.get_world_size()
-        args = ex.parser().parse_args(["--dtype", "bf16", "--steps", "12", "--hidden", "256", "--experts", str(8 * W),
-                                       "--topk", "4", "--intermediate", "128", "--tokens", "64"])
+        args = ex.parser().parse_args(["--dtype", "bf16", "--steps", "20", "--hidden", "128", "--experts", str(8 * W),
+                                       "--topk", "4", "--intermediate", "64", "--tokens", "64"])
         ok, line = ex.verdict(ex.train(args), torch.bfloat16, W)
         assert ok, line
     run_collective(check)

@@ -99,6 +99,12 @@ def test_gradcheck_with_drops(leg, drops):
     assert sum(d[0 if drops == "recv_cap" else 1] for _, d in res) > 0, res  # the cap did drop
 
 
+@pytest.mark.parametrize("leg", ["dispatch_grouped", "combine_grouped", "dispatch", "combine"])
+def test_gradcheck_with_a_rank_without_tokens(leg):
+    """One token per rank but rank 1 has none (scn_gradcheck gives odd ranks a token less)."""
+    assert all(ok for ok, _ in get_world(2).run(scn_gradcheck, leg, 1, 3, False, {}, timeout=240))
+
+
 def test_gradcheck_one_rank():
     assert all(ok for ok, _ in get_world(1).run(scn_gradcheck, "combine_grouped", 3, 5, True, {}, timeout=240))
 
