@@ -139,6 +139,22 @@ def test_the_seed_shim_is_a_leaf():
     assert not users, f"the core imports the seed-API shim: {users}"
 
 
+def test_the_framework_integrations_are_leaves_and_alone_import_their_frameworks():
+    """runtime.integrations.* (torchtitan's token dispatcher) import an optional framework: nothing in the project
+    imports them, and no other module of the packages imports the framework."""
+    g = graph()
+    pkg = "runtime.integrations"
+    users = sorted(m for m, ts in g.items() if not m.startswith(pkg) for t in ts if t.startswith(pkg + "."))
+    assert not users, f"modules import a framework integration: {users}"
+    framework = sorted(name for name, path in modules().items() if not name.startswith(pkg + ".")
+                       for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                           n.split(".")[0] == "torchtitan" for n in
+                           ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+                           if not getattr(node, "level", 0)))
+    assert not framework, f"modules outside runtime.integrations import torchtitan: {framework}"
+
+
 def test_the_core_reaches_the_backends_only_through_their_factory():
     g = graph()
     core = [m for m in g if m.startswith("runtime") and not m.startswith("runtime.backends")

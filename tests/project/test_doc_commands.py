@@ -115,8 +115,36 @@ def _python_module(module: str, argv: list[str]) -> None:
                 assert any(m.startswith(argv[i + 1] + ":") for m in markers), f"no pytest marker {argv[i + 1]!r}"
             elif not arg.startswith("-") and argv[i - 1] != "-m":
                 assert (ROOT / arg.split("::")[0]).exists(), f"pytest {arg}: no such test file"
+    elif module == "torchtitan.train":
+        _torchtitan_train(argv)
     else:
         raise AssertionError(f"python -m {module}: not a module this project documents")
+
+
+def _torchtitan_train(argv: list[str]) -> None:
+    """torchtitan's trainer with epgen's dispatcher (docs/TORCHTITAN.md): --module / --config given, and every
+    --override.imports target (``module.function``, kwargs as JSON after ``=``) an @override factory of
+    runtime/integrations/torchtitan.py taking those kwargs (read from its source: torchtitan need not be installed)."""
+    import ast
+    import json
+
+    assert "--module" in argv and "--config" in argv, f"torchtitan.train {argv}: --module and --config are required"
+    src = ROOT / "runtime" / "integrations" / "torchtitan.py"
+    factories = {node.name: {a.arg for a in node.args.args + node.args.kwonlyargs}
+                 for node in ast.parse(src.read_text()).body if isinstance(node, ast.FunctionDef)
+                 and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "override"
+                         for d in node.decorator_list)}
+    targets = argv[argv.index("--override.imports") + 1:]
+    targets = targets[:next((i for i, a in enumerate(targets) if a.startswith("--")), len(targets))]
+    assert targets, f"torchtitan.train {argv}: no --override.imports target"
+    entries = [e for t in targets for e in ([t] if "=" in t else t.split(","))]  # torchtitan's parse_cli_imports
+    for token in entries:
+        target, _, kwargs = token.partition("=")
+        module, _, func = target.rpartition(".")
+        assert module == "runtime.integrations.torchtitan" and func in factories, \
+            f"--override.imports {target}: not an @override of runtime/integrations/torchtitan.py ({sorted(factories)})"
+        unknown = set(json.loads(kwargs) if kwargs else {}) - factories[func]
+        assert not unknown, f"--override.imports {target}: {func} takes no {sorted(unknown)}"
 
 
 def _epgen(argv: list[str]) -> None:
@@ -142,6 +170,9 @@ def _extras() -> set[str]:
 def _pip(argv: list[str]) -> None:
     if argv[0] == "wheel":
         _pip_wheel(argv)
+        return
+    if argv[0] == "download":  # wheels for a machine without an index: exact pins or names, into a folder
+        assert "--no-deps" in argv and "-d" in argv, f"pip {' '.join(argv)}: download with --no-deps -d FOLDER"
         return
     assert argv[0] == "install", f"pip {argv[0]}: not documented here"
     for arg in argv[1:]:
@@ -344,6 +375,9 @@ def test_every_command_that_needs_no_gpu_is_run():
 
 def test_the_checker_rejects_what_does_not_exist():
     for bad in ("python -m generator build --arch gfx950 --profiles all", "python -m bench --layer-looop",
+                "torchrun --nproc-per-node 2 -m torchtitan.train --module m --config c --override.imports runtime.x.f",
+                "torchrun --nproc-per-node 2 -m torchtitan.train --module m --config c --override.imports "
+                "'runtime.integrations.torchtitan.epgen_dispatcher={\"nope\": 1}'",
                 "pip install '.[cuda]'", 'pip install "$(ls dist/epgen-*.whl)[cuda]"', "python scripts/layer_table.py --nope",
                 "bash scripts/nothing.sh",
                 "python -m generator explain gfx950/no_such_variant", "torchrun --nproc-per-node 2 -m bench.tune --writ"):

@@ -100,6 +100,7 @@ def test_test_extra_installs_what_the_cpu_tests_import():
     extras = project["optional-dependencies"]
     declared = {req.split(">")[0].split("=")[0].split("<")[0].split("[")[0].replace("-", "_")
                 for req in project["dependencies"] + extras["test"]}
+    declared |= set(torchtitan_check_installs())  # the torchtitan check's, installed by scripts/test.sh
     cpu_tests = [p for p in (ROOT / "tests").rglob("*.py") if "gpu" not in p.relative_to(ROOT / "tests").parts]
     imported = _third_party_imports([*cpu_tests, *(ROOT / "scripts").glob("*.py")])
     assert imported - declared == set(), f"imported by the tests but not in the [test] extra: {imported - declared}"
@@ -125,3 +126,24 @@ def test_test_script_and_readme_agree_on_torch():
     span = f"{major}.{minor} to {top_major}.{top_minor - 1}"
     assert f"extras admit {span}" in (ROOT / "scripts" / "test.sh").read_text()
     assert f"The extras take torch {span}" in " ".join(readme.split())
+
+
+def torchtitan_check_installs() -> dict[str, str]:
+    """What scripts/test.sh installs for the torchtitan check: {distribution: requirement}."""
+    import re
+
+    text = (ROOT / "scripts" / "test.sh").read_text()
+    pinned = re.search(r'pip install -q --no-deps "(torchtitan==[^"]+)"', text).group(1)
+    deps = re.search(r'^TORCHTITAN_CHECK_DEPS="([^"]+)"', text, re.M).group(1).split()
+    assert re.search(r"pip install -q \$TORCHTITAN_CHECK_DEPS", text) and "export EPGEN_REQUIRE_TORCHTITAN=1" in text
+    return {req.split("=")[0]: req for req in [pinned, *deps]}
+
+
+def test_the_torchtitan_check_installs_the_extras_torchtitan():
+    """scripts/test.sh installs the torchtitan release the [torchtitan] extra pins (without its training dependencies,
+    then the modules its MoE imports: issue 36's measured set), and triton, which the extra adds for torch's CPU
+    build."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torchtitan"]
+    installs = torchtitan_check_installs()
+    assert installs["torchtitan"] in extra and "triton" in extra and "triton" in installs
+    assert {"spmd_types", "tyro"} <= set(installs)
