@@ -126,6 +126,9 @@ class CudaKernel:
 
         self._cu = cu
         torch.cuda.current_device()  # the primary context is current
+        # the context this kernel lives in: a thread where no CUDA call made it current yet (autograd's backward
+        # worker, a user's thread) gets it made current before a launch (_in_context)
+        self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
         self.function = self._check(cu.cuModuleGetFunction(self.module, symbol.encode()), "cuModuleGetFunction")
         self.symbol = symbol
@@ -140,13 +143,23 @@ class CudaKernel:
         """Blocks of `threads` threads that can be resident on one multiprocessor at once (at least 1)."""
         if threads not in self._occupancy:
             try:
-                n = self._check(self._cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, 0),
-                                "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+                n = self._check(self._in_context(lambda: self._cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    self.function, threads, 0)), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             except Exception as e:  # noqa: BLE001 - one block per SM is always resident: the safe answer
                 warnings.warn(f"{self.symbol}: occupancy query failed ({e}); assuming one block per SM")
                 n = 1
             self._occupancy[threads] = max(1, int(n))
         return self._occupancy[threads]
+
+    def _in_context(self, call):
+        """call() (a driver call: its CUresult first), again after making this kernel's context current if the
+        calling thread had none (CUDA_ERROR_INVALID_CONTEXT: a thread that made no CUDA call yet)."""
+        result = call()
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT) and self._ctx is not None:
+            self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            result = call()
+        return result
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)
@@ -165,11 +178,14 @@ class CudaKernel:
         stream = current_raw_stream()
         if self._fast is not None:  # the driver's entry point through ctypes: a few us less per launch
             err = self._fast(grid, block, stream, params)
+            if err == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT):  # a thread with no context yet: once
+                err = self._in_context(lambda: self._fast(grid, block, stream, params))
             if err:
                 raise EpgenError(f"cuLaunchKernel({self.symbol}) failed: CUresult {err}")
             return stream
-        self._check(self._cu.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
-                                            ctypes.addressof(params), 0), f"cuLaunchKernel({self.symbol})")
+        self._check(self._in_context(lambda: self._cu.cuLaunchKernel(
+            self.function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)),
+            f"cuLaunchKernel({self.symbol})")
         return stream
 
     def close(self) -> None:
@@ -202,6 +218,16 @@ class HipKernel:
         if query is None:
             return 1
         return max(1, int(self._check(query(self.function, threads, 0), "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor")))
+
+    def _in_context(self, call):
+        """call() (a driver call: its CUresult first), again after making this kernel's context current if the
+        calling thread had none (CUDA_ERROR_INVALID_CONTEXT: a thread that made no CUDA call yet)."""
+        result = call()
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT) and self._ctx is not None:
+            self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            result = call()
+        return result
 
     def _check(self, result, what):
         err, *rest = result if isinstance(result, tuple) else (result,)
