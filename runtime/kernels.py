@@ -129,6 +129,7 @@ class CudaKernel:
         # the context this kernel lives in: a thread where no CUDA call made it current yet (autograd's backward
         # worker, a user's thread) gets it made current before a launch (_in_context)
         self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._no_context = int(cu.CUresult.CUDA_ERROR_INVALID_CONTEXT)
         self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
         self.function = self._check(cu.cuModuleGetFunction(self.module, symbol.encode()), "cuModuleGetFunction")
         self.symbol = symbol
@@ -156,7 +157,7 @@ class CudaKernel:
         calling thread had none (CUDA_ERROR_INVALID_CONTEXT: a thread that made no CUDA call yet)."""
         result = call()
         err = result[0] if isinstance(result, tuple) else result
-        if int(err) == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT) and self._ctx is not None:
+        if int(err) == self._no_context and self._ctx is not None:
             self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             result = call()
         return result
@@ -178,7 +179,7 @@ class CudaKernel:
         stream = current_raw_stream()
         if self._fast is not None:  # the driver's entry point through ctypes: a few us less per launch
             err = self._fast(grid, block, stream, params)
-            if err == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT):  # a thread with no context yet: once
+            if err == self._no_context:  # a thread with no context yet: once more, in this kernel's context
                 err = self._in_context(lambda: self._fast(grid, block, stream, params))
             if err:
                 raise EpgenError(f"cuLaunchKernel({self.symbol}) failed: CUresult {err}")
@@ -224,7 +225,7 @@ class HipKernel:
         calling thread had none (CUDA_ERROR_INVALID_CONTEXT: a thread that made no CUDA call yet)."""
         result = call()
         err = result[0] if isinstance(result, tuple) else result
-        if int(err) == int(self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT) and self._ctx is not None:
+        if int(err) == self._no_context and self._ctx is not None:
             self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             result = call()
         return result
