@@ -47,3 +47,10 @@ def run_script(tmp_path: Path, name: str, code: str, nproc: int = 2, env: dict |
 
 def run_usage(tmp_path: Path, nproc: int = 2, env: dict | None = None, timeout: float = 300) -> str:
     return run_script(tmp_path, *scripts()[0], nproc=nproc, env=env, timeout=timeout)
+
+
+def rank_reports(out: str) -> list[str]:
+    """Each rank's one-line report, "rank N: ...", sorted by rank. The ranks share one pipe, and print() writes the
+    text and its newline separately, so two ranks' reports can land on one line: split before every "rank N: "."""
+    parts = (p.split("\n")[0].strip() for p in re.split(r"(?=rank \d+: )", out))
+    return sorted(p for p in parts if re.match(r"rank \d+: ", p))
