@@ -664,16 +664,12 @@ class EpDispatchCombineOp:
                 return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
             finally:
                 self._slots.combined(slot)
-        staged = getattr(self._backend, "combine_grouped_staged", None)
-        if staged is not None:  # one combine kernel, which forms the rows from the groups as it stages them
+        staged = getattr(self._backend, "grouped_staged", None)
+        if staged is not None and staged(routing):  # one combine kernel, which forms the rows from the groups
             try:
-                out = staged(expert_out, routing, apply_weights)
-            except BaseException:
+                return self._backend.combine_grouped_staged(expert_out, routing, apply_weights)
+            finally:
                 self._slots.combined(slot)
-                raise
-            if out is not None:
-                self._slots.combined(slot)
-                return out
         return self.combine(self._grouped_rows(expert_out, layout, slot, apply_weights), routing=routing)
 
     def _combine_grouped_begin(self, what, expert_out, routing, apply_weights):

@@ -669,15 +669,18 @@ class NativeBackend:
                 "total_device_bytes": lay["total"] + sum(extra.values()),
                 "pinned_host_bytes": self.error.numel() * 4}
 
+    def grouped_staged(self, routing) -> bool:
+        """Does combine_grouped take one combine kernel for this routing (combine_grouped_staged)? Not where this
+        op cannot (see _grouped_tail_fields), nor where one_kernel_legs says no: combine_grouped reduces first."""
+        return self._grp is not None and "stage" in self._grp and \
+            self.one_kernel_legs(routing.extra.get("protocol", "bw"))
+
     def combine_grouped_staged(self, expert_out, routing, apply_weights: bool):
         """Grouped expert outputs [P, H] -> combined rows in one combine kernel (gather or low-latency): its
         staging forms each received row from its pairs' grouped rows (grouped_tail.j2), so there is no reduce
-        pass. None when this op cannot (see _grouped_tail_fields): combine_grouped then reduces first."""
-        stage = self._grp.get("stage") if self._grp is not None else None
-        if stage is None or not self.one_kernel_legs(routing.extra.get("protocol", "bw")):
-            return None
+        pass (grouped_staged(routing) holds)."""
         call = self._combine_prepare(expert_out, None, routing)
-        call["stage"] = (stage, int(apply_weights and self._had_weights))
+        call["stage"] = (self._grp["stage"], int(apply_weights and self._had_weights))
         self._combine_launch(call, PHASE_BOTH)
         return call["out"], call["out_w"]
 
