@@ -5,6 +5,7 @@ and the group is gloo (NCCL refuses two ranks on one GPU); the runtime then maps
 CUDA IPC and stages its host collectives through gloo. The GPU time-slices such ranks: correctness only."""
 
 import os
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,15 @@ def collective_assert(err) -> None:
 def run_collective(check) -> None:
     """Run check() on every rank; any rank's failure (an assertion, or an error such as EpTimeoutError) fails
     every rank with every rank's message: a rank that raised alone would leave its peers in the next collective."""
+    where = ""
     try:
         err = check()
     except AssertionError as e:
         err = str(e) or "assertion failed"
     except Exception as e:  # noqa: BLE001 - reported by every rank below
-        err = f"{type(e).__name__}: {e}"
+        err, where = f"{type(e).__name__}: {e}", traceback.format_exc()
+    if err:  # printed first: a peer still inside check()'s collectives cannot match the gather below (gloo aborts
+        print(f"\nrank {dist.get_rank()} failed: {err}\n{where}", flush=True)  # on a size mismatch: hidden)
     collective_assert(err)
 
 
