@@ -83,12 +83,24 @@ def code_object(v) -> bytes:
     return res.image  # the bytes verified under the entry's lock (the file may change after it)
 
 
-def current_raw_stream() -> int:
-    """torch's current stream on the current device, as the driver's handle (the cheap way)."""
+def _params_of(args: tuple) -> ctypes.Array:
+    """The array of argument addresses the driver takes. One argument block (a struct an op keeps for every
+    launch) keeps its array on itself: built once, not per launch."""
+    if len(args) == 1 and isinstance(args[0], ctypes.Structure):
+        params = getattr(args[0], "_epg_params", None)
+        if params is None:
+            params = args[0]._epg_params = (ctypes.c_void_p * 1)(ctypes.addressof(args[0]))
+        return params
+    return (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+
+
+def current_raw_stream(device_index: int | None = None) -> int:
+    """torch's current stream on the current device (or on device `device_index`), as the driver's handle (the
+    cheap way: no Stream object)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(torch._C._cuda_getDevice())
-    return torch.cuda.current_stream().cuda_stream
+        return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,7 +184,7 @@ class CudaKernel:
         """Launch on torch's current stream; args are ctypes values (the driver copies them). Returns
         the stream's handle. (A code object of the bench's own; a family's variant launches through
         Kernel, by its declared arguments.)"""
-        return self.launch_params(grid, block, (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args)))
+        return self.launch_params(grid, block, _params_of(args))
 
     def launch_params(self, grid: int, block: int, params) -> int:
         """Launch with a ready array of parameter addresses."""
@@ -237,7 +249,7 @@ class HipKernel:
         return rest[0] if len(rest) == 1 else (rest or None)
 
     def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
-        return self.launch_params(grid, block, (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args)))
+        return self.launch_params(grid, block, _params_of(args))
 
     def launch_params(self, grid: int, block: int, params) -> int:
         stream = current_raw_stream()

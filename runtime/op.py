@@ -34,7 +34,7 @@ import torch
 
 from .config import (BUILT_COMBINE_MODES, BUILT_QUANT_TYPES, DISPATCH_QUANT_TYPES, PAYLOAD_DTYPES,
                      EpDispatchCombineConfig, built_torch_dtypes, torch_dtype)
-from . import aliases, backends, checks, grouped, moe
+from . import aliases, backends, checks, grouped, kernels, moe
 from .agreement import check_config_agreement, check_host_layout
 from .plan import NATIVE_WORKSPACE_FORMULA, native_workspace
 from .errors import CapacityError, ClosedError, ConfigError, EpgenError, InputError
@@ -76,7 +76,7 @@ class EpDispatchCombineOp:
         self._grouped_out: dict[int, torch.Tensor] = {}
         self._views: dict[int, set[int]] = {}
         self._slots = SlotTable(config.max_inflight)
-        self._slot_streams: dict[int, torch.cuda.Stream] = {}  # the stream of each slot's last half (_follow)
+        self._slot_streams: dict[int, int] = {}  # the stream (driver handle) of each slot's last half (_follow)
         self._generation = 0  # reset() and close() make pending handles void
         self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
@@ -416,10 +416,12 @@ class EpDispatchCombineOp:
         fork / join orders the streams."""
         if self.device.type != "cuda":
             return
-        now = torch.cuda.current_stream(self.device)
+        # the driver's stream handles: a Stream object per call costs microseconds of every eager leg
+        now = kernels.current_raw_stream(self.device.index)
         last = self._slot_streams.get(slot)
         if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
-            now.wait_stream(last)
+            dev = self.device
+            torch.cuda.ExternalStream(now, device=dev).wait_stream(torch.cuda.ExternalStream(last, device=dev))
         self._slot_streams[slot] = now
 
     def _select(self, slot: int) -> None:
@@ -623,13 +625,14 @@ class EpDispatchCombineOp:
         own = getattr(self._backend, "grouped_layout", None)
         cfg = self.config
         if own is not None:
-            layout = own()
+            layout = own(seq=last["seq"])
         else:
             layout = grouped.group(last["out"], last["out_s"], last["out_w"], last["out_i"], last["total"], cfg.rank,
                                    cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
             if cfg.grouped_dequantize:
                 layout = grouped.dequantized(layout, cfg.dispatch_quant_type, cfg.data_type)
-        layout = self._grouped_by[last["slot"]] = attrs.evolve(layout, seq=last["seq"])
+            layout = attrs.evolve(layout, seq=last["seq"])
+        self._grouped_by[last["slot"]] = layout
         return layout
 
     def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None):

@@ -12,7 +12,9 @@ printed on its own row, "copy"); everything else is what the layer's communicati
 Prints one table per point (kernel, calls per layer, median µs) and writes the records (jsonl) to --out.
 Each record also holds the eager layer's wall time ("eager_us": the same layer called --eager-iters times
 without a graph, synchronized at the ends: at small token counts the host's Python and launch work), and
-with --host-profile the functions that take the eager layer's host time (cProfile, "host_top").
+with --host-profile the functions that take the eager layer's host time (cProfile, "host_top") and what the
+host's building blocks cost ("host_primitives_us": a launch, a stream query, an allocation). Every record also
+holds the two legs alone, eager, with no expert ("eager_legs_us", "host_dispatch_us", "host_combine_us").
 At one rank (W = 1) this is the glue with no link in the way, never a 2-GPU figure.
 """
 
@@ -87,6 +89,7 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -
     torch.cuda.synchronize()
     eager_us = (time.perf_counter() - t0) / args.eager_iters * 1e6
     host_top = host_profile(layer, args.eager_iters) if args.host_profile else None
+    legs = eager_legs(op, x, w, idx, args.eager_iters)
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
@@ -95,7 +98,70 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
-            "eager_iters": args.eager_iters, **({"host_top": host_top} if host_top else {})}
+            "eager_iters": args.eager_iters, **legs, **({"host_top": host_top} if host_top else {})}
+
+
+def eager_legs(op, x, w, idx, iters: int) -> dict:
+    """The two grouped legs alone, eager, with no stand-in expert (combine_grouped takes layout.x as the expert
+    rows): "eager_legs_us", the wall per dispatch_grouped + combine_grouped (synchronized at the ends: the host's
+    work where it is the longer), and each call's host time on its own ("host_dispatch_us", "host_combine_us":
+    medians of perf_counter around the call, the device running behind)."""
+    def legs():
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        op.combine_grouped(layout.x, h)
+    for _ in range(10):
+        legs()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        legs()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    d_us, c_us = [], []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        t1 = time.perf_counter()
+        op.combine_grouped(layout.x, h)
+        t2 = time.perf_counter()
+        d_us.append((t1 - t0) * 1e6)
+        c_us.append((t2 - t1) * 1e6)
+        if i % 16 == 15:
+            torch.cuda.synchronize()  # the device keeps up: the launch queue never fills
+    torch.cuda.synchronize()
+    return {"eager_legs_us": wall, "host_dispatch_us": statistics.median(d_us),
+            "host_combine_us": statistics.median(c_us)}
+
+
+def host_primitives(iters: int = 2000) -> dict:
+    """What the host's building blocks cost here, µs per call (median of batches of 100): an empty kernel's launch
+    through the runtime's launcher (libcuda via ctypes), torch.cuda.current_stream, is_current_stream_capturing,
+    the raw current stream handle, a small torch.empty on the device."""
+    from bench.floor import Kernels
+    from runtime import kernels
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    k = Kernels(dev)
+    try:
+        calls = {"launch_empty": lambda: k.empty.launch(1, 32),
+                 "current_stream": lambda: torch.cuda.current_stream(dev),
+                 "is_capturing": torch.cuda.is_current_stream_capturing,
+                 "raw_stream": kernels.current_raw_stream,
+                 "torch_empty": lambda: torch.empty((1, 7168), dtype=torch.bfloat16, device=dev)}
+        out = {}
+        for name, fn in calls.items():
+            batches = []
+            for _ in range(iters // 100):
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                batches.append((time.perf_counter() - t0) / 100 * 1e6)
+                torch.cuda.synchronize()
+            out[name] = statistics.median(batches)
+        return out
+    finally:
+        torch.cuda.synchronize()
+        k.close()
 
 
 def host_profile(layer, iters: int, top: int = 25) -> list[dict]:
@@ -121,6 +187,9 @@ def table(rec: dict) -> list[str]:
     out += [f"| {k} | {v['per_layer']:g} | {v['median_us']:.1f} | {v['per_layer'] * v['median_us']:.1f} |" for k, v in ks]
     if "eager_us" in rec:  # records before 2026-12-02's eager timing have none
         out.append(f"eager (no graph): {rec['eager_us']:.1f} µs per layer wall ({rec['eager_iters']} layers)")
+    if "eager_legs_us" in rec:  # records before 2026-12-03's leg timing have none
+        out.append(f"eager legs alone (no expert): {rec['eager_legs_us']:.1f} µs wall; host per call: "
+                   f"dispatch_grouped {rec['host_dispatch_us']:.1f}, combine_grouped {rec['host_combine_us']:.1f} µs")
     for h in rec.get("host_top", [])[:12]:
         out.append(f"  host {h['own_us']:7.2f} µs own {h['cum_us']:7.2f} µs cum  {h['calls_per_layer']:g}x  {h['function']}")
     return out
@@ -144,6 +213,11 @@ def main() -> int:
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     meta = record_meta(torch.device("cuda", torch.cuda.current_device()))
+    if args.host_profile:  # the building blocks' costs on this host, once per run
+        meta = {**meta, "host_primitives_us": host_primitives()}
+        if dist.get_rank() == 0:
+            print("host primitives, µs per call: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                              meta["host_primitives_us"].items()), flush=True)
     keep: list = []
     for T in args.tokens:
         for form, legs in ((f, g) for f in args.forms for g in args.legs):

@@ -591,16 +591,16 @@ class NativeBackend:
         if not self.plan.scatter:
             g["stage"] = g["pair_pos"].data_ptr()
 
-    def grouped_layout(self) -> grouped.GroupedLayout:
+    def grouped_layout(self, seq: int = 0) -> grouped.GroupedLayout:
         """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
-        stream, sized by the device's total_recv (no host sync)."""
+        stream, sized by the device's total_recv (no host sync); seq: the op's number of that dispatch."""
         g = self._grp
         if not self._placed:
             g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
             g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights))
         return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                      src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
-                                     dropped=g["dropped_view"], pair_pos=g["pair_pos"])
+                                     dropped=g["dropped_view"], pair_pos=g["pair_pos"], seq=seq)
 
     def grouped_reduce(self, expert_out, apply_weights: bool) -> torch.Tensor:
         """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
