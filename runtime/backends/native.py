@@ -401,8 +401,8 @@ class NativeBackend:
         elif self.capped and protocol == "bw":  # below the worst case: (source rank, token) order decides who is dropped
             slots, total = self._ordered_slots(indices)
         else:  # the low-latency dispatch numbers its rows in (source rank, token) order itself
-            slots = torch.empty((T, k), dtype=torch.int32, device=self.device)
-            total = torch.empty(1, dtype=torch.int32, device=self.device)
+            held = torch.empty(T * k + 1, dtype=torch.int32, device=self.device)  # one allocation: host time
+            slots, total = held[:T * k].view(T, k), held[T * k:]
         self._had_weights = weights is not None
         return {"x": x, "weights": weights, "scales": scales, "indices": indices, "slots": slots, "total": total,
                 "protocol": protocol, "replay": int(routing is not None or (self.capped and protocol == "bw"))}
