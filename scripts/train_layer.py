@@ -405,27 +405,33 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
         if titan is None:
             out[path] = {**base, "path": path, "skipped": skip_reason}
             continue
-        d = titan.dispatcher(path, args, T)
-        fwd = titan_fwd(d, inp, args.experts)
-        errs = slowest(check(fwd, inp), device)
-        figures = slowest(timed(clock, fwd, inp, args), device)
-        out[path] = {**base, "path": path, **figures, "check": errs, "spmd_backend": args.titan_spmd,
-                     **({"backend": d.op.backend_name} if path == "titan_epgen" else {})}
-        del d, fwd  # titan_epgen's op closes with its dispatcher
+        try:
+            out[path] = {**base, **titan_point(path, T, args, inp, titan, clock, device)}
+        except Exception as e:  # noqa: BLE001 - torchtitan's side failing: recorded, epgen's records kept
+            out[path] = {**base, "path": path, "spmd_backend": args.titan_spmd, "error": f"{type(e).__name__}: {e}"}
     ref = out["titan_a2a"]
     for rec in out.values():
         finish(rec, ref)
     return [out[p] for p in PATHS]
 
 
+def titan_point(path: str, T: int, args, inp: dict, titan: Titan, clock: Clock, device: torch.device) -> dict:
+    d = titan.dispatcher(path, args, T)  # titan_epgen's op closes with its dispatcher, when this returns
+    fwd = titan_fwd(d, inp, args.experts)
+    errs = slowest(check(fwd, inp), device)
+    figures = slowest(timed(clock, fwd, inp, args), device)
+    return {"path": path, **figures, "check": errs, "spmd_backend": args.titan_spmd,
+            **({"backend": d.op.backend_name} if path == "titan_epgen" else {})}
+
+
 def finish(rec: dict, ref: dict) -> None:
-    """The derived fields of a record: bwd_us, the ratios, the check's verdict, the targets (epgen)."""
-    if "skipped" in rec:
+    """The derived fields of a timed record: bwd_us, the ratios, the check's verdict, the targets (epgen)."""
+    if "fwd_us" not in rec:  # skipped, or failed: the record says which
         return
     rec["bwd_us"] = rec["fwd_bwd_us"] - rec["fwd_us"]
     rec["check_tol"] = CHECK_TOL
     rec["check_ok"] = all(v <= CHECK_TOL for v in rec["check"].values())
-    titan = "skipped" not in ref
+    titan = "fwd_us" in ref
     rec["titan_fwd_us"] = ref["fwd_us"] if titan else None
     rec["titan_fwd_bwd_us"] = ref["fwd_bwd_us"] if titan else None
     rec["vs_titan"] = rec["fwd_bwd_us"] / ref["fwd_bwd_us"] if titan else None
@@ -480,10 +486,13 @@ def table(records: list[dict]) -> list[str]:
     head = (f"train_layer: µs, eager, W={r0['world_size']}, {r0['gpu']}, bf16, hidden {r0['hidden']}, "
             f"top-{r0['topk']} of {r0['experts']}, epgen backend {by[(r0['tokens_per_rank'], 'epgen')]['backend']}, "
             f"median of {r0['iters']} (slowest rank); ratio = epgen fwd+bwd / titan fwd+bwd")
-    notes = [f"titan: {r0['titan']}"] if r0["titan"] != "ran" else []
-    tt = ["titan_epgen (EpgenTokenDispatcher) fwd+bwd: " + ", ".join(
-        f"{T}: {_f(by[(T, 'titan_epgen')].get('fwd_bwd_us'))}" for T in sorted({t for t, _ in by}))] if not notes else []
-    return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *tt, *notes]
+    if r0["titan"] == "ran":
+        notes = ["titan_epgen (EpgenTokenDispatcher) fwd+bwd: " + ", ".join(
+            f"{T}: {_f(by[(T, 'titan_epgen')].get('fwd_bwd_us'))}" for T in sorted({t for t, _ in by}))]
+        notes += [f"{r['path']} at {r['tokens_per_rank']} tokens failed: {r['error']}" for r in records if "error" in r]
+    else:
+        notes = [f"titan: {r0['titan']}"]
+    return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *notes]
 
 
 def _init(args) -> None:
@@ -511,14 +520,15 @@ def main(argv=None) -> int:
         print(f"train_layer: {e}", file=sys.stderr)
         dist.destroy_process_group()
         return 2 if isinstance(e, UsageError) else 1
-    failed = [f"{r['path']} at {r['tokens_per_rank']} tokens: {r['check']}" for r in records
-              if r.get("check_ok") is False]
+    failed = [f"{r['path']} at {r['tokens_per_rank']} tokens: check failed (tolerance {CHECK_TOL}): {r['check']}"
+              for r in records if r.get("check_ok") is False]
+    failed += [f"{r['path']} at {r['tokens_per_rank']} tokens failed: {r['error']}" for r in records if "error" in r]
     if dist.get_rank() == 0:
         if args.out:
             write_records(args.out, records)
         print("\n".join(table(records)), flush=True)
         for f in failed:
-            print(f"train_layer: check failed (tolerance {CHECK_TOL}): {f}", file=sys.stderr)
+            print(f"train_layer: {f}", file=sys.stderr)
     dist.destroy_process_group()
     return 1 if failed else 0
 

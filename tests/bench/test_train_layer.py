@@ -109,6 +109,35 @@ def test_without_titan_the_records_say_so():
     assert lines[3].startswith("| 3 |") and "| – | – |" in lines[3] and lines[-1] == "titan: --no-titan"
 
 
+def scn_titan_fails(rank, world, argv):
+    """run() with torchtitan's all-to-all dispatcher failing to build."""
+    m = _script()
+    real = m.Titan.dispatcher
+
+    def broken(self, path, args, T):
+        if path == "titan_a2a":
+            raise RuntimeError("no all-to-all here")
+        return real(self, path, args, T)
+
+    m.Titan.dispatcher = broken
+    try:
+        return m.run(m.parse_args(argv))
+    finally:
+        m.Titan.dispatcher = real
+
+
+def test_a_failing_titan_path_is_recorded_and_epgen_still_timed():
+    if titan_check.torchtitan_missing():
+        pytest.skip(f"needs torchtitan: {titan_check.torchtitan_missing()}")
+    m = _script()
+    e, a2a, tep = get_world(1).run(scn_titan_fails, TINY + ["--tokens", "2"], timeout=120)[0]
+    assert a2a["error"] == "RuntimeError: no all-to-all here" and "fwd_us" not in a2a
+    _check_timed(e, m)
+    _check_timed(tep, m)
+    assert e["vs_titan"] is None and tep["vs_titan"] is None and e["meets_targets"]["vs_titan"] is None
+    assert m.table([e, a2a, tep])[-1] == "titan_a2a at 2 tokens failed: RuntimeError: no all-to-all here"
+
+
 class _Ticks:
     """A clock whose marks are the next of known times (µs): the partition's arithmetic, exactly."""
     cuda = False
