@@ -34,8 +34,8 @@ that is the leg's host work up to its last launch plus its kernels; where the ho
 the leg's share of the eager step's wall time, as training pays it. The marks partition the step: each step's
 segments (dispatch_fwd, expert_fwd, combine_fwd, fwd_to_bwd, combine_bwd, expert_bwd, dispatch_bwd, bwd_tail) sum
 to its total; legs_us holds each segment's median, legs_total_us the median total (comparable with fwd_bwd_us, plus
-what the marks and hooks cost). dispatch_bwd_over_fwd =
-legs_us.dispatch_bwd / legs_us.dispatch_fwd, combine_bwd_over_fwd = legs_us.combine_bwd / legs_us.combine_fwd.
+what the marks and hooks cost). dispatch_bwd_over_fwd = legs_us.dispatch_bwd / legs_us.dispatch_fwd,
+combine_bwd_over_fwd = legs_us.combine_bwd / legs_us.combine_fwd.
 
 Each path is also checked once (forward + backward) against the layer in float32 (identity experts, k distinct
 experts: out = sum_k w_k x, d x = (sum_k w_k) g, d w_k = <x, g>): relative errors (float64 norms) in "check",
@@ -144,11 +144,8 @@ class Clock:
             dist.barrier()
             self.sync()
 
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
+    def mark(self) -> float:
+        """A mark on a CPU (a GPU's marks are CUDA events: Marks)."""
         return time.perf_counter()
 
     def us(self, a, b) -> float:
