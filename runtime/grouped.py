@@ -66,6 +66,15 @@ class GroupedLayout:
         return self.offs.shape[0]
 
 
+def grouped_rows(world: int, tokens: int, experts_per_rank: int, top_k: int, align: int) -> int:
+    """Rows of the grouped layout that hold every local pair when a token names each expert at most once (top-k
+    routing): a rank receives at most world * tokens rows, each with at most min(top_k, experts_per_rank) local
+    pairs, plus up to align - 1 rows of padding per group; rounded up to a multiple of align (torchtitan's
+    EpgenTokenDispatcher sizes its op's grouped_capacity so)."""
+    rows = world * tokens * min(top_k, experts_per_rank) + experts_per_rank * (align - 1)
+    return -(-rows // align) * align
+
+
 def group_bounds(counts: torch.Tensor, align: int, capacity: int):
     """Per-expert real pair counts int64 [E] -> (start int64 [E], kept int64 [E], offs int64 [E]) by the rule
     of the module docstring, without a loop: with S = the exclusive prefix of the padded counts (nothing cut),

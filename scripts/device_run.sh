@@ -29,7 +29,9 @@
 # all-to-all dispatcher against epgen's, bf16, 2 ranks on GPU 0, tests/gpu/test_torchtitan_gpu.py, $OUT/titan.log; torchtitan
 # installed first from the wheels in TITAN_WHEELS, default .titan-wheels, when that folder is there: the machine has no
 # index; pip download --no-deps -d .titan-wheels torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard typing_extensions
-# makes it here, and the device tool carries it).
+# makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
+# GPU 0, W = 1: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
+# "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -149,11 +151,20 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
     | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
 fi
-if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton; the shim covers torch 2.11)
-  wheels=${TITAN_WHEELS:-.titan-wheels}
+titan_install() {  # torchtitan from the carried wheels (the machine has no index), where it does not import yet
+  python3 -c 'import runtime.integrations.torchtitan' 2>/dev/null && return 0
+  local wheels=${TITAN_WHEELS:-.titan-wheels}
   if [ -d "$wheels" ]; then python3 -m pip install -q --no-index --no-deps "$wheels"/*.whl 2>&1 | tail -3; fi
+}
+if [ -n "${TRAIN:-}" ]; then  # the MoE layer's forward + backward, eager, against torchtitan's all-to-all dispatcher (W = 1)
+  titan_install
+  CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node 1 scripts/train_layer.py ${TRAIN_ARGS:-} \
+    --out "$OUT/train_layer.jsonl" 2>&1 | tee "$OUT/train_layer.log" | grep -vE "^(W|\*)" | tail -24; status[train]=${PIPESTATUS[0]}
+fi
+if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton; the shim covers torch 2.11)
+  titan_install
   CUDA_VISIBLE_DEVICES=0 timeout 300 torchrun --nproc-per-node 2 -m pytest -q -rs -p no:cacheprovider -m multigpu \
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -70,6 +70,7 @@ from torchtitan.models.common.token_dispatcher import (  # noqa: E402
 )
 
 from .. import EpDispatchCombineConfig, EpDispatchCombineOp, autograd  # noqa: E402
+from ..grouped import grouped_rows  # noqa: E402  (the default rows; scripts/train_layer.py sizes its op so too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,14 +81,6 @@ class EpgenDispatchMetadata:
     op: EpDispatchCombineOp
     handle: object
     layout: object
-
-
-def grouped_rows(world: int, tokens: int, experts_per_rank: int, top_k: int, align: int) -> int:
-    """Rows of the grouped layout that hold every local pair when a token names each expert at most once (top-k
-    routing): a rank receives at most world * tokens rows, each with at most min(top_k, experts_per_rank) local
-    pairs, plus up to align - 1 rows of padding per group; rounded up to a multiple of align."""
-    rows = world * tokens * min(top_k, experts_per_rank) + experts_per_rank * (align - 1)
-    return -(-rows // align) * align
 
 
 class EpgenTokenDispatcher(BaseEPTokenDispatcher):

@@ -1,0 +1,534 @@
+"""The MoE layer's forward + backward, eager (as training runs it), on epgen against torchtitan's all-to-all
+dispatcher with the same experts: records of kind "train_layer" (docs/TRAINING.md, "Measured").
+
+  torchrun --nproc-per-node 1 scripts/train_layer.py [--tokens 1 128 4096] [--hidden 7168] [--experts 256]
+                                                     [--topk 8] [--iters 100] [--warmup 10] [--out F.jsonl]
+                                                     [--no-titan] [--backend native|torch] [--device cuda|cpu]
+
+Every path runs the same layer: tokens x [T, H] bf16 and their routing weights w [T, k] float32, both requiring
+grad, k distinct experts per token (bench.inputs.make_input_sets, uniform routing), identity experts that autograd
+passes through (the rows each dispatcher hands out times 1: one elementwise kernel forward, one backward), and a
+fixed output gradient g [T, H]:
+
+  epgen        runtime.autograd.dispatch_grouped -> rows * 1 -> combine_grouped on an EpDispatchCombineOp with
+               the config torchtitan's EpgenTokenDispatcher builds (grouped layout, expert_alignment 1,
+               grouped_capacity: every local pair of top-k routing, runtime.grouped.grouped_rows); --backend native
+               (the generated kernels) or torch (torch.distributed collectives: CPU / gloo, the CPU test).
+  titan_a2a    torchtitan 0.3.0's AllToAllTokenDispatcher alone: dispatch -> rows * 1 -> combine, on an EP mesh of
+               every rank, its default spmd_types path (--titan-spmd; the meshes registered as its trainer does).
+  titan_epgen  the same through torchtitan's interface on epgen: runtime.integrations.torchtitan.EpgenTokenDispatcher.
+Without torchtitan (not importable, or --no-titan) the titan paths' records say why ("skipped"), never silently.
+
+Times, µs, eager, autograd recording; each iteration starts with every rank synchronized (device sync, barrier)
+and ends with a device sync; the median over --iters after --warmup, then the slowest rank's (a max over ranks):
+  fwd_us       the forward alone (its graph dropped after the clock stops);
+  fwd_bwd_us   the forward and out.backward(g); bwd_us = fwd_bwd_us - fwd_us.
+Per leg (epgen), in iterations of their own (so the marks cost the two figures above nothing): a mark at every
+boundary of the step, a CUDA event recorded on the stream (perf_counter on a CPU): before dispatch_grouped, after
+it, after the experts, after combine_grouped, then inside out.backward(g) from hooks on the legs' autograd nodes
+(Node.register_prehook / register_hook) before and after combine's backward (a dispatch replay of the output
+gradient) and before and after dispatch's backward (a combine of the gradient rows), and after backward returns.
+A leg's time is the stream's time from the mark before it to the mark after it: the time from the moment the work
+before the leg is done to the moment the leg's last kernel is. Where the device waits for the host (small batches)
+that is the leg's host work up to its last launch plus its kernels; where the host runs ahead, the leg's kernels:
+the leg's share of the eager step's wall time, as training pays it. The marks partition the step: each step's
+segments (dispatch_fwd, expert_fwd, combine_fwd, fwd_to_bwd, combine_bwd, expert_bwd, dispatch_bwd, bwd_tail) sum
+to its total; legs_us holds each segment's median, legs_total_us the median total (comparable with fwd_bwd_us, plus
+what the marks and hooks cost). dispatch_bwd_over_fwd = legs_us.dispatch_bwd / legs_us.dispatch_fwd,
+combine_bwd_over_fwd = legs_us.combine_bwd / legs_us.combine_fwd.
+
+Each path is also checked once (forward + backward) against the layer in float32 (identity experts, k distinct
+experts: out = sum_k w_k x, d x = (sum_k w_k) g, d w_k = <x, g>): relative errors (float64 norms) in "check",
+at most CHECK_TOL in bf16 ("check_ok"); a failed check makes the exit status 1 after the records are written.
+vs_titan = fwd_bwd_us / titan_a2a's fwd_bwd_us (fwd_vs_titan: the forwards'); the targets (issue 36, item 7):
+vs_titan <= 0.2 at every size, each backward leg within 1.1x of the forward leg it mirrors ("meets_targets").
+At one rank (W = 1) no link is in the way: the host work, the glue and the kernels of one GPU, never a 2-GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.inputs import make_input_sets  # noqa: E402
+from bench.records import meta as record_meta, write_records  # noqa: E402
+from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError  # noqa: E402
+from runtime import autograd as ag  # noqa: E402
+from runtime.grouped import grouped_rows  # noqa: E402
+
+PATHS = ("epgen", "titan_a2a", "titan_epgen")
+LEGS = ("dispatch_fwd", "expert_fwd", "combine_fwd", "fwd_to_bwd", "combine_bwd", "expert_bwd", "dispatch_bwd",
+        "bwd_tail")
+MIRRORS = {"dispatch": ("dispatch_bwd", "dispatch_fwd"), "combine": ("combine_bwd", "combine_fwd")}
+TARGETS = {"vs_titan": 0.2, "bwd_over_fwd": 1.1}
+CHECK_TOL = 2e-2  # bf16: one rounding of the output (epgen), products rounded then summed in bf16 (torchtitan)
+EXPERT = "identity: rows * 1 (one elementwise kernel forward, one backward)"
+LEG_METHOD = ("stream time between marks at the step's boundaries (CUDA events; perf_counter on a CPU), backward "
+              "boundaries from pre/post hooks on the legs' autograd nodes; iterations of their own")
+DTYPE = torch.bfloat16
+
+
+class UsageError(Exception):
+    """A bad combination of arguments or a machine that cannot run them: the message, no traceback."""
+
+
+# --- arguments -------------------------------------------------------------------------------------------------
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/train_layer.py", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=_at_least(1), nargs="+", default=[1, 128, 4096], help="tokens per rank")
+    p.add_argument("--hidden", type=_at_least(1), default=7168)
+    p.add_argument("--experts", type=_at_least(1), default=256, help="experts in all (a multiple of the ranks)")
+    p.add_argument("--topk", type=_at_least(1), default=8)
+    p.add_argument("--iters", type=_at_least(1), default=100, help="timed iterations per figure")
+    p.add_argument("--warmup", type=_at_least(0), default=10, help="untimed iterations before them")
+    p.add_argument("--out", type=Path, default=None, help="append the records (jsonl) to this file")
+    p.add_argument("--no-titan", action="store_true", help="epgen alone (the titan records say so)")
+    p.add_argument("--titan-spmd", choices=["spmd_types", "partial_dtensor"], default="spmd_types",
+                   help="torchtitan's SPMD backend for its all-to-all dispatcher (its default: spmd_types)")
+    p.add_argument("--backend", choices=["native", "torch"], default="native", help="epgen's kernel backend")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--seed", type=_at_least(0), default=7)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.backend == "native" and args.device != "cuda":
+        p.error("--backend native runs the generated kernels: it needs --device cuda (on a CPU: --backend torch)")
+    return args
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+class Clock:
+    """Where the time is read: CUDA events and device syncs on a GPU, perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def start(self) -> None:
+        """Every rank's earlier work done, the ranks lined up."""
+        self.sync()
+        if dist.get_world_size() > 1:
+            dist.barrier()
+            self.sync()
+
+    def mark(self) -> float:
+        """A mark on a CPU (a GPU's marks are CUDA events: Marks)."""
+        return time.perf_counter()
+
+    def us(self, a, b) -> float:
+        """µs from mark a to mark b (after a sync)."""
+        return a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
+
+
+class Marks:
+    """The boundary marks of one step: mark(name) starts the segment `name` (and ends the one before). On a GPU
+    the step's events are made beforehand, so a mark only records one."""
+
+    def __init__(self, clock: Clock, n: int = len(LEGS) + 1):
+        self.clock, self.names, self.points = clock, [], []
+        self.nodes: dict = {}  # the legs' autograd nodes (epgen_fwd), where the backward's marks hook in
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if clock.cuda else []
+
+    def mark(self, name: str) -> None:  # returns None: as a hook it changes no gradient
+        if self._events:
+            e = self._events[len(self.points)]
+            e.record()
+            self.points.append(e)
+        else:
+            self.points.append(self.clock.mark())
+        self.names.append(name)
+
+    def segments(self) -> dict[str, float]:
+        return {n: self.clock.us(a, b) for n, a, b in zip(self.names, self.points, self.points[1:])}
+
+
+def wall_us(clock: Clock, step, iters: int, warmup: int) -> float:
+    """Median wall µs of step() (its return value kept until the clock stops, then dropped)."""
+    samples = []
+    for i in range(warmup + iters):
+        clock.start()
+        t0 = time.perf_counter()
+        kept = step()
+        clock.sync()
+        t1 = time.perf_counter()
+        del kept
+        if i >= warmup:
+            samples.append((t1 - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def legs_us(clock: Clock, marked_step, iters: int, warmup: int) -> dict[str, float]:
+    """Median µs per segment of marked_step(marks), and legs_total_us (first mark to last)."""
+    per: dict[str, list[float]] = {}
+    for i in range(warmup + iters):
+        marks = Marks(clock)
+        clock.start()
+        marked_step(marks)
+        clock.sync()
+        if i >= warmup:
+            seg = marks.segments()
+            assert list(seg) == list(LEGS), f"the step's marks came in another order: {list(seg)}"
+            seg["legs_total_us"] = clock.us(marks.points[0], marks.points[-1])
+            for k, v in seg.items():
+                per.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's figures -> the largest over the ranks (the slowest rank's), the same keys on every rank."""
+    if dist.get_world_size() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
+# --- the layer ---------------------------------------------------------------------------------------------------
+def op_config(rank: int, world: int, T: int, args) -> EpDispatchCombineConfig:
+    """The op EpgenTokenDispatcher builds for these sizes (its default pad_multiple 1 and grouped rows)."""
+    if args.experts % world:
+        raise UsageError(f"--experts {args.experts} do not split evenly over {world} ranks")
+    per_rank = args.experts // world
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=args.hidden, max_num_inp_token_per_rank=T,
+                                  num_experts_per_rank=per_rank, num_experts_per_token=args.topk, data_type=DTYPE,
+                                  kernel_backend=args.backend, enable_grouped_layout=True, expert_alignment=1)
+    rows = min(cfg.worst_case_grouped_rows, grouped_rows(world, T, per_rank, args.topk, 1))
+    return attrs.evolve(cfg, grouped_capacity=rows)
+
+
+def layer_inputs(cfg: EpDispatchCombineConfig, device: torch.device, seed: int) -> dict:
+    """x (bf16) and w (float32) leaves requiring grad, ids [T, k] int32 (k distinct experts), g [T, H]."""
+    s = make_input_sets(cfg, 1, seed=seed, device=device)[0]
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    g = torch.randn(s["x"].shape, device=device, generator=gen).to(DTYPE)
+    return {"x": s["x"].detach().requires_grad_(True), "w": s["w"].detach().requires_grad_(True),
+            "ids": s["idx"], "g": g}
+
+
+def reference(inp: dict) -> dict:
+    """The layer with identity experts in float32: out = sum_k w_k x; d x = (sum_k w_k) g; d w_k = <x, g>."""
+    x, w, g = inp["x"].detach().double(), inp["w"].detach().double(), inp["g"].double()
+    ws = w.sum(1, keepdim=True)
+    return {"out": ws * x, "grad_x": ws * g, "grad_w": (x * g).sum(1, keepdim=True).expand_as(w)}
+
+
+def check(fwd, inp: dict) -> dict:
+    """One forward + backward of the path against reference(): relative errors (float64 norms)."""
+    out = fwd()
+    gx, gw = torch.autograd.grad(out, (inp["x"], inp["w"]), inp["g"])
+    want = reference(inp)
+    got = {"out": out.detach(), "grad_x": gx, "grad_w": gw}
+    errs = {}
+    for k, ref in want.items():
+        den = ref.norm()
+        errs[k] = float((got[k].double() - ref).norm() / den) if den > 0 else float(got[k].double().norm())
+    return errs
+
+
+def epgen_fwd(op, inp: dict):
+    """The epgen layer's forward; fwd(marks) also marks its boundaries and hands marks the legs' autograd nodes."""
+    def fwd(marks: Marks | None = None):
+        mark = marks.mark if marks is not None else _unmarked
+        mark("dispatch_fwd")
+        layout, h = ag.dispatch_grouped(op, inp["x"], inp["w"], inp["ids"])
+        mark("expert_fwd")
+        y = layout.x * 1
+        mark("combine_fwd")
+        out = ag.combine_grouped(op, y, h)
+        if marks is not None:
+            marks.nodes = {"combine": out.grad_fn, "dispatch": layout.x.grad_fn}
+        return out
+    return fwd
+
+
+def _unmarked(name: str) -> None:
+    pass
+
+
+def epgen_marked(op, inp: dict):
+    """The epgen step with a mark at every boundary (the module docstring)."""
+    fwd = epgen_fwd(op, inp)
+
+    def step(marks: Marks) -> None:
+        out = fwd(marks)
+        marks.mark("fwd_to_bwd")
+        for leg, before, after in (("combine", "combine_bwd", "expert_bwd"), ("dispatch", "dispatch_bwd", "bwd_tail")):
+            node = marks.nodes[leg]
+            node.register_prehook(lambda *_, name=before: marks.mark(name))
+            node.register_hook(lambda *_, name=after: marks.mark(name))
+        out.backward(inp["g"])
+        marks.mark("end")
+        inp["x"].grad = inp["w"].grad = None
+    return step
+
+
+def fwd_bwd_step(fwd, inp: dict):
+    def step():
+        out = fwd()
+        out.backward(inp["g"])
+        inp["x"].grad = inp["w"].grad = None  # freeing, not zeroing: no kernel
+    return step
+
+
+# --- torchtitan ----------------------------------------------------------------------------------------------------
+def titan_missing() -> str | None:
+    """None when torchtitan's dispatchers and epgen's integration import, else why not."""
+    try:
+        import runtime.integrations.torchtitan  # noqa: F401  (installs the torch 2.11 shim first)
+        import torchtitan.models.common.token_dispatcher  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a missing or partial install: the record says which
+        return f"torchtitan is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+def titan_version() -> str | None:
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class Titan:
+    """torchtitan's EP mesh over every rank, registered as its trainer registers it, and its SPMD backend for the
+    duration (restored by close())."""
+
+    def __init__(self, device: torch.device, spmd_backend: str):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.distributed.spmd_types import set_spmd_meshes, spmd_dense_mesh, spmd_sparse_mesh
+        from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ep",))
+        self._before = get_spmd_backend()
+        try:
+            dense = spmd_dense_mesh()
+        except AssertionError:  # none registered yet
+            dense = None
+        self._meshes = (dense, spmd_sparse_mesh())
+        self._set_backend, self._set_meshes = set_spmd_backend, set_spmd_meshes
+        set_spmd_backend(spmd_backend)
+        set_spmd_meshes(dense_mesh=self.mesh, sparse_mesh=self.mesh)
+
+    def close(self) -> None:
+        self._set_backend(self._before)
+        self._set_meshes(dense_mesh=self._meshes[0], sparse_mesh=self._meshes[1])
+
+    def dispatcher(self, path: str, args, T: int):
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+        from runtime.integrations.torchtitan import EpgenTokenDispatcher
+
+        if path == "titan_a2a":
+            cfg = AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.topk)
+        else:
+            cfg = EpgenTokenDispatcher.Config(num_experts=args.experts, top_k=args.topk, hidden_dim=args.hidden,
+                                              num_max_tokens_per_rank=T, dtype=DTYPE, kernel_backend=args.backend)
+        d = cfg.build()
+        d.wire_meshes(ep_mesh=self.mesh)  # EpgenTokenDispatcher builds its op here (all three sizes given)
+        return d
+
+
+def titan_fwd(d, inp: dict, experts: int):
+    ids = inp["ids"].to(torch.int64)
+    counts = torch.bincount(ids.flatten(), minlength=experts)  # the router's per-expert counts (not timed)
+
+    def fwd():
+        routed, _, meta = d.dispatch(inp["x"], inp["w"], ids, counts)
+        return d.combine(routed * 1, meta, inp["x"])
+    return fwd
+
+
+# --- points --------------------------------------------------------------------------------------------------------
+def timed(clock: Clock, fwd, inp: dict, args) -> dict:
+    fwd_us = wall_us(clock, fwd, args.iters, args.warmup)
+    fwd_bwd_us = wall_us(clock, fwd_bwd_step(fwd, inp), args.iters, args.warmup)
+    return {"fwd_us": fwd_us, "fwd_bwd_us": fwd_bwd_us}
+
+
+def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: str | None, meta: dict) -> list[dict]:
+    """The records of one token count: epgen, then torchtitan's two dispatchers (or why they did not run)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = Clock(device)
+    cfg = op_config(rank, world, T, args)
+    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    base = {**meta, "kind": "train_layer", "tokens_per_rank": T, "hidden": args.hidden, "experts": args.experts,
+            "topk": args.topk, "dtype": "bfloat16", "mode": "eager", "expert": EXPERT, "iters": args.iters,
+            "warmup": args.warmup, "routing": "uniform, k distinct experts per token"}
+    out: dict[str, dict] = {}
+    with EpDispatchCombineOp(cfg) as op:
+        fwd = epgen_fwd(op, inp)
+        errs = slowest(check(fwd, inp), device)  # the worst rank's errors
+        figures = timed(clock, fwd, inp, args)
+        figures |= legs_us(clock, epgen_marked(op, inp), args.iters, args.warmup)
+        figures = slowest(figures, device)
+        legs = {k: figures.pop(k) for k in LEGS}
+        out["epgen"] = {**base, "path": "epgen", "backend": op.backend_name, **figures, "legs_us": legs,
+                        "leg_method": LEG_METHOD, "grouped_capacity": cfg.resolved_grouped_capacity,
+                        "expert_alignment": cfg.expert_alignment, "check": errs}
+    for path in PATHS[1:]:
+        if titan is None:
+            out[path] = {**base, "path": path, "skipped": skip_reason}
+            continue
+        try:
+            out[path] = {**base, **titan_point(path, T, args, inp, titan, clock, device)}
+        except Exception as e:  # noqa: BLE001 - torchtitan's side failing: recorded, epgen's records kept
+            out[path] = {**base, "path": path, "spmd_backend": args.titan_spmd, "error": f"{type(e).__name__}: {e}"}
+    ref = out["titan_a2a"]
+    for rec in out.values():
+        finish(rec, ref)
+    return [out[p] for p in PATHS]
+
+
+def titan_point(path: str, T: int, args, inp: dict, titan: Titan, clock: Clock, device: torch.device) -> dict:
+    d = titan.dispatcher(path, args, T)  # titan_epgen's op closes with its dispatcher, when this returns
+    fwd = titan_fwd(d, inp, args.experts)
+    errs = slowest(check(fwd, inp), device)
+    figures = slowest(timed(clock, fwd, inp, args), device)
+    return {"path": path, **figures, "check": errs, "spmd_backend": args.titan_spmd,
+            **({"backend": d.op.backend_name} if path == "titan_epgen" else {})}
+
+
+def finish(rec: dict, ref: dict) -> None:
+    """The derived fields of a timed record: bwd_us, the ratios, the check's verdict, the targets (epgen)."""
+    if "fwd_us" not in rec:  # skipped, or failed: the record says which
+        return
+    rec["bwd_us"] = rec["fwd_bwd_us"] - rec["fwd_us"]
+    rec["check_tol"] = CHECK_TOL
+    rec["check_ok"] = all(v <= CHECK_TOL for v in rec["check"].values())
+    titan = "fwd_us" in ref
+    rec["titan_fwd_us"] = ref["fwd_us"] if titan else None
+    rec["titan_fwd_bwd_us"] = ref["fwd_bwd_us"] if titan else None
+    rec["vs_titan"] = rec["fwd_bwd_us"] / ref["fwd_bwd_us"] if titan else None
+    rec["fwd_vs_titan"] = rec["fwd_us"] / ref["fwd_us"] if titan else None
+    if "legs_us" in rec:
+        legs = rec["legs_us"]
+        for name, (bwd, fwd) in MIRRORS.items():
+            rec[f"{name}_bwd_over_fwd"] = legs[bwd] / legs[fwd]
+        rec["targets"] = dict(TARGETS)
+        rec["meets_targets"] = {
+            "vs_titan": rec["vs_titan"] <= TARGETS["vs_titan"] if titan else None,
+            **{f"{n}_bwd_over_fwd": rec[f"{n}_bwd_over_fwd"] <= TARGETS["bwd_over_fwd"] for n in MIRRORS}}
+
+
+def run(args, device: torch.device | None = None) -> list[dict]:
+    """Every token count's records (on every rank; the process group is up). The script's core: the CPU test
+    calls it on a gloo rank with --backend torch --device cpu."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda"
+                        else torch.device("cpu"))
+    meta = record_meta(device, torchtitan=titan_version())
+    skip = "--no-titan" if args.no_titan else titan_missing()
+    titan = Titan(device, args.titan_spmd) if skip is None else None
+    meta["titan"] = "ran" if titan is not None else skip
+    try:
+        return [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
+    finally:
+        if titan is not None:
+            titan.close()
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+def _f(v, fmt="{:.1f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def table(records: list[dict]) -> list[str]:
+    by = {(r["tokens_per_rank"], r["path"]): r for r in records}
+    out = ["| tokens | epgen fwd | epgen fwd+bwd | titan fwd+bwd | ratio | dispatch bwd/fwd | combine bwd/fwd |",
+           "|---|---|---|---|---|---|---|"]
+    legs = ["| tokens | dispatch fwd | combine fwd | combine bwd | dispatch bwd | experts fwd+bwd | other |",
+            "|---|---|---|---|---|---|---|"]
+    for T in sorted({t for t, _ in by}):
+        e, t = by[(T, "epgen")], by.get((T, "titan_a2a"), {})
+        out.append(f"| {T} | {_f(e['fwd_us'])} | {_f(e['fwd_bwd_us'])} | {_f(t.get('fwd_bwd_us'))} | "
+                   f"{_f(e['vs_titan'], '{:.3f}')} | {_f(e['dispatch_bwd_over_fwd'], '{:.2f}')} | "
+                   f"{_f(e['combine_bwd_over_fwd'], '{:.2f}')} |")
+        g = e["legs_us"]
+        legs.append(f"| {T} | {g['dispatch_fwd']:.1f} | {g['combine_fwd']:.1f} | {g['combine_bwd']:.1f} | "
+                    f"{g['dispatch_bwd']:.1f} | {g['expert_fwd'] + g['expert_bwd']:.1f} | "
+                    f"{g['fwd_to_bwd'] + g['bwd_tail']:.1f} |")
+    r0 = records[0]
+    head = (f"train_layer: µs, eager, W={r0['world_size']}, {r0['gpu']}, bf16, hidden {r0['hidden']}, "
+            f"top-{r0['topk']} of {r0['experts']}, epgen backend {by[(r0['tokens_per_rank'], 'epgen')]['backend']}, "
+            f"median of {r0['iters']} (slowest rank); ratio = epgen fwd+bwd / titan fwd+bwd")
+    if r0["titan"] == "ran":
+        notes = ["titan_epgen (EpgenTokenDispatcher) fwd+bwd: " + ", ".join(
+            f"{T}: {_f(by[(T, 'titan_epgen')].get('fwd_bwd_us'))}" for T in sorted({t for t, _ in by}))]
+        notes += [f"{r['path']} at {r['tokens_per_rank']} tokens failed: {r['error']}" for r in records if "error" in r]
+    else:
+        notes = [f"titan: {r0['titan']}"]
+    return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *notes]
+
+
+def _init(args) -> None:
+    """The process group: torchrun's, or a group of one (a plain `python scripts/train_layer.py`)."""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = tempfile.NamedTemporaryFile(prefix="train-layer-", delete=False).name
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train_layer: --device cuda but no GPU is visible here (on a CPU: --backend torch --device cpu)",
+              file=sys.stderr)
+        return 2
+    _init(args)
+    try:
+        records = run(args)
+    except (UsageError, EpgenError) as e:
+        print(f"train_layer: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2 if isinstance(e, UsageError) else 1
+    failed = [f"{r['path']} at {r['tokens_per_rank']} tokens: check failed (tolerance {CHECK_TOL}): {r['check']}"
+              for r in records if r.get("check_ok") is False]
+    failed += [f"{r['path']} at {r['tokens_per_rank']} tokens failed: {r['error']}" for r in records if "error" in r]
+    if dist.get_rank() == 0:
+        if args.out:
+            write_records(args.out, records)
+        print("\n".join(table(records)), flush=True)
+        for f in failed:
+            print(f"train_layer: {f}", file=sys.stderr)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

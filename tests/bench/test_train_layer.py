@@ -1,0 +1,203 @@
+"""scripts/train_layer.py on CPU: its core (run) on one gloo rank, epgen on the torch backend, bf16, a tiny shape,
+against torchtitan's all-to-all dispatcher where torchtitan imports (CI installs it and requires it): the records'
+fields, positive times, the ratios and verdicts made of the times they name, each path's check against the layer in
+float32; the leg partition with a clock of known marks; --no-titan's records; the arguments it refuses."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.support import titan_check
+from tests.support.ep_dist import get_world
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_layer.py"
+TINY = ["--backend", "torch", "--device", "cpu", "--hidden", "32", "--experts", "8", "--topk", "2", "--iters", "3",
+        "--warmup", "1"]
+_MOD = []
+
+
+def _script():
+    if not _MOD:
+        spec = importlib.util.spec_from_file_location("train_layer", SCRIPT)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _MOD.append(mod)
+    return _MOD[0]
+
+
+def scn_run(rank, world, argv):
+    m = _script()
+    return m.run(m.parse_args(argv))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _check_timed(rec: dict, m) -> None:
+    assert rec["fwd_us"] > 0 and rec["fwd_bwd_us"] > 0, rec
+    assert _close(rec["bwd_us"], rec["fwd_bwd_us"] - rec["fwd_us"])
+    assert set(rec["check"]) == {"out", "grad_x", "grad_w"}
+    assert all(0 <= v <= m.CHECK_TOL for v in rec["check"].values()), rec["check"]  # forward and backward right
+    assert rec["check_ok"] is True and rec["check_tol"] == m.CHECK_TOL
+
+
+def _check_epgen_legs(rec: dict, m) -> None:
+    legs = rec["legs_us"]
+    assert list(legs) == list(m.LEGS) and all(v > 0 for v in legs.values()), legs
+    assert 0.5 < sum(legs.values()) / rec["legs_total_us"] < 2  # medians of a partition: near the median total
+    for name, (bwd, fwd) in m.MIRRORS.items():
+        assert _close(rec[f"{name}_bwd_over_fwd"], legs[bwd] / legs[fwd])
+        assert rec["meets_targets"][f"{name}_bwd_over_fwd"] == (rec[f"{name}_bwd_over_fwd"] <= 1.1)
+    assert rec["targets"] == {"vs_titan": 0.2, "bwd_over_fwd": 1.1}
+    assert rec["backend"] == "torch" and rec["expert_alignment"] == 1
+    assert rec["grouped_capacity"] == rec["tokens_per_rank"] * rec["topk"]  # every local pair, no padding (W = 1)
+    assert "CUDA events" in rec["leg_method"] and rec["expert"].startswith("identity: rows * 1")
+
+
+def test_records_of_every_path_and_token_count():
+    m = _script()
+    recs = get_world(1).run(scn_run, TINY + ["--tokens", "2", "5"], timeout=120)[0]
+    assert [(r["tokens_per_rank"], r["path"]) for r in recs] == [(t, p) for t in (2, 5) for p in m.PATHS]
+    missing = titan_check.torchtitan_missing()
+    if missing and titan_check.env_requires_torchtitan():
+        pytest.fail(f"torchtitan is required here ({titan_check.REQUIRE_ENV}) but {missing}")
+    for r in recs:
+        assert r["kind"] == "train_layer" and r["mode"] == "eager" and r["dtype"] == "bfloat16"
+        assert (r["hidden"], r["experts"], r["topk"], r["world_size"], r["iters"], r["warmup"]) == (32, 8, 2, 1, 3, 1)
+        for key in ("commit", "gpu", "driver", "torch", "torchtitan", "date", "expert", "titan"):
+            assert key in r, key
+        assert r["gpu"] == "cpu"
+    by = {(r["tokens_per_rank"], r["path"]): r for r in recs}
+    for T in (2, 5):
+        e, a2a, tep = by[(T, "epgen")], by[(T, "titan_a2a")], by[(T, "titan_epgen")]
+        _check_timed(e, m)
+        _check_epgen_legs(e, m)
+        if missing:  # torchtitan not here and not required: the records say so
+            assert a2a["skipped"].startswith("torchtitan is not importable") and tep["skipped"] == a2a["skipped"]
+            assert e["vs_titan"] is None and e["meets_targets"]["vs_titan"] is None and e["titan"] == a2a["skipped"]
+            continue
+        assert e["titan"] == "ran" and e["torchtitan"]
+        for r in (a2a, tep):
+            _check_timed(r, m)
+            assert r["spmd_backend"] == "spmd_types" and "legs_us" not in r
+        assert tep["backend"] == "torch"
+        assert e["titan_fwd_bwd_us"] == a2a["fwd_bwd_us"] and e["titan_fwd_us"] == a2a["fwd_us"]
+        assert _close(e["vs_titan"], e["fwd_bwd_us"] / a2a["fwd_bwd_us"])
+        assert _close(e["fwd_vs_titan"], e["fwd_us"] / a2a["fwd_us"])
+        assert _close(tep["vs_titan"], tep["fwd_bwd_us"] / a2a["fwd_bwd_us"]) and a2a["vs_titan"] == 1.0
+        assert e["meets_targets"]["vs_titan"] == (e["vs_titan"] <= 0.2)
+    lines = m.table(recs)
+    assert lines[1].startswith("| tokens | epgen fwd | epgen fwd+bwd | titan fwd+bwd | ratio |")
+    rows = [ln for ln in lines if ln.startswith("| 2 |") or ln.startswith("| 5 |")]
+    assert len(rows) == 4  # the summary and the legs, per token count
+    assert f"| 2 | {by[(2, 'epgen')]['fwd_us']:.1f} | {by[(2, 'epgen')]['fwd_bwd_us']:.1f} |" in rows[0]
+
+
+def test_without_titan_the_records_say_so():
+    m = _script()
+    recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan"], timeout=120)[0]
+    assert [r["path"] for r in recs] == list(m.PATHS)
+    e, *titans = recs
+    _check_timed(e, m)
+    assert all(r["skipped"] == "--no-titan" and "fwd_us" not in r for r in titans)
+    assert e["titan"] == "--no-titan" and e["vs_titan"] is None and e["titan_fwd_bwd_us"] is None
+    lines = m.table(recs)
+    assert lines[3].startswith("| 3 |") and "| – | – |" in lines[3] and lines[-1] == "titan: --no-titan"
+
+
+def scn_titan_fails(rank, world, argv):
+    """run() with torchtitan's all-to-all dispatcher failing to build."""
+    m = _script()
+    real = m.Titan.dispatcher
+
+    def broken(self, path, args, T):
+        if path == "titan_a2a":
+            raise RuntimeError("no all-to-all here")
+        return real(self, path, args, T)
+
+    m.Titan.dispatcher = broken
+    try:
+        return m.run(m.parse_args(argv))
+    finally:
+        m.Titan.dispatcher = real
+
+
+def test_a_failing_titan_path_is_recorded_and_epgen_still_timed():
+    if titan_check.torchtitan_missing():
+        pytest.skip(f"needs torchtitan: {titan_check.torchtitan_missing()}")
+    m = _script()
+    e, a2a, tep = get_world(1).run(scn_titan_fails, TINY + ["--tokens", "2"], timeout=120)[0]
+    assert a2a["error"] == "RuntimeError: no all-to-all here" and "fwd_us" not in a2a
+    _check_timed(e, m)
+    _check_timed(tep, m)
+    assert e["vs_titan"] is None and tep["vs_titan"] is None and e["meets_targets"]["vs_titan"] is None
+    assert m.table([e, a2a, tep])[-1] == "titan_a2a at 2 tokens failed: RuntimeError: no all-to-all here"
+
+
+class _Ticks:
+    """A clock whose marks are the next of known times (µs): the partition's arithmetic, exactly."""
+    cuda = False
+
+    def __init__(self, steps):
+        self.times = iter(t for step in steps for t in step)
+
+    def start(self):
+        pass
+
+    def sync(self):
+        pass
+
+    def mark(self):
+        return next(self.times)
+
+    def us(self, a, b):
+        return b - a
+
+
+def test_the_legs_partition_each_step():
+    m = _script()
+    # three steps' marks: nine boundaries each (LEGS' starts and the end)
+    steps = [[0, 10, 11, 21, 22, 42, 43, 53, 55], [0, 12, 13, 22, 23, 40, 41, 52, 53], [0, 11, 12, 20, 21, 50, 51,
+                                                                                         60, 61]]
+
+    def step(marks):
+        for name in m.LEGS:
+            marks.mark(name)
+        marks.mark("end")
+
+    got = m.legs_us(_Ticks(steps), step, iters=3, warmup=0)
+    assert got["dispatch_fwd"] == 11 and got["combine_fwd"] == 9 and got["combine_bwd"] == 20
+    assert got["dispatch_bwd"] == 10 and got["legs_total_us"] == 55
+
+    def misordered(marks):
+        for name in reversed(m.LEGS):
+            marks.mark(name)
+        marks.mark("end")
+
+    with pytest.raises(AssertionError, match="another order"):
+        m.legs_us(_Ticks(steps), misordered, iters=3, warmup=0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+    (["--iters", "many"], "argument --iters: 'many' is not an integer"),
+    (["--topk", "9", "--experts", "8"], "--topk 9 exceeds --experts 8"),
+    (["--device", "cpu"], "--backend native runs the generated kernels: it needs --device cuda"),
+    (["--backend", "nccl"], "argument --backend: invalid choice"),
+])
+def test_bad_arguments_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_a_usage_error():
+    m = _script()
+    args = m.parse_args(TINY + ["--experts", "9"])
+    with pytest.raises(m.UsageError, match="--experts 9 do not split evenly over 2 ranks"):
+        m.op_config(0, 2, 4, args)
