@@ -113,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["native", "torch"], default="native", help="epgen's kernel backend")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seed", type=_at_least(0), default=7)
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile epgen's forward + backward: the functions that take its host time (host_top)")
     return p
 
 
@@ -296,6 +298,25 @@ def epgen_marked(op, inp: dict):
     return step
 
 
+def host_profile(clock: Clock, step, iters: int, top: int = 30) -> list[dict]:
+    """cProfile over `iters` steps: the `top` functions by cumulative time, µs per step (own and cumulative).
+    The profiler's own cost inflates every figure: read them against each other."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    clock.sync()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    clock.sync()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": st[0] / iters,
+             "own_us": st[2] / iters * 1e6, "cum_us": st[3] / iters * 1e6} for (f, line, name), st in rows]
+
+
 def fwd_bwd_step(fwd, inp: dict):
     def step():
         out = fwd()
@@ -398,6 +419,8 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
         out["epgen"] = {**base, "path": "epgen", "backend": op.backend_name, **figures, "legs_us": legs,
                         "leg_method": LEG_METHOD, "grouped_capacity": cfg.resolved_grouped_capacity,
                         "expert_alignment": cfg.expert_alignment, "check": errs}
+        if args.host_profile:
+            out["epgen"]["host_top"] = host_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
     for path in PATHS[1:]:
         if titan is None:
             out[path] = {**base, "path": path, "skipped": skip_reason}
@@ -489,7 +512,13 @@ def table(records: list[dict]) -> list[str]:
         notes += [f"{r['path']} at {r['tokens_per_rank']} tokens failed: {r['error']}" for r in records if "error" in r]
     else:
         notes = [f"titan: {r0['titan']}"]
-    return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *notes]
+    host = []
+    for r in records:
+        if r.get("host_top"):
+            host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by cumulative):")
+            host += [f"  {h['cum_us']:8.1f} cum {h['own_us']:7.1f} own {h['calls_per_step']:5g}x  {h['function']}"
+                     for h in r["host_top"]]
+    return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *notes, *host]
 
 
 def _init(args) -> None:
