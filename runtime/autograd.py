@@ -41,6 +41,12 @@ native combine sends rows to the origins its workspace slot's last dispatch reco
 internode) and that was another handle's (or the op has several slots, max_inflight > 1), a combine through the
 handle first replays a dispatch of zeros along it (see _combine_through). The forwards return the handle id as
 their last output, so selective activation checkpointing that saves these ops replays them whole.
+Activation checkpointing that recomputes them (torch's non-reentrant checkpoint, a selective policy that does not
+save them) runs the dispatch again in the backward, and that dispatch may number its received rows differently
+(the native bandwidth dispatch receives in arrival order): the saved tensors the backward gets (the expert rows,
+the layout's weights) are the recomputation's, so every backward takes the routing of the forward whose saved
+tensors it has, named by a handle id saved beside them (_remember / _routing_of), never the first forward's; the
+routing of a forward recomputed inside a backward is kept until that backward ends (_keep_while_in_backward).
 Under torch.compile the four functions run as they are between the compiled parts (torch.compiler.disable).
 """
 
@@ -64,6 +70,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # op uid -> op
 _HANDLES: "weakref.WeakValueDictionary[int, _Saved]" = weakref.WeakValueDictionary()  # handle id -> saved routing
 _PENDING: dict[int, "_Saved"] = {}  # made by a forward, until its wrapper takes it (the same call)
+_KEPT: dict[int, "_Saved"] = {}  # made by a forward recomputed inside a backward, until that backward ends
 _IDS = itertools.count(1)
 
 
@@ -154,15 +161,44 @@ def _forward(custom_op, x, weights, indices, op_id: int):
     except BaseException:
         _PENDING.pop(hid, None)
         raise
-    return outs, _saved_after(hid, outs[-1]), hid
+    saved = _saved_after(hid, outs[-1])
+    _keep_while_in_backward(hid, saved)
+    return outs, saved, hid
+
+
+def _keep_while_in_backward(handle_id: int, saved: _Saved) -> None:
+    """A forward that runs inside a backward is an activation checkpoint's recomputation: its autograd graph is
+    dropped once the recomputation is over, but the backward of the first forward's graph goes on with the
+    recomputed saved tensors and, through the handle id saved beside them, this routing (_routing_of). Keep it
+    until that backward ends."""
+    if torch._C._current_graph_task_id() == -1:  # not inside a backward: the forward's graph keeps it
+        return
+    _KEPT[handle_id] = saved
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _KEPT.pop(handle_id, None))
 
 
 def _take(handle_id: int) -> _Saved:
-    saved = _PENDING.get(handle_id) or _HANDLES.get(handle_id)
+    saved = _PENDING.get(handle_id) or _HANDLES.get(handle_id) or _KEPT.get(handle_id)
     if saved is None:
         raise InputError(f"epgen autograd: no routing under handle id {handle_id} (call the functions of "
                          f"runtime.autograd, not the custom ops directly)")
     return saved
+
+
+def _remember(ctx, handle_id: int, saved: _Saved) -> torch.Tensor:
+    """setup_context's record of the routing a forward ran: ctx holds it, and the returned handle id (a CPU
+    scalar) goes into ctx.save_for_backward beside the other saved tensors, for _routing_of."""
+    ctx.saved, ctx.handle_id = saved, handle_id
+    return torch.tensor(handle_id, dtype=torch.int64)
+
+
+def _routing_of(ctx, handle_t: torch.Tensor) -> _Saved:
+    """The routing a backward runs on: that of the forward whose saved tensors it got. Without recomputation it
+    is ctx's own; under activation checkpointing the saved tensors (with handle_t) are the recomputation's, whose
+    dispatch may have numbered the received rows, and so laid out the grouped rows, differently from the first
+    forward's (the native bandwidth dispatch receives in arrival order): its routing, not ctx's."""
+    handle_id = int(handle_t)
+    return ctx.saved if handle_id == ctx.handle_id else _take(handle_id)
 
 
 # --- the companion op for quantized legs -------------------------------------------------------------
@@ -300,7 +336,8 @@ def _(x, weights, indices, op_id, handle_id):
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
-    ctx.saved = _take(int(output[-1]))
+    handle_id = int(output[-1])
+    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(*output[2:])
     if output[0].dtype not in _FLOAT_DTYPES:
@@ -308,7 +345,7 @@ def _dispatch_grouped_setup(ctx, inputs, output):
 
 
 def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
-    saved = ctx.saved
+    saved = _routing_of(ctx, *ctx.saved_tensors)
     op = _live(saved, "epgen::dispatch_grouped")
     cfg = op.config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
@@ -372,13 +409,13 @@ def _(y, wg, op_id, handle_id, apply_weights):
 
 def _combine_grouped_setup(ctx, inputs, output):
     y, wg, _, handle_id, apply_weights = inputs
-    ctx.saved, ctx.apply_weights = _take(handle_id), apply_weights
-    ctx.save_for_backward(y, wg)
+    ctx.apply_weights = apply_weights
+    ctx.save_for_backward(y, wg, _remember(ctx, handle_id, _take(handle_id)))
 
 
 def _combine_grouped_backward(ctx, grad_out):
-    saved = ctx.saved
-    y, wg = ctx.saved_tensors
+    y, wg, handle_t = ctx.saved_tensors
+    saved = _routing_of(ctx, handle_t)
     k = saved.op.config.num_experts_per_token
     rows, _ = _replay(saved, "epgen::combine_grouped", grad_out, None)
     src = saved.src.long()
@@ -446,13 +483,14 @@ def _(x, weights, indices, op_id, handle_id):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.saved = _take(int(output[-1]))
+    handle_id = int(output[-1])
+    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(output[2], output[3])
 
 
 def _dispatch_backward(ctx, grad_out, grad_w, *_):
-    saved = ctx.saved
+    saved = _routing_of(ctx, *ctx.saved_tensors)
     keep = _rows_mask(saved.total, grad_out.shape[0])
     rows = torch.where(keep, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
     rows_w = None
@@ -501,12 +539,13 @@ def _(y, weights, op_id, handle_id):
 
 def _combine_setup(ctx, inputs, output):
     y, weights, _, handle_id = inputs
-    ctx.saved, ctx.rows, ctx.y_dtype = _take(handle_id), y.shape[0], y.dtype
+    ctx.rows, ctx.y_dtype = y.shape[0], y.dtype
+    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
 
 
 def _combine_backward(ctx, grad_out, grad_w):
-    rows, rows_w = _replay(ctx.saved, "epgen::combine", grad_out, grad_w.contiguous()
-                           if ctx.needs_input_grad[1] else None)
+    rows, rows_w = _replay(_routing_of(ctx, *ctx.saved_tensors), "epgen::combine", grad_out,
+                           grad_w.contiguous() if ctx.needs_input_grad[1] else None)
     grad_y = rows[:ctx.rows].to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
     grad_weights = rows_w[:ctx.rows] if rows_w is not None else None
     return grad_y, grad_weights, None, None

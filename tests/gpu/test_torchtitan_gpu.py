@@ -4,7 +4,10 @@ with its AllToAllTokenDispatcher and once with EpgenTokenDispatcher on the nativ
 bf16 rounding (against torchtitan's MoE in float32, epgen is no further off than torchtitan's own bf16 path:
 titan_check.low_precision_misses), also
 with a rank that receives no token and an expert without pairs, two layers sharing one op, groups padded to 16 rows,
-and activation checkpointing (torch's, and EpgenSelectiveAC saving epgen's ops).
+and activation checkpointing (torch's and torchtitan's SelectiveAC, which recompute epgen's dispatch in the backward:
+the bandwidth dispatch receives in arrival order, so the recomputation's rows may be laid out differently from the
+first forward's; and EpgenSelectiveAC saving epgen's ops). A failure names each tensor's relative errors, epgen's
+and the all-to-all dispatcher's, against float32 (titan_check.low_precision_misses).
 
 Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
     torchrun --nproc-per-node 2 -m pytest -m multigpu -q -rs tests/gpu/test_torchtitan_gpu.py
@@ -35,6 +38,7 @@ SHAPE = dict(dim=1024, inter=256, experts_per_rank=8, top_k=4, batch=2, seq=64)
 CASES = {"balanced": {}, "starved": dict(starve_rank=True, starve_expert=True),
          "two-layers": dict(layers=2), "padded-16": dict(layers=2, pad_multiple=16),
          "two-layers-checkpointed": dict(layers=2, ac="full"),
+         "two-layers-torchtitan-selective-ac": dict(layers=2, ac="selective"),
          "two-layers-epgen-selective-ac": dict(layers=2, ac="selective_epgen")}
 
 

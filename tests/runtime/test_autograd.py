@@ -223,6 +223,55 @@ def test_selective_checkpointing_that_saves_the_epgen_ops_gives_the_same_gradien
     assert all(get_world(2).run(scn_checkpoint, True, timeout=120))
 
 
+def _plain_layer(op, ids):
+    """A layer on the plain legs: tanh of the received rows (nonlinear: its backward needs the forward's rows in
+    the order the combine's backward hands the gradient rows) times the sum of their received weights."""
+    def layer(x, w):
+        out, out_w, _, _, h = ag.dispatch(op, x, w, ids)
+        return ag.combine(op, torch.tanh(out) * out_w.sum(1, keepdim=True), h)[0]
+    return layer
+
+
+def scn_checkpoint_in_arrival_order(rank, world, policy, plain):
+    """Checkpointing whose recomputation dispatches again, while every fresh dispatch receives its rows in a
+    shuffled order, as the native bandwidth dispatch may (tests/support/arrival_order.py): the recomputed rows and
+    grouped layout differ from the first forward's, and the backward must run on the recomputation's routing
+    (runtime/autograd.py, _routing_of). -> the gradients' relative errors against no checkpointing."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from tests.support.arrival_order import shuffled_arrivals
+
+    epgen = {getattr(torch.ops.epgen, name.split("::")[1]).default for name in ag.OP_NAMES}
+    save = {"whole": None, "save-epgen": CheckpointPolicy.MUST_SAVE, "recompute-epgen": CheckpointPolicy.MUST_RECOMPUTE}
+
+    def choose(ctx, func, *args, **kwargs):
+        return save[policy] if func in epgen else CheckpointPolicy.PREFER_RECOMPUTE
+
+    kwargs = {} if policy == "whole" else {"context_fn": lambda: create_selective_checkpoint_contexts(choose)}
+    cfg = _cfg(rank, world, 6, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 7, 6)
+    inputs = (x, w) if plain else (x, w, ew)
+    with shuffled_arrivals(), EpDispatchCombineOp(cfg) as op:
+        layer = _plain_layer(op, ids) if plain else _layer(op, ids)
+        want = _grads(layer, inputs, grad)
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        got = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, **kwargs), leaves, grad)
+        kept = len(ag._KEPT)  # the recomputation's routings, released when the backward ended
+    return [float((u - v).norm() / v.norm()) for u, v in zip(got, want)], kept
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["grouped", "plain"])
+@pytest.mark.parametrize("policy", ["whole", "recompute-epgen", "save-epgen"])
+def test_checkpointing_when_the_recomputed_dispatch_receives_in_another_order(policy, plain):
+    """The native bandwidth dispatch receives rows in arrival order, so a recomputed dispatch may lay its rows out
+    differently from the first forward's: the backward gets the recomputation's saved tensors and must take its
+    routing too (taking the first forward's gave gradients as far off as unrelated tensors: relative errors
+    0.5-4.5 here, 1.3-1.4 in torchtitan's MoE on a GPU). The gradients match no checkpointing to float32 rounding
+    (the expert matrices' gradients sum a group's rows in the recomputation's order)."""
+    for errs, kept in get_world(2).run(scn_checkpoint_in_arrival_order, policy, plain, timeout=120):
+        assert max(errs) <= 1e-6 and kept == 0, (errs, kept)
+
+
 def scn_no_grad(rank, world):
     """Autograd off: the op's own path and buffers (nothing cloned), the same values as with autograd on."""
     cfg = _cfg(rank, world, 5, hidden_dim=8)

@@ -8,10 +8,13 @@ EPGEN_REQUIRE_TORCHTITAN is set)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from tests.support import titan_check
+from tests.support.arrival_order import shuffled_arrivals
 from tests.support.ep_dist import get_world
 
 _missing = titan_check.torchtitan_missing()
@@ -26,20 +29,29 @@ def test_torchtitan_imports():
 
 
 def scn_compare(rank, world, kwargs):
-    return titan_check.compare(**kwargs)
+    kwargs = dict(kwargs)
+    with shuffled_arrivals() if kwargs.pop("arrival_order", False) else contextlib.nullcontext():
+        return titan_check.compare(**kwargs)
 
 
-def scn_low_precision(rank, world, layers):
-    errs = titan_check.compare(dim=256, inter=64, experts_per_rank=8, top_k=4, seq=64, layers=layers,
-                               dtype=torch.bfloat16, seed=3, starve_rank=True, starve_expert=True)
-    return titan_check.low_precision_misses(errs, layers)
+def scn_low_precision(rank, world, kwargs):
+    with shuffled_arrivals():  # received rows in a shuffled order, as the native bandwidth dispatch may
+        errs = titan_check.compare(dim=256, inter=64, experts_per_rank=8, top_k=4, seq=64, dtype=torch.bfloat16,
+                                   seed=3, starve_rank=True, starve_expert=True, **kwargs)
+    return titan_check.low_precision_misses(errs, kwargs.get("layers", 1))
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_bf16_is_as_close_to_float32_as_torchtitans_own(layers):
+@pytest.mark.parametrize("kwargs", [{}, {"layers": 2}, {"layers": 2, "ac": "full"}, {"layers": 2, "ac": "selective"}],
+                         ids=["one-layer", "two-layers", "two-layers-checkpointed",
+                              "two-layers-torchtitan-selective-ac"])
+def test_bf16_is_as_close_to_float32_as_torchtitans_own(kwargs):
     """The GPU check's bf16 criteria (tests/gpu/test_torchtitan_gpu.py: epgen's error against torchtitan's MoE in
-    float32 at most 1.25x the all-to-all dispatcher's own), here on CPU with the torch backend."""
-    assert get_world(2).run(scn_low_precision, layers, timeout=240) == [{}, {}]
+    float32 at most 1.25x the all-to-all dispatcher's own), here on CPU with the torch backend, every dispatch
+    receiving its rows in a shuffled order as the native bandwidth dispatch may (tests/support/arrival_order.py):
+    with the layers recomputed in the backward (torch's checkpoint, torchtitan's SelectiveAC), the recomputed
+    dispatch lays its rows out differently from the first forward's (the bug the GPU check found: epgen's gradients
+    1.3-1.4 off against float32 where the reference's were 0.05-0.16 off)."""
+    assert get_world(2).run(scn_low_precision, kwargs, timeout=240) == [{}, {}]
 
 
 def scn_no_grad(rank, world):
@@ -94,16 +106,21 @@ def test_moe_matches_all_to_all_dispatcher(world):
 
 
 @pytest.mark.parametrize("opts,dispatches", [({}, 4), ({"ac": "full"}, 6), ({"ac": "selective"}, 6),
-                                              ({"ac": "selective_epgen"}, 4), ({"pad_multiple": 16}, 4)],
+                                              ({"ac": "selective_epgen"}, 4), ({"pad_multiple": 16}, 4),
+                                              ({"ac": "full", "arrival_order": True}, 6),
+                                              ({"ac": "selective", "arrival_order": True}, 6)],
                          ids=["plain", "checkpointed", "torchtitan-selective-ac", "epgen-selective-ac",
-                              "groups-padded-to-16"])
+                              "groups-padded-to-16", "checkpointed-arrival-order",
+                              "torchtitan-selective-ac-arrival-order"])
 def test_two_layers_match_under_activation_checkpointing_and_padding(opts, dispatches):
     """Two layers, each recomputed in the backward (torch's non-reentrant checkpoint; torchtitan's SelectiveAC policy,
     which recomputes epgen's dispatch and combine; EpgenSelectiveAC, which saves their outputs instead: no dispatch
     again), or its groups padded to 16 rows (the counts GroupedExperts gets include the padding): the same outputs
     and gradients as torchtitan's dispatcher without either. The two layers' dispatchers share one op: the second
     layer's forward runs on it before the first one's backward. Dispatches: 2 forwards + 2 replays (the combines'
-    backwards), + 2 when the forwards are recomputed."""
+    backwards), + 2 when the forwards are recomputed. "arrival-order": every dispatch receives its rows in a
+    shuffled order, as the native bandwidth dispatch may (tests/support/arrival_order.py), so a recomputed dispatch
+    lays out its rows differently from the first forward's."""
     results = check(2, layers=2, seed=4, **opts)
     assert all(r["ops"] == 1 for r in results)
     assert [r["dispatches"] for r in results] == [dispatches] * 2
