@@ -870,20 +870,21 @@ EPG_DEVICE void epg_ll_ranks(const EpArgs& a, epg_i64 t, int r, int rk[EPG_LL_GR
 }
 
 // Receiver, one block: every source's expert counts (flagged vectors, polled: phase 5), then cnt[s E + e] = the
-// pairs of local expert e from sources below s and tot[e] = its pairs from every source. False after a timeout
-// (this thread's); the caller synchronizes the block.
+// pairs of local expert e from sources below s and tot[e] = its pairs from every source. Every thread of the block
+// calls it; false after a timeout (this thread's), and the caller synchronizes the block before reading tot.
 EPG_DEVICE bool epg_ll_read_counts(const EpArgs& a, int* cnt, int* tot, int parity, epg_u32 epoch) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int W = (int)a.world, E = (int)a.experts_per_rank, V = epg_ll_ecnt_vectors(a);
   char* mine = epg_peer(a, a.rank);
-  for (int i = tid; i < W * V; i += nt) {
+  bool good = true;
+  for (int i = tid; i < W * V && good; i += nt) {
     const int s = i / V, v = i % V;
     const char* p = epg_ll_ecnt(a, mine, parity, s, v);
     epg_vec16 x = epg_ld16_sys(p);
-    if (!epg_ll_poll(a, p, epoch, x, 5, s == a.rank ? -1 : s)) return false;
-    for (int q = 0; q < 3 && 3 * v + q < E; ++q) cnt[s * E + 3 * v + q] = (int)epg_ll_word(x, q);
+    good = epg_ll_poll(a, p, epoch, x, 5, s == a.rank ? -1 : s);
+    for (int q = 0; good && q < 3 && 3 * v + q < E; ++q) cnt[s * E + 3 * v + q] = (int)epg_ll_word(x, q);
   }
-  epg_syncthreads();
+  epg_syncthreads();  // every thread reaches it, timed out or not
   for (int e = tid; e < E; e += nt) {
     int run = 0;
     for (int s = 0; s < W; ++s) {
@@ -893,7 +894,7 @@ EPG_DEVICE bool epg_ll_read_counts(const EpArgs& a, int* cnt, int* tot, int pari
     }
     tot[e] = run;
   }
-  return true;
+  return good;
 }
 
 // Receiver, lane j < k of a wave (the others return -1): received row `row` (source s, its message at `slot`) has
