@@ -265,3 +265,48 @@ def test_grouped_combine_field(monkeypatch):
     ends = dict(zip(names, [lay[n] for n in names[1:]] + [lay["total"]]))
     assert (ends["grp_y"] - lay["grp_y"], ends["grp_pos"] - lay["grp_pos"]) == (nat["grp_y"], nat["grp_pos"])
     assert "grp_y" not in plan.layout(_cfg(0, 1, "bf16"))
+
+
+def test_ll_counts_first_rule_matches_the_layout():
+    """The low-latency one-kernel dispatch's placement rule (templates/kernels/ll_grouped.j2), modeled on the host:
+    each sender's per-local-expert counts and each pair's rank among its sender's pairs of that expert in (token,
+    column) order give grouped row start_e + (pairs of e from lower sources) + rank when kept. It is the layout's
+    own pair_pos (runtime/grouped.py), with repeated ids, ids naming no expert, capacity cuts and alignments that
+    are no power of two."""
+    import random
+
+    from runtime import grouped as G
+
+    rnd = random.Random(1)
+    for _ in range(200):
+        W, E = rnd.choice([1, 2, 3]), rnd.choice([1, 2, 5])
+        k, T, align, me = rnd.randint(1, min(6, W * E)), rnd.randint(0, 7), rnd.choice([1, 2, 3, 4]), rnd.randrange(W)
+        choices = list(range(W * E)) + [-1, W * E + 3]
+        ids = [[[rnd.choice(choices) for _ in range(k)] for _ in range(T)] for _ in range(W)]
+        local = lambda x: x - me * E if 0 <= x < W * E and x // E == me else -1  # noqa: E731
+        rows = [(s, t) for s in range(W) for t in range(T) if any(local(x) >= 0 for x in ids[s][t])]
+        cnt = torch.zeros(W, E, dtype=torch.int64)
+        for s in range(W):
+            for row in ids[s]:
+                for x in row:
+                    if local(x) >= 0:
+                        cnt[s, local(x)] += 1
+        below = torch.cumsum(cnt, 0) - cnt
+        R = max(1, W * T)
+        full = (R * k + E * (align - 1)) // align * align
+        cap = rnd.choice([full, align * rnd.randint(0, max(1, full // align))])
+        start, kept, offs = G.group_bounds(cnt.sum(0), align, cap)
+        want = []
+        for s, t in rows:
+            flat = [x for row in ids[s] for x in row]
+            for j in range(k):
+                x, e = ids[s][t][j], local(ids[s][t][j])
+                pos = int(below[s, e]) + flat[: t * k + j].count(x) if e >= 0 else None
+                want.append(int(start[e]) + pos if e >= 0 and pos < int(kept[e]) else -1)
+        ridx = torch.full((R, k), -1, dtype=torch.int32)
+        for i, (s, t) in enumerate(rows):
+            ridx[i] = torch.tensor(ids[s][t], dtype=torch.int32)
+        lay = G.group(torch.zeros(R, 16, dtype=torch.bfloat16), None, None, ridx, torch.tensor([len(rows)]), me, E,
+                      align, cap)
+        assert lay.pair_pos.tolist()[: len(rows) * k] == want
+        assert lay.offs.tolist() == offs.tolist()

@@ -160,3 +160,42 @@ def test_launch_threads_whole_waves(arch, threads, bad):
             NativeBackend._check_geometry(fake)
     else:
         NativeBackend._check_geometry(fake)
+
+
+@pytest.mark.parametrize("world,epr,k,ranked", [(2, 8, 4, True), (8, 512, 8, True), (8, 513, 8, False),
+                                                (2, 16, 17, False)])
+def test_ll_grouped_layout_regions_and_rank_words(world, epr, k, ranked):
+    """An op with the grouped layout on the low-latency protocol places it without a grid barrier while a block's
+    tables hold it (world x experts per rank <= abi.LL_GROUPED_TABLE, k <= abi.LL_GROUPED_MAX_K): its messages carry
+    k rank words and it has the regions ll_ecnt / ll_rows (before recv_x: reset() zeroes them); otherwise neither."""
+    from runtime import ll
+
+    kw = dict(BASE, world_size=world, num_experts_per_rank=epr, num_experts_per_token=k, max_num_inp_token_per_rank=8)
+    target = load_specs().targets["sm_90"]
+    cfg = EpDispatchCombineConfig(**kw, intranode_protocol="ll", enable_grouped_layout=True)
+    plain = Plan.of(EpDispatchCombineConfig(**kw, intranode_protocol="ll"), target)
+    plan = Plan.of(cfg, target)
+    assert plan.ll_ranked is ranked and not plain.ll_ranked
+    assert plan.ll_row == ll.row_bytes(plan.in_row, plan.scale_row, k, ranked)
+    assert plain.ll_row == ll.row_bytes(plan.in_row, 0, k)
+    lay = plan.layout(cfg)
+    assert ("ll_ecnt" in lay) is ranked and ("ll_rows" in lay) is ranked
+    if ranked:
+        assert lay["ll_cnt"] < lay["ll_ecnt"] < lay["ll_rows"] < lay["recv_x"]
+        sizes = {r.name: r.nbytes for r in plan.regions(cfg)}
+        assert sizes["ll_ecnt"] == 2 * world * -(-epr // 3) * 16 and sizes["ll_rows"] == 4 * world * 8
+        words = ll.row_layout(plan.in_row, plan.scale_row, k, True)
+        assert words["ranks"] == words["src"] + 1 and words["words"] == words["ranks"] + k
+    bw = Plan.of(EpDispatchCombineConfig(**kw, intranode_protocol="bw", enable_grouped_layout=True), target)
+    assert not bw.ll_ranked and "ll_ecnt" not in bw.layout(cfg)
+
+
+def test_ll_grouped_limits_match_the_kernel_template():
+    """The host's limits (runtime.ll.grouped_ranked) are the ones rendered into the dispatch kernel."""
+    from pathlib import Path
+
+    from generator import abi
+
+    src = (Path(__file__).parents[2] / "generated" / "sm_90" / "dispatch_ll.bf16.intranode.cu").read_text()
+    assert f"EPG_LL_GROUPED_TABLE = {abi.LL_GROUPED_TABLE};" in src
+    assert f"EPG_LL_GROUPED_MAX_K = {abi.LL_GROUPED_MAX_K};" in src
