@@ -295,19 +295,31 @@ def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -
 
 
 # --- epgen::dispatch_grouped -----------------------------------------------------------------------
+def _meta_split(cfg) -> tuple[int, ...]:
+    """The parts of dispatch_grouped's int32 output `meta`: offs [E], counts [E], src [P], m_indices [P],
+    dropped [1] (one copy kernel for all of them, not five)."""
+    E, P = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity
+    return (E, E, P, P, 1)
+
+
 @torch.library.custom_op("epgen::dispatch_grouped", mutates_args=())
 def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                          handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
+    """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
+    without), meta int32 (_meta_split), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
     layout, routing = op.dispatch_grouped(x, weights, None, indices)
-    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), pair_pos=layout.pair_pos.clone(),
-                                 src=layout.src.clone())
+    # one copy of every int32 tensor: the outputs' part (meta), then what the backward keeps (pair map, pair
+    # ids, the token ids): views of one block, which the outputs do not alias
+    held = torch.cat((layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped.view(1),
+                      layout.pair_pos, layout.src, indices.reshape(-1)))
+    n_meta = sum(_meta_split(op.config))
+    n_pos, P = layout.pair_pos.numel(), layout.src.numel()
+    meta, pair_pos, src, ids = held.split((n_meta, n_pos, P, indices.numel()))
+    _PENDING[handle_id] = _Saved(op, routing, ids.view(indices.shape), pair_pos=pair_pos, src=src)
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
-    return (_zero_padding(layout.x, layout.src), layout.weights.clone(), scales, layout.offs.clone(),
-            layout.counts.clone(), layout.src.clone(), layout.m_indices.clone(), layout.dropped.clone().view(()),
-            _handle_tensor(handle_id))
+    return (_zero_padding(layout.x, layout.src), layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
 
 
 def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -322,17 +334,15 @@ def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def _(x, weights, indices, op_id, handle_id):
     op = _OPS[op_id]
     cfg = op.config
-    P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+    P = cfg.resolved_grouped_capacity
     if cfg.grouped_dequantize:
         xg, scales = x.new_empty((P, cfg.hidden_dim), dtype=cfg.data_type), x.new_empty((P, 0))
     else:
         xg = x.new_empty((P, op.dispatch_out_cols), dtype=op.dispatch_out_dtype)
         sd = op.dispatch_out_scales_dtype
         scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
-    i32 = dict(dtype=torch.int32)
-    return (xg, x.new_empty((P,), dtype=torch.float32), scales, x.new_empty((E,), **i32), x.new_empty((E,), **i32),
-            x.new_empty((P,), **i32), x.new_empty((P,), **i32), x.new_empty((), **i32),
-            torch.empty((), dtype=torch.int64))
+    return (xg, x.new_empty((P,), dtype=torch.float32), scales,
+            x.new_empty((sum(_meta_split(cfg)),), dtype=torch.int32), torch.empty((), dtype=torch.int64))
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
@@ -371,12 +381,12 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         layout, routing = op.dispatch_grouped(x, weights, None, indices)
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
-    (xg, wg, scales, offs, counts, src, m_idx, dropped, _), saved, hid = _forward(_dispatch_grouped_op, x, weights,
-                                                                                    indices, op.uid)
+    (xg, wg, scales, meta, _), saved, hid = _forward(_dispatch_grouped_op, x, weights, indices, op.uid)
+    offs, counts, src, m_idx, dropped = meta.split(_meta_split(op.config))
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
-                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped, pair_pos=saved.pair_pos,
-                                   seq=saved.routing.seq)
+                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped.view(()),
+                                   pair_pos=saved.pair_pos, seq=saved.routing.seq)
     return layout, handle
 
 
