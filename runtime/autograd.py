@@ -21,7 +21,9 @@ Every function takes the op's own path, unchanged, when autograd is off (``torch
 ``torch.no_grad()``, inference): the op's outputs are then its buffers, as with the op methods. With autograd on it
 runs as the custom op ``epgen::NAME`` (torch.library, ``register_autograd``), whose arguments are tensors and
 integers only: the op and the handle are named by integer ids in this module's registries (as torchtitan's
-DeepEP integration names its handles).
+DeepEP integration names its handles). The custom op runs wherever named ops can be seen (a torch dispatch mode is
+active: selective activation checkpointing, tracing, fake tensors); a plain eager call runs the same forward,
+setup and backward as a torch.autograd.Function, which skips the custom op's Python dispatch layers (_Leg).
 
 Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
@@ -153,11 +155,11 @@ def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
     return saved if saved is not None else _take(named)
 
 
-def _forward(custom_op, x, weights, indices, op_id: int):
-    """Run a forward custom op under a fresh handle id -> (its outputs, the routing it saved, the id)."""
+def _forward(leg: "_Leg", x, weights, indices, op_id: int):
+    """Run a forward leg under a fresh handle id -> (its outputs, the routing it saved, the id)."""
     hid = next(_IDS)
     try:
-        outs = custom_op(x.contiguous(), None if weights is None else weights.contiguous(), indices, op_id, hid)
+        outs = leg(x.contiguous(), None if weights is None else weights.contiguous(), indices, op_id, hid)
     except BaseException:
         _PENDING.pop(hid, None)
         raise
@@ -199,6 +201,28 @@ def _routing_of(ctx, handle_t: torch.Tensor) -> _Saved:
     forward's (the native bandwidth dispatch receives in arrival order): its routing, not ctx's."""
     handle_id = int(handle_t)
     return ctx.saved if handle_id == ctx.handle_id else _take(handle_id)
+
+
+class _Leg:
+    """One epgen op recording autograd: the torch.library custom op (register_autograd), and the same forward,
+    setup_context and backward as a torch.autograd.Function. A call runs the custom op where anything may look
+    at named ops (a torch dispatch mode is active: selective activation checkpointing's policy, tracing, fake
+    tensors) and the Function otherwise: plain eager calls skip the custom op's Python dispatch layers (tens of
+    µs of host time per call), with the same outputs, saved tensors and gradients."""
+
+    __slots__ = ("custom_op", "function")
+
+    def __init__(self, custom_op, impl, setup, backward):
+        torch.library.register_autograd(custom_op, backward, setup_context=setup)
+        self.custom_op = custom_op
+        self.function = type(f"{impl.__name__}_function", (torch.autograd.Function,), {
+            "forward": staticmethod(impl), "setup_context": staticmethod(setup), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if torch._C._len_torch_dispatch_stack():
+            return self.custom_op(*args)
+        return self.function.apply(*args)
+
 
 
 # --- the companion op for quantized legs -------------------------------------------------------------
@@ -302,8 +326,7 @@ def _meta_split(cfg) -> tuple[int, ...]:
     return (E, E, P, P, 1)
 
 
-@torch.library.custom_op("epgen::dispatch_grouped", mutates_args=())
-def _dispatch_grouped_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
+def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                          handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
@@ -328,6 +351,10 @@ def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     raw = x.view(torch.uint8)  # any payload dtype, fp8 included
     filled = (src >= 0).unsqueeze(1)
     return torch.where(filled, raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(x.dtype)
+
+
+_dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
+                                                mutates_args=())
 
 
 @_dispatch_grouped_op.register_fake
@@ -369,8 +396,8 @@ def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
     return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
 
 
-torch.library.register_autograd("epgen::dispatch_grouped", _dispatch_grouped_backward,
-                                setup_context=_dispatch_grouped_setup)
+_DISPATCH_GROUPED = _Leg(_dispatch_grouped_op, _dispatch_grouped_impl, _dispatch_grouped_setup,
+                         _dispatch_grouped_backward)
 
 
 @torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
@@ -381,7 +408,7 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         layout, routing = op.dispatch_grouped(x, weights, None, indices)
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
-    (xg, wg, scales, meta, _), saved, hid = _forward(_dispatch_grouped_op, x, weights, indices, op.uid)
+    (xg, wg, scales, meta, _), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
     offs, counts, src, m_idx, dropped = meta.split(_meta_split(op.config))
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
@@ -391,8 +418,7 @@ def dispatch_grouped(op, x, weights=None, indices=None):
 
 
 # --- epgen::combine_grouped ------------------------------------------------------------------------
-@torch.library.custom_op("epgen::combine_grouped", mutates_args=())
-def _combine_grouped_op(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id: int,
+def _combine_grouped_impl(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id: int,
                         apply_weights: bool) -> torch.Tensor:
     op = _op(op_id, "epgen::combine_grouped")
     saved = _take(handle_id)
@@ -409,6 +435,10 @@ def _combine_grouped_op(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id
     rows = grouped.reduce(y, types.SimpleNamespace(pair_pos=saved.pair_pos), pw, R, k, cfg.combine_dtype,
                           apply_weights)
     return _combine_through(op, saved.routing, saved, rows, None)[0]
+
+
+_combine_grouped_op = torch.library.custom_op("epgen::combine_grouped", _combine_grouped_impl,
+                                               mutates_args=())
 
 
 @_combine_grouped_op.register_fake
@@ -440,8 +470,7 @@ def _combine_grouped_backward(ctx, grad_out):
     return grad_y, grad_w, None, None, None
 
 
-torch.library.register_autograd("epgen::combine_grouped", _combine_grouped_backward,
-                                setup_context=_combine_grouped_setup)
+_COMBINE_GROUPED = _Leg(_combine_grouped_op, _combine_grouped_impl, _combine_grouped_setup, _combine_grouped_backward)
 
 
 @torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
@@ -460,7 +489,7 @@ def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.
     if handle.weights is None:
         raise InputError("combine_grouped: the handle is not from dispatch_grouped")
     _register(op)
-    return _combine_grouped_op(y.contiguous(), handle.weights, op.uid, handle.id, bool(apply_weights))
+    return _COMBINE_GROUPED(y.contiguous(), handle.weights, op.uid, handle.id, bool(apply_weights))
 
 
 # --- epgen::dispatch (plain) -----------------------------------------------------------------------
@@ -471,8 +500,7 @@ def _check_plain(op, call: str) -> None:
                          f"gradient; train through dispatch_grouped with grouped_dequantize=True")
 
 
-@torch.library.custom_op("epgen::dispatch", mutates_args=())
-def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
+def _dispatch_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                  handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
@@ -481,6 +509,9 @@ def _dispatch_op(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torc
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
     return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id)
+
+
+_dispatch_op = torch.library.custom_op("epgen::dispatch", _dispatch_impl, mutates_args=())
 
 
 @_dispatch_op.register_fake
@@ -510,7 +541,7 @@ def _dispatch_backward(ctx, grad_out, grad_w, *_):
     return (gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None), gw, None, None, None
 
 
-torch.library.register_autograd("epgen::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+_DISPATCH = _Leg(_dispatch_op, _dispatch_impl, _dispatch_setup, _dispatch_backward)
 
 
 @torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
@@ -523,13 +554,12 @@ def dispatch(op, x, weights=None, indices=None):
         return out, out_w, out_i, total, Handle(op, routing, None)
     _check_plain(op, "dispatch")
     _register(op)
-    (out, out_w, out_i, total, _), saved, hid = _forward(_dispatch_op, x, weights, indices, op.uid)
+    (out, out_w, out_i, total, _), saved, hid = _forward(_DISPATCH, x, weights, indices, op.uid)
     return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid)
 
 
 # --- epgen::combine (plain) ------------------------------------------------------------------------
-@torch.library.custom_op("epgen::combine", mutates_args=())
-def _combine_op(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
+def _combine_impl(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
                 handle_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::combine")
     saved = _take(handle_id)
@@ -537,6 +567,9 @@ def _combine_op(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
     if out_w is None:
         out_w = torch.zeros((out.shape[0], op.config.num_experts_per_token), dtype=torch.float32, device=out.device)
     return out, out_w
+
+
+_combine_op = torch.library.custom_op("epgen::combine", _combine_impl, mutates_args=())
 
 
 @_combine_op.register_fake
@@ -561,7 +594,7 @@ def _combine_backward(ctx, grad_out, grad_w):
     return grad_y, grad_weights, None, None
 
 
-torch.library.register_autograd("epgen::combine", _combine_backward, setup_context=_combine_setup)
+_COMBINE = _Leg(_combine_op, _combine_impl, _combine_setup, _combine_backward)
 
 
 @torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
@@ -576,5 +609,5 @@ def combine(op, y, handle: Handle, weights=None):
         _no_saved_routing("combine", handle, y, weights)
         return op.combine(y, weights, routing=handle.routing)
     _register(op)
-    out, out_w = _combine_op(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)
+    out, out_w = _COMBINE(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)
     return out, (out_w if weights is not None else None)

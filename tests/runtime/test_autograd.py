@@ -353,3 +353,62 @@ def test_a_compiled_layer_runs_the_legs_as_they_are():
         for _ in range(2):
             got = _grads(compiled, (x, w, ew), grad)
             assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(want, got))
+
+
+class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that records the ops it sees (as selective checkpointing's policy does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _legs_in_graph(out) -> int:
+    """Nodes of out's autograd graph that are the legs' eager Functions (runtime.autograd._Leg)."""
+    seen, todo, n = set(), [out.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        n += type(node).__name__.endswith("_impl_functionBackward")
+        todo.extend(f for f, _ in node.next_functions)
+    return n
+
+
+def scn_eager_and_named_paths(rank, world):
+    """Plain eager calls run the legs as autograd Functions, calls under a dispatch mode as the named custom ops:
+    the same outputs and gradients, bit for bit, for the grouped and the plain legs."""
+    cfg = _cfg(rank, world, 5, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 9, 5)
+
+    def plain(op):
+        def layer(x, w):
+            out, out_w, _, _, h = ag.dispatch(op, x, w, ids)
+            return ag.combine(op, torch.tanh(out) * out_w.sum(1, keepdim=True), h)[0]
+        return layer
+
+    with EpDispatchCombineOp(cfg) as op:
+        for make, inputs in ((_layer, (x, w, ew)), (plain, (x, w))):
+            layer = make(op, ids) if make is _layer else make(op)
+            leaves = [t.clone().requires_grad_(True) for t in inputs]
+            out = layer(*leaves)
+            assert _legs_in_graph(out) == 2  # the eager path: the legs' own Functions, no custom op
+            eager = (out.detach(), *torch.autograd.grad(out, leaves, grad))
+            leaves = [t.clone().requires_grad_(True) for t in inputs]
+            with _Watching() as mode:
+                out = layer(*leaves)
+            named = [n for n in mode.seen if n.startswith("epgen.")]
+            assert named == (["epgen.dispatch_grouped", "epgen.combine_grouped"] if make is _layer
+                             else ["epgen.dispatch", "epgen.combine"]), mode.seen
+            via_ops = (out.detach(), *torch.autograd.grad(out, leaves, grad))
+            assert all(torch.equal(u, v) for u, v in zip(eager, via_ops))
+    return True
+
+
+def test_eager_calls_and_named_op_calls_agree():
+    assert all(get_world(2).run(scn_eager_and_named_paths, timeout=120))
