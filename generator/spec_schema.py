@@ -107,6 +107,9 @@ class Family:
     wire_isa: tuple[str, ...] = ()  # "encode"/"decode": add <wire kind>_<x> groups when the variant converts
     copy_isa: tuple[str, ...] = ()  # groups added when the variant moves its payload unconverted
     protocol: str = "bw"  # intranode wire protocol: "bw" (bandwidth) or "ll" (low latency)
+    # the most threads per block the kernel is compiled for (its launch bounds: registers are held to what a block
+    # of that many threads may use); 1024, the default, leaves the compiler's register choice as it is
+    max_threads: int = 1024
     args: str  # the [args.NAME] table of its launch arguments
     signature: "ArgList | None" = attrs.field(default=None, eq=False, repr=False)  # args, resolved by the loader
     # every [args.NAME] table's limits by NAME (a kernel that runs another family's pass in its tail sizes its
@@ -272,6 +275,7 @@ _RANGES = {
     (Bucket, "blocks"): _Range(0, _INT32_MAX),
     (Bucket, "threads"): _Range(1, 1024),  # and whole waves of the target
     (Bucket, "world"): _Range(0, _INT32_MAX),
+    (Family, "max_threads"): _Range(64, 1024, pow2=True),  # whole waves of every target
 }
 
 # Strings of a fixed form: C identifiers, plain file-name parts, template paths, toolchain programs.

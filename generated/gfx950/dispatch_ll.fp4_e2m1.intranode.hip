@@ -8,7 +8,7 @@
 #define __shared__ __attribute__((shared))
 #endif
 #define EPG_DEVICE __device__ __attribute__((always_inline)) inline
-#define EPG_KERNEL extern "C" __global__ __attribute__((amdgpu_flat_work_group_size(1, 1024)))
+#define EPG_KERNEL extern "C" __global__ __attribute__((amdgpu_flat_work_group_size(1, 512)))
 typedef unsigned char epg_u8;
 typedef unsigned short epg_u16;
 typedef unsigned int epg_u32;
