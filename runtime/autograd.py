@@ -29,7 +29,8 @@ Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
     summed over its destination ranks; in the grouped form each received row first sums its local pairs'
     gradient rows, in float32); the weights' gradients travel in combine's weights channel;
-  * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient;
+  * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient; in the
+    grouped form a dispatch_grouped replay, which places each pair's token gradient at the pair's grouped row;
   * pairs or rows the forward dropped (receive cap ``max_total_recv_tokens``, grouped capacity) get zero
     gradient; rows past total_recv and grouped padding rows get zero gradient (and the padding rows of the
     layout's x are zeros: a grouped GEMM over them gives finite weight gradients);
@@ -215,8 +216,14 @@ class _Leg:
     def __init__(self, custom_op, impl, setup, backward):
         torch.library.register_autograd(custom_op, backward, setup_context=setup)
         self.custom_op = custom_op
+
+        def forward(ctx, *args):  # ctx in forward: apply() then skips binding the arguments by signature per call
+            output = impl(*args)
+            setup(ctx, args, output)
+            return output
+
         self.function = type(f"{impl.__name__}_function", (torch.autograd.Function,), {
-            "forward": staticmethod(impl), "setup_context": staticmethod(setup), "backward": staticmethod(backward)})
+            "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def __call__(self, *args):
         if torch._C._len_torch_dispatch_stack():
@@ -273,6 +280,24 @@ def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor |
     return rows, out_w
 
 
+def _replay_grouped(saved: _Saved, call: str, grad: torch.Tensor) -> torch.Tensor:
+    """combine_grouped's backward: the output gradient [T, H] dispatched along the forward's routing into the
+    forward's grouped layout -> [P, H] data_type, row p the gradient of pair p's token (padding rows: anything).
+    A replay keeps the forward's received-row numbering, so its layout puts every pair where the forward did: one
+    dispatch_grouped (the op's kernels: the native one-kernel legs place the rows as they land). A quantized
+    dispatch's gradients move unquantized through the companion op, which has no grouped layout: a dispatch, then
+    a gather of each pair's row."""
+    op = _live(saved, call)
+    cfg = op.config
+    x = grad.to(cfg.data_type).contiguous()
+    if cfg.dispatch_quant_type == "none" and not cfg.prequantized:
+        layout, _ = op.dispatch_grouped(x, None, None, saved.ids, routing=saved.routing)
+        return layout.x
+    rows, _ = _replay(saved, call, grad, None)
+    k = cfg.num_experts_per_token
+    return rows[torch.div(saved.src.long().clamp(min=0), k, rounding_mode="floor")]
+
+
 def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Tensor | None):
     """dispatch's backward: combine gradient rows [R, H] (and [R, k]) back to the tokens, summed over the
     destination ranks -> (grad [T, H] combine dtype, grad weights [T, k] float32 or None)."""
@@ -306,9 +331,14 @@ def _pair_rows(pair_pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
     return pair_pos.long().view(-1, k)[:rows]
 
 
-def _sum_pairs(grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """Grouped rows' gradients [P, H] -> per received row the float32 sum of its local pairs' rows [R, H]."""
-    return grouped.reduce(grad_xg, types.SimpleNamespace(pair_pos=pair_pos), None, rows, k, torch.float32,
+def _sum_pairs(op, grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Grouped rows' gradients [P, H] -> per received row the float32 sum, in ascending column, of its local pairs'
+    rows [R, H], rounded once to the combine dtype (the native backend: one kernel, the grouped combine's reduce)."""
+    cfg = op.config
+    own = getattr(op._backend, "sum_pairs", None)
+    if own is not None and grad_xg.dtype == cfg.combine_dtype and grad_xg.is_contiguous():
+        return own(grad_xg, pair_pos)
+    return grouped.reduce(grad_xg, types.SimpleNamespace(pair_pos=pair_pos), None, rows, k, cfg.combine_dtype,
                           apply_weights=False)
 
 
@@ -389,7 +419,7 @@ def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
     if grad_xg is None:
         rows = torch.zeros((R, cfg.hidden_dim), dtype=torch.float32, device=op.device)
     else:
-        rows = _sum_pairs(grad_xg, saved.pair_pos, R, k)
+        rows = _sum_pairs(op, grad_xg, saved.pair_pos, R, k)
     rows_w = _pair_weights(grad_wg.float(), saved.pair_pos, R, k) if grad_wg is not None else None
     gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
     gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
@@ -456,17 +486,19 @@ def _combine_grouped_setup(ctx, inputs, output):
 def _combine_grouped_backward(ctx, grad_out):
     y, wg, handle_t = ctx.saved_tensors
     saved = _routing_of(ctx, handle_t)
-    k = saved.op.config.num_experts_per_token
-    rows, _ = _replay(saved, "epgen::combine_grouped", grad_out, None)
-    src = saved.src.long()
-    filled = (src >= 0).unsqueeze(1)
-    g = torch.where(filled, rows[torch.div(src.clamp(min=0), k, rounding_mode="floor")].float(),
-                    torch.zeros((), dtype=torch.float32, device=rows.device))  # [P, H]: each pair's token gradient
+    g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
+    filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)
     grad_y = grad_w = None
     if ctx.needs_input_grad[0]:
-        grad_y = (wg.unsqueeze(1) * g if ctx.apply_weights else g).to(y.dtype)
+        grad_y = torch.empty_like(y)
+        if ctx.apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
+            torch.mul(g, torch.where(filled, wg, torch.zeros((), dtype=wg.dtype, device=wg.device)).unsqueeze(1),
+                      out=grad_y)
+        else:
+            grad_y.copy_(g)
+        grad_y.masked_fill_(~filled.unsqueeze(1), 0)
     if ctx.needs_input_grad[1] and ctx.apply_weights:  # padding rows of y may hold anything: 0 there
-        grad_w = torch.where(filled.squeeze(1), (y.float() * g).sum(1), torch.zeros((), device=g.device))
+        grad_w = torch.where(filled, (y.float() * g).sum(1), torch.zeros((), device=g.device))
     return grad_y, grad_w, None, None, None
 
 

@@ -617,6 +617,21 @@ class NativeBackend:
                                   apply_weights=int(apply_weights and self._had_weights))
         return dst
 
+    def sum_pairs(self, grouped_rows: torch.Tensor, pair_pos: torch.Tensor) -> torch.Tensor:
+        """Rows in the grouped layout [P, H] (combine dtype) -> [R, H] combine dtype: every received row the float32
+        sum, in ascending column, of its pairs' rows under the pair map `pair_pos` [R * k] (a saved one: -1 no
+        pair), rounded once, as combine_grouped's reduce without weights; one launch of the grouped_reduce kernel
+        over all R rows (dispatch's backward, runtime/autograd.py)."""
+        cfg, g = self.config, self._grp
+        R = cfg.max_recv_tokens
+        if "all_rows" not in g:
+            g["all_rows"] = torch.full((1,), R, dtype=torch.int32, device=self.device)
+        out = torch.empty((R, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
+        self.k["grouped_reduce"].launch(self._rows_grid(), BLOCK, expert_out=grouped_rows, pair_pos=pair_pos,
+                                        recv_w=self.recv_w, total_recv=g["all_rows"], out=out,
+                                        k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=0)
+        return out
+
     def grouped_out_view(self) -> torch.Tensor | None:
         """[P, H] in the workspace when the fused combine reads the expert rows from there (None otherwise)."""
         return self._grp.get("out_view")
