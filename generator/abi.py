@@ -23,10 +23,3 @@ STATE_SIZE = 16
 # The most tokens per rank a low-latency (dispatch_ll) call takes: every block keeps a 64-bit destination
 # mask per token in shared memory (8 KiB).
 LL_MAX_TOKENS = 1024
-
-# The low-latency dispatch's grouped layout without a grid barrier (templates/kernels/ll_grouped.j2): each block
-# keeps every (source rank, local expert) pair count in shared memory (at most LL_GROUPED_TABLE of them: world x
-# experts per rank), and a sender ranks each pair among its own pairs of the same expert in registers (at most
-# LL_GROUPED_MAX_K experts per token). Past either limit the layout takes the tail with grid barriers.
-LL_GROUPED_TABLE = 4096
-LL_GROUPED_MAX_K = 16

@@ -12,7 +12,7 @@ a variant name.
 Symmetric workspace per rank (each region 256-byte aligned; R = max_recv_tokens, T = max tokens per
 rank, W = world, P = grouped rows):
   signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | low latency (when the op may take it):
-  ll_cnt, ll_x, ll_c, ll_map (+ ll_ecnt, ll_rows with the grouped layout: runtime/ll.py) | recv_x [R, wire row] | recv_scales [R, scale row] |
+  ll_cnt, ll_x, ll_c, ll_map (runtime/ll.py) | recv_x [R, wire row] | recv_scales [R, scale row] |
   recv_w [R, k] f32 | recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
   scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k] |
   fused grouped combine: grp_y [P, H] grp_pos [16 B + R*k i32]
@@ -84,7 +84,6 @@ class Plan:
     fp8_dtype: torch.dtype
     ll_row: int            # bytes of one low-latency dispatch slot (runtime/ll.py)
     ll_cell: int           # bytes of one low-latency combine cell
-    ll_ranked: bool        # low-latency messages carry pair ranks; regions ll_ecnt / ll_rows (runtime/ll.py grouped_ranked)
     grouped_row: int       # bytes of one grouped-layout row (decoded rows with grouped_dequantize)
     grouped_scale_row: int
 
@@ -149,9 +148,6 @@ class Plan:
         if cfg.enable_std_moe:
             roles += [("std_moe_pack", f"std_moe_pack.{act}"), ("std_moe_unpack", f"std_moe_unpack.{act}")]
         dequantized = cfg.grouped_dequantize and cfg.dispatch_quant_type != "none"
-        # the low-latency dispatch places the grouped layout without a grid barrier (templates/kernels/ll_grouped.j2)
-        ll_ranked = bool(ll_tokens and cfg.enable_grouped_layout and not cfg.grouped_dequantize
-                         and ll.grouped_ranked(cfg.world_size, cfg.num_experts_per_rank, k))
         if cfg.enable_grouped_layout:
             roles += [("grouped_count", "grouped_count.i32"), ("grouped_place", place),
                       ("grouped_reduce", f"grouped_reduce.{comb}")]
@@ -161,8 +157,7 @@ class Plan:
                    in_row=in_row, wire_row=wire_row, scale_row=scale_row, out_dtype=out_dtype, out_cols=out_cols,
                    scales_dtype=scales_dtype, scale_cols=scale_cols, comb_row=comb_row, scat_row=scat_row,
                    scat_scale_row=scat_scale_row, scatter=scatter, fp8_dtype=getattr(torch, specs.dtypes[fp8].torch),
-                   ll_row=ll.row_bytes(in_row, scale_row, k, ll_ranked), ll_cell=ll.cell_bytes(comb_row, k),
-                   ll_ranked=ll_ranked,
+                   ll_row=ll.row_bytes(in_row, scale_row, k), ll_cell=ll.cell_bytes(comb_row, k),
                    grouped_row=in_row if dequantized else wire_row,
                    grouped_scale_row=0 if dequantized or scales_dtype is None else scale_row)
 
@@ -211,8 +206,7 @@ class Plan:
         R, k, W = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.world_size
         cells = cfg.max_num_inp_token_per_rank * W
         tokens = self.ll_tokens if ll_tokens is None else ll_tokens
-        ws = [("signal", 4 * W), ("counter", 8 + 8 * W),
-              *ll.regions(W, tokens, self.ll_row, self.ll_cell, cfg.num_experts_per_rank if self.ll_ranked else 0),
+        ws = [("signal", 4 * W), ("counter", 8 + 8 * W), *ll.regions(W, tokens, self.ll_row, self.ll_cell),
               ("recv_x", R * self.wire_row), ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4),
               ("recv_idx", R * k * 4), ("recv_src", R * 4)]
         if self.scatter:
@@ -262,8 +256,6 @@ NATIVE_WORKSPACE_FORMULA = (
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "
     "scat_s, scat_w; std_moe_x, grouped_x, grouped_scales, grouped_meta outside the symmetric workspace); counter = 2 claim + 2W arrival words; an op that may "
     "take the low-latency protocol adds ll_cnt 16W, ll_x 2*W*L*ll_row, ll_c L*W*ll_cell, ll_map 4*(W*L + W) "
-    "(with the grouped layout, W*E_local <= 4096 and k <= 16: ll_ecnt 32*W*ceil(E_local/3), ll_rows 4*W*L, and "
-    "ll_row counts k more words) "
     "(L = its low-latency token limit, ll_row / ll_cell: runtime/ll.py); R = max_recv_tokens, W = world_size, T = max_num_inp_token_per_rank, "
     "H = hidden_dim, k = top-k, c/d = bytes per combine/dispatch element, C = expert capacity, "
     "E_local = num_experts_per_rank, P = grouped rows (grouped_capacity, else the worst case "

@@ -54,9 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) {  // shared memory, this block
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-}
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -272,8 +269,6 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
-  epg_i64 off_ll_ecnt;  // workspace offset: low-latency per-expert pair counts (0: none; then the messages carry no ranks)
-  epg_i64 off_ll_rows;  // workspace offset: low-latency readers per received row (with off_ll_ecnt)
   epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
   epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
   epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32
@@ -477,9 +472,7 @@ EPG_DEVICE epg_u32 epg_ll_word(epg_vec16 v, int c) { return c == 0 ? v.x : (c ==
 // w0..w2, stored to dst (16-byte aligned: the chunk's first word) as 16-byte stores instead of three 4-byte
 // stores per lane: lane l < 3/4 of the wave stores words 4l..4l+3, fetched from their lanes by shuffles. Every
 // lane of the wave calls it (uniform control flow).
-// epg_ll_chunk16 forms lane l's 16 bytes (to store at dst + 16 l by the lanes below 3/4 of the wave), for a chunk
-// stored to several places.
-EPG_DEVICE epg_vec16 epg_ll_chunk16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
+EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
   const int lane = epg_lane();
   epg_u32 o[4];
 #pragma unroll
@@ -488,11 +481,7 @@ EPG_DEVICE epg_vec16 epg_ll_chunk16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
     const epg_u32 x = epg_shfl(w0, src), y = epg_shfl(w1, src), z = epg_shfl(w2, src);
     o[c] = comp == 0 ? x : (comp == 1 ? y : z);
   }
-  return epg_ll_vec(o[0], o[1], o[2], o[3]);
-}
-EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
-  const epg_vec16 v = epg_ll_chunk16(w0, w1, w2);
-  if (epg_lane() < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * epg_lane(), v);
+  if (lane < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * lane, epg_ll_vec(o[0], o[1], o[2], o[3]));
 }
 // Is chunk ch of a message a chunk of payload words alone (the first P words), stored 16 bytes at a time?
 // wide: the payload row is a whole number of 16-byte vectors (its chunks' stores stay 16-byte aligned).
@@ -523,10 +512,8 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last` (and, when
-// grouped_end >= 0, the end of the layout's groups: state grouped_end).
-// Returns whether this block finished last (block-uniform).
-EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`.
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -536,14 +523,317 @@ EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last,
     state[EPG_ST_DONE] = 0;
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
-    if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
-  return finisher != 0;
+}
+// ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
+// ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
+// standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
+// place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
+// Limits shared with the runtime: specs/kernels.toml [args.grouped_place] limits.
+constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
+constexpr int EPG_GROUPED_MAX_THREADS = 1024;
+constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+
+// The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
+struct EpgGrouped {
+  const int* recv_idx;
+  const int* total_recv;
+  const char* recv_x;
+  const char* recv_scales;
+  const float* recv_w;
+  int* pair_rel;     // each local pair's position among its expert's pairs [R * k]
+  int* counts;       // real pairs per local expert [E]
+  int* pair_pos;     // each (row, k) pair's grouped row, or -1 [R * k]
+  char* out_x;       // grouped rows [P, out_row_bytes]
+  char* out_scales;  // grouped scales [P, scale_bytes]
+  int* offs;         // group ends [E]
+  int* kept_counts;  // kept pairs per group [E]
+  int* src;          // each grouped row's pair id, or -1 [P]
+  int* m_indices;    // each grouped row's local expert, or -1 [P]
+  float* weights;    // each grouped row's weight, 0 for padding [P]
+  int* dropped;      // pairs past the capacity [1]
+  epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
+};
+// A block's shared memory for the passes: the group bounds, the threads' prefix, the count's wave sums.
+struct EpgGroupedShared {
+  int start[EPG_GROUPED_MAX_EXPERTS];
+  int kept[EPG_GROUPED_MAX_EXPERTS];
+  int end[EPG_GROUPED_MAX_EXPERTS];
+  int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
+  int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
+  int base, over;
+};
+
+// Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
+// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step: a
+// thread's hits are numbered after those of the threads below it (a wave prefix of the per-thread counts from
+// four bit-sliced ballots, then the waves below), so a group holds its pairs in ascending pair id.
+EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int e) {
+  const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
+  const int expert = (int)(g.first_expert + e);
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const epg_u64 below = (1ull << lane) - 1ull;
+  if (tid == 0) sh.base = 0;
+  epg_syncthreads();
+  for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
+    const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
+    int hits = 0, c = 0;
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (pb + u < pairs && g.recv_idx[pb + u] == expert) {
+        hits |= 1 << u;
+        ++c;
+      }
+    int pre = 0, total = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const epg_u64 m = epg_ballot((c >> b) & 1);
+      pre += epg_popc(m & below) << b;
+      total += epg_popc(m) << b;
+    }
+    if (lane == 0) sh.wave_sums[wave] = total;
+    epg_syncthreads();
+    int pos = sh.base + pre;
+    for (int w = 0; w < wave; ++w) pos += sh.wave_sums[w];
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (hits & (1 << u)) g.pair_rel[pb + u] = pos++;
+    epg_syncthreads();
+    if (tid == 0)
+      for (int w = 0; w < waves; ++w) sh.base += sh.wave_sums[w];
+    epg_syncthreads();
+  }
+  if (tid == 0) g.counts[e] = sh.base;
+}
+
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
+// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
+// kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
+// the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
+// default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
+// Returns the end of the last group.
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
+  const int tid = epg_thread(), nt = epg_block_dim();
+  const int E = (int)g.num_local, A = (int)g.align;
+  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
+  int mine = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = g.counts[e];
+    sh.kept[e] = c;
+    mine += (c + A - 1) / A * A;
+  }
+  if (tid == 0) sh.over = 0;
+  sh.t_sum[tid] = mine;
+  epg_syncthreads();
+  for (int d = 1; d < nt; d <<= 1) {
+    const int add = tid >= d ? sh.t_sum[tid - d] : 0;
+    epg_syncthreads();
+    sh.t_sum[tid] += add;
+    epg_syncthreads();
+  }
+  int here = sh.t_sum[tid] - mine;
+  for (int e = lo; e < hi; ++e) {
+    const int c = sh.kept[e];
+    if ((epg_i64)here + c > g.capacity) sh.over = 1;
+    sh.start[e] = here;
+    here += (c + A - 1) / A * A;
+    sh.end[e] = here;
+  }
+  epg_syncthreads();
+  if (sh.over && tid == 0) {
+    epg_i64 at = 0, lost = 0;
+    for (int e = 0; e < E; ++e) {
+      const epg_i64 c = g.counts[e];
+      const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
+      sh.start[e] = (int)at;
+      sh.kept[e] = (int)kept;
+      lost += c - kept;
+      at += (kept + g.align - 1) / g.align * g.align;
+      sh.end[e] = (int)at;
+    }
+    if (epg_block() == 0) g.dropped[0] = (int)lost;
+  } else if (!sh.over && tid == 0 && epg_block() == 0) {
+    g.dropped[0] = 0;
+  }
+  epg_syncthreads();
+  if (epg_block() == 0)
+    for (int e = tid; e < E; e += nt) {
+      g.offs[e] = sh.end[e];
+      g.kept_counts[e] = sh.kept[e];
+    }
+  return E > 0 ? sh.end[E - 1] : 0;
+}
+
+// Place, one wave per real (received row, k) pair over the grid: a kept local pair copies its row (16-byte
+// vectors) and scales to grouped row start_e + position and records it (src, m_indices, weights, pair_pos);
+// every other pair gets pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
+  const int local = g.recv_idx[p] - (int)g.first_expert;
+  if (local < 0 || local >= g.num_local) return -1;
+  const int rel = g.pair_rel[p];
+  return rel < sh.kept[local] ? sh.start[local] + rel : -1;
+}
+EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
+  g.pair_pos[p] = row;
+  g.src[row] = (int)p;
+  g.m_indices[row] = g.recv_idx[p] - (int)g.first_expert;
+  g.weights[row] = g.has_weights ? g.recv_w[p] : 1.0f;
+}
+EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const int n16 = (int)(g.row_bytes / 16);
+  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < pairs; p += (epg_i64)epg_nblocks() * waves) {
+    const int row = epg_grouped_row(g, sh, p);  // wave-uniform
+    if (row < 0) {
+      if (lane == 0) g.pair_pos[p] = -1;
+      continue;
+    }
+    const epg_i64 from = p / g.k;
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes, g.recv_x + from * g.row_bytes, n16, lane);
+    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
+      g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+    if (lane == 0) epg_grouped_note(g, p, row);
+  }
+}
+
+// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is.
+EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
+  const int E = (int)g.num_local;
+  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
+    int lo = 0, hi = E;  // the first group ending past r (E: past the last group)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+    }
+    if (lo == E || r >= sh.start[lo] + sh.kept[lo]) {
+      g.src[r] = -1;
+      g.m_indices[r] = -1;
+      g.weights[r] = 0.f;
+    }
+  }
+}
+
+// Reduce (bf16): received row `row`'s elements [elem, elem + 8) = 0.0 + the sum over its kept local pairs
+// (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
+// no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
+// U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
+// grouped_reduce takes 1 (its wide grid keeps the loads in flight: more registers would halve its resident
+// blocks), an EP kernel's staging 4 (its grid is one block per SM).
+template <int U>
+EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
+                                    epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] < 0) continue;
+      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+    }
+  }
+}
+
+// A grid-wide barrier inside one kernel (the grid is co-resident: the runtime caps EP grids at the blocks the
+// device keeps resident): every block's writes before it are seen by every block after it. Generation-counted
+// (state grid_gen, read before arriving: it cannot move until this block has arrived); the last block to arrive
+// resets the count and opens the next generation. False after a timeout (this wait's or any other).
+EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
+  __shared__ int g_ok;
+  int* state = (int*)a.state;
+  epg_syncthreads();
+  if (epg_thread() == 0) {
+    g_ok = 1;
+    const int gen = epg_ld_acquire_sys(state + EPG_ST_GRID_GEN);
+    epg_fence_acq_rel_dev();  // this block's writes, ordered before its arrival (one GPU: device scope)
+    if (epg_atomic_add_dev(state + EPG_ST_GRID_ARRIVE, 1) == epg_nblocks() - 1) {
+      state[EPG_ST_GRID_ARRIVE] = 0;
+      epg_st_release_sys(state + EPG_ST_GRID_GEN, epg_next(gen));
+    } else if (!epg_wait_ge(a, state + EPG_ST_GRID_GEN, epg_next(gen), 8, -1)) {
+      g_ok = 0;
+    }
+    epg_fence_acq_rel_dev();  // the other blocks' writes, seen by this block's threads after the barrier
+  }
+  epg_syncthreads();
+  return g_ok != 0;
+}
+
+// The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
+EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
+  char* mine = epg_peer(a, a.rank);
+  EpgGrouped g = {};
+  g.recv_idx = (const int*)(mine + a.off_recv_idx);
+  g.total_recv = (const int*)a.total_recv;
+  g.recv_x = mine + a.off_recv_x;
+  g.recv_scales = mine + a.off_recv_scales;
+  g.recv_w = (const float*)(mine + a.off_recv_w);
+  g.pair_rel = (int*)a.grp_pair_rel;
+  g.counts = (int*)a.grp_counts;
+  g.pair_pos = (int*)a.grp_pair_pos;
+  g.out_x = (char*)a.grp_x;
+  g.out_scales = (char*)a.grp_scales;
+  g.offs = (int*)a.grp_offs;
+  g.kept_counts = (int*)a.grp_kept;
+  g.src = (int*)a.grp_src;
+  g.m_indices = (int*)a.grp_m_indices;
+  g.weights = (float*)a.grp_weights;
+  g.dropped = (int*)a.grp_dropped;
+  g.k = a.k;
+  g.first_expert = a.rank * a.experts_per_rank;
+  g.num_local = a.experts_per_rank;
+  g.align = a.grp_align;
+  g.capacity = a.grp_capacity;
+  g.row_bytes = a.wire_row_bytes;  // a received row
+  g.scale_bytes = a.grp_scales ? a.scale_row_bytes : 0;
+  g.has_weights = a.has_weights;
+  return g;
+}
+
+// A dispatch's tail with a.grp_x: once every block of the grid is past its receive (total_recv published), the
+// layout's two passes with a grid barrier between them, the grid standing in for the standalone kernels'
+// grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
+// places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
+// (state grouped_end; rows past both are padding already).
+EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
+  __shared__ EpgGroupedShared sh;
+  if (!epg_grid_sync(a)) return;
+  const EpgGrouped g = epg_grouped_of(a);
+  int* state = (int*)a.state;
+  const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
+  for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
+  if (!epg_grid_sync(a)) return;
+  const int end = epg_grouped_bounds(g, sh);
+  epg_grouped_place(g, sh);
+  epg_grouped_mark(g, sh, end > before ? end : before);
+  if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
+}
+
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+  char* mine = epg_peer(a, a.rank);
+  const epg_i64 n8 = a.hidden / 8;
+  const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
+  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
+    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+    float acc[8];
+    epg_grouped_reduce8<4>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+  }
 }
 
 // Low-latency combine (bf16, intranode): every received row of the last (low-latency)
-// dispatch (with a.grp_pair_pos: formed word by word as it is sent, as the weighted sum of its pairs' grouped rows:
-// no staging buffer, no barrier) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
+// dispatch (with a.grp_pair_pos: first formed in this rank's comb_x as the weighted sum of its pairs' grouped rows,
+// by the whole grid, behind a grid barrier) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
 // [token][this rank] of ll_c, flagged 16-byte vectors with this call's epoch; rows past the receive cap
 // (or past expert_out's rows) send zeros, which add nothing. The origin polls the cells its slots name,
 // one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
@@ -558,11 +848,6 @@ EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) {
 }
 EPG_DEVICE epg_u32 epg_packw(const float acc[2]) {
   return (epg_u32)epg_f32_to_bf16(acc[0]) | ((epg_u32)epg_f32_to_bf16(acc[1]) << 16);
-}
-// acc += wt * each element of word y, the product rounded, then added (epg_grouped_reduce8's arithmetic per element)
-EPG_DEVICE void epg_accw_product(float acc[2], float wt, epg_u32 y) {
-  acc[0] = epg_add_product(acc[0], wt, epg_bf16_to_f32((epg_u16)(y & 0xffffu)));
-  acc[1] = epg_add_product(acc[1], wt, epg_bf16_to_f32((epg_u16)(y >> 16)));
 }
 
 EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
@@ -588,6 +873,10 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
   const epg_i64 N = base[W];
   const epg_i64 keep_rows = a.max_recv < a.expert_rows ? a.max_recv : a.expert_rows;
   const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
+  if (grouped) {  // the rows first formed from their pairs into comb_x by the whole grid (grouped_tail.j2)
+    epg_combine_grouped_stage(a, keep_rows < N ? keep_rows : N);
+    if (!epg_grid_sync(a)) return;
+  }
 
   // push: one wave per (received row, chunk)
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
@@ -601,7 +890,7 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
     const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
     const bool keep = row < keep_rows;
     char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
-    const epg_u32* xs = (const epg_u32*)((const char*)a.expert_out + row * a.row_bytes);
+    const epg_u32* xs = (const epg_u32*)((grouped ? mine + a.off_comb_x : (const char*)a.expert_out) + row * a.row_bytes);
     const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
     epg_u32 w[EPG_LL_UNIT][3];
 #pragma unroll
@@ -609,32 +898,7 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
       for (int e = 0; e < 3; ++e) {
         const epg_i64 word = 3 * vv + e;
-        w[q][e] = !keep || vv >= nv ? 0u : word < P ? (grouped ? 0u : xs[word])
-                                                    : (word < P + K && a.has_weights ? ws[word - P] : 0u);
-      }
-    }
-    if (grouped && keep) {  // the row's payload words from its kept pairs' grouped rows, in ascending j
-      float acc[EPG_LL_UNIT][3][2];
-#pragma unroll
-      for (int q = 0; q < EPG_LL_UNIT; ++q)
-        for (int e = 0; e < 3; ++e) acc[q][e][0] = acc[q][e][1] = 0.f;
-      for (int j = 0; j < K; ++j) {
-        const int gr = ((const int*)a.grp_pair_pos)[row * K + j];  // -1: not local, or dropped (uniform)
-        if (gr < 0) continue;
-        const float wt = a.grp_apply_weights ? ((const float*)(mine + a.off_recv_w))[row * K + j] : 1.0f;
-        const epg_u32* ys = (const epg_u32*)((const char*)a.expert_out + (epg_i64)gr * a.row_bytes);
-#pragma unroll
-        for (int q = 0; q < EPG_LL_UNIT; ++q) {
-          const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
-          for (int e = 0; e < 3; ++e)
-            if (3 * vv + e < P) epg_accw_product(acc[q][e], wt, ys[3 * vv + e]);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < EPG_LL_UNIT; ++q) {
-        const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
-        for (int e = 0; e < 3; ++e)
-          if (3 * vv + e < P) w[q][e] = epg_packw(acc[q][e]);
+        w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
       }
     }
 #pragma unroll

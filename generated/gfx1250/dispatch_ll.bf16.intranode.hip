@@ -54,9 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) {  // shared memory, this block
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-}
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -272,8 +269,6 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
-  epg_i64 off_ll_ecnt;  // workspace offset: low-latency per-expert pair counts (0: none; then the messages carry no ranks)
-  epg_i64 off_ll_rows;  // workspace offset: low-latency readers per received row (with off_ll_ecnt)
   epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
   epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
   epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32
@@ -477,9 +472,7 @@ EPG_DEVICE epg_u32 epg_ll_word(epg_vec16 v, int c) { return c == 0 ? v.x : (c ==
 // w0..w2, stored to dst (16-byte aligned: the chunk's first word) as 16-byte stores instead of three 4-byte
 // stores per lane: lane l < 3/4 of the wave stores words 4l..4l+3, fetched from their lanes by shuffles. Every
 // lane of the wave calls it (uniform control flow).
-// epg_ll_chunk16 forms lane l's 16 bytes (to store at dst + 16 l by the lanes below 3/4 of the wave), for a chunk
-// stored to several places.
-EPG_DEVICE epg_vec16 epg_ll_chunk16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
+EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
   const int lane = epg_lane();
   epg_u32 o[4];
 #pragma unroll
@@ -488,11 +481,7 @@ EPG_DEVICE epg_vec16 epg_ll_chunk16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
     const epg_u32 x = epg_shfl(w0, src), y = epg_shfl(w1, src), z = epg_shfl(w2, src);
     o[c] = comp == 0 ? x : (comp == 1 ? y : z);
   }
-  return epg_ll_vec(o[0], o[1], o[2], o[3]);
-}
-EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
-  const epg_vec16 v = epg_ll_chunk16(w0, w1, w2);
-  if (epg_lane() < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * epg_lane(), v);
+  if (lane < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * lane, epg_ll_vec(o[0], o[1], o[2], o[3]));
 }
 // Is chunk ch of a message a chunk of payload words alone (the first P words), stored 16 bytes at a time?
 // wide: the payload row is a whole number of 16-byte vectors (its chunks' stores stay 16-byte aligned).
@@ -523,10 +512,8 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last` (and, when
-// grouped_end >= 0, the end of the layout's groups: state grouped_end).
-// Returns whether this block finished last (block-uniform).
-EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`.
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -536,9 +523,7 @@ EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last,
     state[EPG_ST_DONE] = 0;
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
-    if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
-  return finisher != 0;
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
@@ -621,20 +606,19 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   if (tid == 0) g.counts[e] = sh.base;
 }
 
-// The groups, worked out by every block from the per-expert counts `counts` (g.counts, or a block's own copy in
-// shared memory; in expert order: start_e, kept_e =
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
 // kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
 // the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
 // default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
 // Returns the end of the last group.
-EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, const int* counts) {
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
   const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
   int mine = 0;
   for (int e = lo; e < hi; ++e) {
-    const int c = counts[e];
+    const int c = g.counts[e];
     sh.kept[e] = c;
     mine += (c + A - 1) / A * A;
   }
@@ -659,7 +643,7 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, con
   if (sh.over && tid == 0) {
     epg_i64 at = 0, lost = 0;
     for (int e = 0; e < E; ++e) {
-      const epg_i64 c = counts[e];
+      const epg_i64 c = g.counts[e];
       const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
       sh.start[e] = (int)at;
       sh.kept[e] = (int)kept;
@@ -818,21 +802,18 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
 // places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
 // (state grouped_end; rows past both are padding already).
-EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a, EpgGroupedShared& sh) {
+EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
+  __shared__ EpgGroupedShared sh;
   if (!epg_grid_sync(a)) return;
   const EpgGrouped g = epg_grouped_of(a);
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
   if (!epg_grid_sync(a)) return;
-  const int end = epg_grouped_bounds(g, sh, g.counts);
+  const int end = epg_grouped_bounds(g, sh);
   epg_grouped_place(g, sh);
   epg_grouped_mark(g, sh, end > before ? end : before);
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
-}
-EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  __shared__ EpgGroupedShared sh;
-  epg_dispatch_grouped_tail(a, sh);
 }
 
 // A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
@@ -849,183 +830,6 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
     epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
   }
 }
-// ---- The grouped layout in the low-latency legs without a grid barrier (dispatch_ll with a.grp_x, combine_ll with
-// a.grp_pair_pos; the rule: runtime/grouped.py). Group e holds its pairs in ascending pair id, i.e. in (source rank,
-// position, column) order, and a source's rows are its tokens in order: so pair (t, j) of source s lands at
-//   start_e + (pairs of e from sources below s) + (its sender's pairs of e before (t, j) in (token, column) order),
-// start_e from the per-expert totals (epg_grouped_bounds). "Counts first": besides its row count, a sender posts
-// each rank its per-local-expert pair counts (ll_ecnt) and ranks each pair among its own pairs of the same expert
-// (the message's rank words), so the receiver places every pair as its row arrives, with no pass over all rows.
-constexpr int EPG_LL_GROUPED_TABLE = 4096;  // (source rank, local expert) counts per block
-constexpr int EPG_LL_GROUPED_MAX_K = 16;  // pair ranks a sender forms in registers
-constexpr epg_u32 EPG_LL_RANKED = 0x80000000u;  // count word bit: this source's messages carry ranks, counts posted
-
-// Do this op's messages carry rank words (the regions ll_ecnt / ll_rows exist: runtime/ll.py grouped_ranked)?
-EPG_DEVICE bool epg_ll_ranked(const EpArgs& a) { return a.off_ll_ecnt != 0; }
-// Can a block of this op hold the layout's tables (the same limits as grouped_ranked; uniform)?
-EPG_DEVICE bool epg_ll_grouped_fits(const EpArgs& a) {
-  return a.k <= EPG_LL_GROUPED_MAX_K && a.world * a.experts_per_rank <= EPG_LL_GROUPED_TABLE &&
-         a.experts_per_rank <= EPG_GROUPED_MAX_EXPERTS;
-}
-EPG_DEVICE int epg_ll_ecnt_vectors(const EpArgs& a) { return (int)((a.experts_per_rank + 2) / 3); }
-EPG_DEVICE char* epg_ll_ecnt(const EpArgs& a, char* base, int parity, int source, int v) {
-  return base + a.off_ll_ecnt + ((epg_i64)(parity * (int)a.world + source) * epg_ll_ecnt_vectors(a) + v) * 16;
-}
-
-// Sender, one block: for every rank r and local expert e of r, this rank's pairs (t, j) with ids[t][j] = r E + e
-// (every column counts, as the layout's count does; ids naming no expert count nowhere), from a shared histogram
-// (cnt: world x experts per rank ints), posted as flagged vectors of three counts in [parity][this rank] of r's
-// ll_ecnt. Every lane of the block calls it.
-EPG_DEVICE void epg_ll_post_counts(const EpArgs& a, int* cnt, int parity, epg_u32 epoch) {
-  const int tid = epg_thread(), nt = epg_block_dim();
-  const int W = (int)a.world, E = (int)a.experts_per_rank, V = epg_ll_ecnt_vectors(a);
-  const epg_i64 pairs = a.num_tokens * a.k;
-  const int* idx = (const int*)a.indices;
-  for (int i = tid; i < W * E; i += nt) cnt[i] = 0;
-  epg_syncthreads();
-  for (epg_i64 p = tid; p < pairs; p += nt) {
-    const int e = idx[p];
-    if (e >= 0 && e < a.num_experts && e < W * E) epg_atomic_add_block(cnt + e, 1);
-  }
-  epg_syncthreads();
-  for (int i = tid; i < W * V; i += nt) {
-    const int r = i / V, v = i % V;
-    epg_u32 c[3];
-    for (int q = 0; q < 3; ++q) c[q] = 3 * v + q < E ? (epg_u32)cnt[r * E + 3 * v + q] : 0u;
-    epg_st16_sys(epg_ll_ecnt(a, epg_peer(a, r), parity, (int)a.rank, v), epg_ll_vec(c[0], c[1], c[2], epoch));
-  }
-}
-
-// Sender, one wave (every lane calls it; the answer is the same in every lane): rk[j] = the pairs (t', j') before
-// (t, j) in (token, column) order with ids[t'][j'] = ids[t][j], for the j < k whose id is an expert of rank r
-// (repeated ids are pairs of their own, as in the layout); 0 for the others.
-EPG_DEVICE void epg_ll_ranks(const EpArgs& a, epg_i64 t, int r, int rk[EPG_LL_GROUPED_MAX_K]) {
-  const int K = (int)a.k, E = (int)a.experts_per_rank;
-  const int* idx = (const int*)a.indices;
-  int x[EPG_LL_GROUPED_MAX_K];
-  epg_u32 on = 0;
-#pragma unroll
-  for (int j = 0; j < EPG_LL_GROUPED_MAX_K; ++j) {
-    rk[j] = 0;
-    x[j] = j < K ? idx[t * K + j] : 0;
-    if (j < K && x[j] >= 0 && x[j] < a.num_experts && x[j] / E == r) on |= 1u << j;
-  }
-  if (!on) return;
-  const epg_i64 first = t * K, lim = first + K - 1;  // the pairs before the token's last one
-  for (epg_i64 q0 = 0; q0 < lim; q0 += EPG_WAVE) {
-    const epg_i64 q = q0 + epg_lane();
-    const int id = q < lim ? idx[q] : 0;
-#pragma unroll
-    for (int j = 0; j < EPG_LL_GROUPED_MAX_K; ++j) rk[j] += ((on >> j) & 1u) && q < first + j && id == x[j];
-  }
-#pragma unroll
-  for (int j = 0; j < EPG_LL_GROUPED_MAX_K; ++j)
-    if (j < K)
-      for (int m = 1; m < EPG_WAVE; m <<= 1) rk[j] += (int)epg_shfl((epg_u32)rk[j], epg_lane() ^ m);
-}
-
-// Receiver, one block: every source's expert counts (flagged vectors, polled: phase 5), then cnt[s E + e] = the
-// pairs of local expert e from sources below s and tot[e] = its pairs from every source. Every thread of the block
-// calls it; false after a timeout (this thread's), and the caller synchronizes the block before reading tot.
-EPG_DEVICE bool epg_ll_read_counts(const EpArgs& a, int* cnt, int* tot, int parity, epg_u32 epoch) {
-  const int tid = epg_thread(), nt = epg_block_dim();
-  const int W = (int)a.world, E = (int)a.experts_per_rank, V = epg_ll_ecnt_vectors(a);
-  char* mine = epg_peer(a, a.rank);
-  bool good = true;
-  for (int i = tid; i < W * V && good; i += nt) {
-    const int s = i / V, v = i % V;
-    const char* p = epg_ll_ecnt(a, mine, parity, s, v);
-    epg_vec16 x = epg_ld16_sys(p);
-    good = epg_ll_poll(a, p, epoch, x, 5, s == a.rank ? -1 : s);
-    for (int q = 0; good && q < 3 && 3 * v + q < E; ++q) cnt[s * E + 3 * v + q] = (int)epg_ll_word(x, q);
-  }
-  epg_syncthreads();  // every thread reaches it, timed out or not
-  for (int e = tid; e < E; e += nt) {
-    int run = 0;
-    for (int s = 0; s < W; ++s) {
-      const int c = cnt[s * E + e];
-      cnt[s * E + e] = run;
-      run += c;
-    }
-    tot[e] = run;
-  }
-  return good;
-}
-
-// Receiver, lane j < k of a wave (the others return -1): received row `row` (source s, its message at `slot`) has
-// pair j at grouped row start_e + below[s E + e] + rank_j when its id names local expert e and that is among the
-// group's kept pairs, else -1. With `owner` (one wave per row) it also records the pair (pair_pos, and src /
-// m_indices / weights of its grouped row). The id, weight and rank words are read (polled: phase 6), never consumed.
-// False after a timeout.
-EPG_DEVICE bool epg_ll_pair_row(const EpArgs& a, const EpgGroupedShared& sh, const int* below, const char* slot,
-                                epg_i64 row, int s, epg_u32 epoch, int P, int S, bool owner, int& grow) {
-  const int j = epg_lane(), K = (int)a.k, E = (int)a.experts_per_rank;
-  grow = -1;
-  if (j >= K) return true;
-  const int peer = s == a.rank ? -1 : s;
-  const int at[3] = {P + S + j, P + S + K + j, P + S + 2 * K + 1 + j};  // id, weight, rank
-  epg_vec16 v[3];
-  for (int f = 0; f < 3; ++f)  // first loads together
-    if (f != 1 || owner) v[f] = epg_ld16_sys(slot + 16 * (at[f] / 3));
-  epg_u32 word[3] = {0u, 0u, 0u};
-  for (int f = 0; f < 3; ++f) {
-    if (f == 1 && !owner) continue;
-    if (!epg_ll_poll(a, slot + 16 * (at[f] / 3), epoch, v[f], 6, peer)) return false;
-    word[f] = epg_ll_word(v[f], at[f] % 3);
-  }
-  const int local = (int)word[0] - (int)(a.rank * a.experts_per_rank);
-  if (local >= 0 && local < E) {
-    const int pos = below[s * E + local] + (int)word[2];
-    if (pos < sh.kept[local]) grow = sh.start[local] + pos;
-  }
-  if (owner) {
-    const epg_i64 p = row * K + j;
-    ((int*)a.grp_pair_pos)[p] = grow;
-    if (grow >= 0) {
-      ((int*)a.grp_src)[grow] = (int)p;
-      ((int*)a.grp_m_indices)[grow] = local;
-      ((float*)a.grp_weights)[grow] = a.has_weights ? epg_bits_f32(word[1]) : 1.0f;
-    }
-  }
-  return true;
-}
-
-// Receiver, a whole wave: the words of a chunk it unpacked (vector vv in this lane: w0..w2; `chunk`: the chunk's
-// 16-byte form when it is payload alone, else null) also go to grouped row g: payload words into grp_x, scale bytes
-// into grp_scales.
-EPG_DEVICE void epg_ll_place_chunk(const EpArgs& a, int g, epg_i64 ch, bool payload_chunk, epg_vec16 chunk,
-                                   bool live, epg_i64 vv, const epg_u32 w[3], int P, int S) {
-  char* gx = (char*)a.grp_x + (epg_i64)g * a.row_bytes;
-  if (payload_chunk) {
-    if (epg_lane() < 3 * EPG_WAVE / 4) epg_st16(gx + 12 * EPG_WAVE * ch + 16 * epg_lane(), chunk);
-    return;
-  }
-  for (int e = 0; live && e < 3; ++e) {
-    const epg_i64 word = 3 * vv + e;
-    if (word < P) {
-      ((epg_u32*)gx)[word] = w[e];
-    } else if (word < P + S && a.grp_scales) {
-      epg_u8* sc = (epg_u8*)a.grp_scales + (epg_i64)g * a.scale_row_bytes;
-      for (int b = 0; b < 4 && 4 * (word - P) + b < a.scale_row_bytes; ++b) sc[4 * (word - P) + b] = (epg_u8)(w[e] >> (8 * b));
-    }
-  }
-}
-
-// Receiver, a whole wave, after its chunk of row `row` (every unit of the row reads the row's id / weight / rank
-// vectors [vi0, vi1] and leaves them): the last of the row's nch units to be done with them zeroes them (the
-// slot's "zeros or one unread message") and the row's reader count (ll_rows, zero between calls).
-EPG_DEVICE void epg_ll_row_read(const EpArgs& a, char* slot, epg_i64 row, epg_i64 nch, int vi0, int vi1) {
-  int* readers = (int*)(epg_peer(a, a.rank) + a.off_ll_rows);
-  int last = 0;
-  if (epg_lane() == 0) {
-    epg_fence_acq_rel_dev();  // the wave's reads of the vectors, before its count
-    last = epg_atomic_add_dev(readers + row, 1) == nch - 1;
-  }
-  if (!epg_bcast0(last)) return;
-  epg_fence_acq_rel_dev();  // every other unit's reads, before the zeroing
-  for (int v = vi0 + epg_lane(); v <= vi1; v += EPG_WAVE) epg_st16(slot + 16 * v, epg_ll_vec(0u, 0u, 0u, 0u));
-  if (epg_lane() == 0) readers[row] = 0;
-}
 
 // Low-latency dispatch (bf16, intranode): rows carry their own arrival, so nothing waits
 // before the first store and no fence or barrier follows the last one.
@@ -1034,8 +838,7 @@ EPG_DEVICE void epg_ll_row_read(const EpArgs& a, char* slot, epg_i64 row, epg_i6
 //     t: fixed by the ids, no claim. Block 0 first posts each rank's row count with this call's epoch in
 //     one 64-bit release store (count word [parity][this rank] of that rank).
 //  2. One wave per (row, chunk of EPG_LL_UNIT vectors per lane) stores the row's message (payload,
-//     scales, ids, weights, source token, and for an op with the grouped layout the pairs' ranks) as flagged
-//     16-byte vectors (ll_common.j2).
+//     scales, ids, weights, source token) as flagged 16-byte vectors (ll_common.j2).
 //  3. Every block reads every source's count word (acquire), then one wave per (received row, chunk of a
 //     wave's width of vectors) polls the flags, unpacks the chunk into row base[s] + position of the receive
 //     buffers ((source rank, token) order; rows past max_recv are dropped and counted; payload chunks as
@@ -1044,18 +847,9 @@ EPG_DEVICE void epg_ll_row_read(const EpArgs& a, char* slot, epg_i64 row, epg_i6
 // posted its count of call n, i.e. finished call n - 1 (its reads and zeroing of the parity buffers this
 // rank writes again in call n + 1). With a.replay the positions come from the routing handle's slots.
 // Split phase (a.phase): the send half is 1 and 2, the receive half 3 (a later launch, same call counter).
-//  4. With a.grp_x (one-call launches) the received pairs also land in the grouped layout (ll_grouped.j2), with
-//     no grid barrier when every source ranked its pairs (its count word's EPG_LL_RANKED bit: it formed the rank
-//     words and posted its per-expert counts, ll_ecnt) and no row was dropped at the receive cap: every block
-//     works out the groups from the counts, and each wave that unpacks a chunk also copies it to the grouped rows
-//     of the row's kept local pairs (the row's first id chunk records the pairs). Otherwise (a receive cap that
-//     dropped rows, an op past the tables' limits) the layout's two passes run in the tail, behind grid barriers
-//     (grouped_tail.j2).
 // Word w of token t's message: payload words, scale bytes (the last word zero-padded), ids, weights (0
-// without), the source token, the pairs' ranks (an op whose messages carry them: rk, zeros unless formed), zero
-// padding.
-EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P, int S,
-                                   const int rk[EPG_LL_GROUPED_MAX_K]) {
+// without), the source token, zero padding.
+EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P, int S) {
   if (w < P) return ((const epg_u32*)((const char*)a.x + t * a.row_bytes))[w];
   w -= P;
   if (w < S) {
@@ -1068,13 +862,7 @@ EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P,
   if (w < a.k) return (epg_u32)((const int*)a.indices)[t * a.k + w];
   w -= a.k;
   if (w < a.k) return a.has_weights ? epg_f32_bits(((const float*)a.weights)[t * a.k + w]) : 0u;
-  if (w == a.k) return (epg_u32)t;
-  w -= a.k + 1;
-  epg_u32 v = 0;
-#pragma unroll
-  for (int j = 0; j < EPG_LL_GROUPED_MAX_K; ++j)
-    if (j == w) v = (epg_u32)rk[j];
-  return v;
+  return w == a.k ? (epg_u32)t : 0u;
 }
 // Word w of received row `row` (from rank s, position i) into the receive buffers; a row past the cap
 // (keep false) only records its source token, which combine_ll answers.
@@ -1109,29 +897,19 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
 EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int calls = state[EPG_ST_LL_DISPATCHES];
-  const int before = state[EPG_ST_GROUPED_END];  // the last layout's end (read by every block before the finisher)
   const epg_u32 epoch = epg_ll_epoch(calls);
   const int parity = calls & 1;
-  const int W = (int)a.world, K = (int)a.k, E = (int)a.experts_per_rank, tid = epg_thread();
+  const int W = (int)a.world, K = (int)a.k, tid = epg_thread();
   const epg_i64 T = a.num_tokens;
   const int P = (int)(a.row_bytes / 4), S = (int)((a.scale_row_bytes + 3) / 4);
-  const bool ranked = epg_ll_ranked(a);  // the op's messages carry rank words
-  const int nv = epg_ll_vectors(P + S + 2 * K + 1 + (ranked ? K : 0));
+  const int nv = epg_ll_vectors(P + S + 2 * K + 1);
   char* mine = epg_peer(a, a.rank);
   const int* idx = (const int*)a.indices;
   int* slots = (int*)a.slots;  // position * world + destination rank per (token, first k of that rank); -1: no row
   __shared__ epg_u64 masks[1024];
   __shared__ int base[65];  // rows received from ranks < s (world <= 64)
   __shared__ int ok;
-  __shared__ int src_ranked[64];  // per source: its count word carries EPG_LL_RANKED
-  __shared__ epg_u64 ranked_from;  // those sources as a mask
-  // the grouped layout without a grid barrier (ll_grouped.j2): the groups, and the (source, expert) counts
-  __shared__ EpgGroupedShared sh;
-  __shared__ int below[EPG_LL_GROUPED_TABLE];
-  __shared__ int tot[EPG_GROUPED_MAX_EXPERTS];
   const bool send = a.phase != EPG_PHASE_RECV;
-  const bool grp = a.grp_x && a.phase == EPG_PHASE_BOTH;
-  const bool rank_pairs = grp && ranked && epg_ll_grouped_fits(a);  // this rank forms ranks and posts counts
 
   for (epg_i64 t = tid; send && t < T; t += epg_block_dim()) {
     epg_u64 m = 0;
@@ -1149,17 +927,15 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
       const int n = epg_ll_before(masks, T, r);
       if (lane == 0)
         epg_st_release_sys64((epg_u64*)(epg_peer(a, r) + a.off_ll_cnt) + parity * W + (int)a.rank,
-                             ((epg_u64)epoch << 32) | (epg_u32)n | (rank_pairs ? EPG_LL_RANKED : 0u));
+                             ((epg_u64)epoch << 32) | (epg_u32)n);
     }
   }
-  if (rank_pairs && epg_block() == epg_nblocks() - 1) epg_ll_post_counts(a, below, parity, epoch);  // block-uniform
 
   // send: one wave per (token, destination rank, chunk)
   const int per_unit = EPG_LL_UNIT * EPG_WAVE;
   const int chunks = (nv + per_unit - 1) / per_unit;
   const epg_i64 units = send ? T * W * chunks : 0;
   const epg_i64 nwaves = (epg_i64)epg_nblocks() * waves;
-  const int rv0 = (P + S + 2 * K + 1) / 3, rv1 = (P + S + 3 * K) / 3;  // the vectors holding rank words
   for (epg_i64 u = (epg_i64)epg_block() * waves + wave; u < units; u += nwaves) {
     const epg_i64 it = u / chunks, t = it / W;
     const int c = (int)(u % chunks), r = (int)(it % W);
@@ -1168,9 +944,6 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
     if (jf < 0) continue;  // uniform over the wave
     const int pos = a.replay ? slots[t * K + jf] / W : epg_ll_before(masks, t, r);
     if (!a.replay && c == 0 && lane == 0) slots[t * K + jf] = pos * W + r;
-    int rk[EPG_LL_GROUPED_MAX_K];
-    for (int j = 0; j < EPG_LL_GROUPED_MAX_K; ++j) rk[j] = 0;
-    if (rank_pairs && c * per_unit <= rv1 && rv0 < (c + 1) * per_unit) epg_ll_ranks(a, t, r, rk);  // uniform
     char* dst = epg_peer(a, r) + a.off_ll_x + ((epg_i64)(parity * W + (int)a.rank) * a.ll_tokens + pos) * a.ll_row_bytes;
     const epg_u32* xs = (const epg_u32*)((const char*)a.x + t * a.row_bytes);
     epg_u32 w[EPG_LL_UNIT][3];
@@ -1181,7 +954,7 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
       if (3 * vv + 2 < P) {  // payload: three words of x
         w[q][0] = xs[3 * vv]; w[q][1] = xs[3 * vv + 1]; w[q][2] = xs[3 * vv + 2];
       } else {
-        for (int e = 0; e < 3; ++e) w[q][e] = epg_ll_row_word(a, t, 3 * vv + e, P, S, rk);
+        for (int e = 0; e < 3; ++e) w[q][e] = epg_ll_row_word(a, t, 3 * vv + e, P, S);
       }
     }
 #pragma unroll
@@ -1201,18 +974,13 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
       if (!spin.more(a, 5, s == a.rank ? -1 : s)) { ok = 0; break; }
       cw = epg_ld_acquire_sys64(p);
     }
-    base[s + 1] = (int)((epg_u32)cw & ~EPG_LL_RANKED);  // this source's rows, summed below
-    src_ranked[s] = ((epg_u32)cw & EPG_LL_RANKED) != 0;
+    base[s + 1] = (int)(epg_u32)cw;  // this source's rows, summed below
   }
   epg_syncthreads();
   if (!ok) return;
   if (tid == 0) {
     base[0] = 0;
-    ranked_from = 0;
-    for (int s = 0; s < W; ++s) {
-      base[s + 1] += base[s];
-      if (src_ranked[s]) ranked_from |= 1ull << s;
-    }
+    for (int s = 0; s < W; ++s) base[s + 1] += base[s];
   }
   epg_syncthreads();
   const epg_i64 N = base[W];
@@ -1225,20 +993,6 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   }
   if (epg_block() == 0)
     for (int s = tid; s < W; s += epg_block_dim()) ll_t[W * a.ll_tokens + s] = base[s + 1] - base[s];
-  // 4. the grouped layout as the rows arrive: every source ranked its pairs and no row is past the cap (uniform)
-  const epg_u64 every = W == 64 ? ~0ull : (1ull << W) - 1ull;
-  const bool fast = grp && ranked && epg_ll_grouped_fits(a) && ranked_from == every && N <= a.max_recv;
-  const EpgGrouped g = epg_grouped_of(a);
-  int end = 0;
-  if (fast) {
-    if (!epg_ll_read_counts(a, below, tot, parity, epoch)) ok = 0;
-    epg_syncthreads();
-    if (!ok) return;
-    end = epg_grouped_bounds(g, sh, tot);  // block 0 publishes offs, kept counts, drops
-    if (epg_block() == 0)
-      for (int e = tid; e < E; e += epg_block_dim()) g.counts[e] = tot[e];
-  }
-  const int vi0 = (P + S) / 3, vi1 = (P + S + 3 * K) / 3;  // the vectors holding a row's ids, weights, ranks
   // one wave per (received row, chunk of EPG_WAVE vectors), U chunks per wave polled at once: a chunk of
   // payload alone goes to recv_x as 16-byte stores (epg_ll_store_chunk16), the others word by word
   const epg_i64 nch = (nv + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;
@@ -1267,15 +1021,9 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
       const int s = epg_ll_source(base, W, row);
       if (src[q] && !epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) good = false;
       if (epg_ballot(!good)) break;  // a timeout in the wave: every lane leaves together
-      char* slot = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes;
-      int grow = -1;  // lane j < k: the grouped row of the row's pair j (fast)
-      if (fast && !epg_ll_pair_row(a, sh, below, slot, row, s, epoch, P, S, ch == vi0 / EPG_WAVE, grow)) good = false;
-      if (epg_ballot(!good)) break;
       const bool keep = row < a.max_recv;
-      const bool payload_chunk = epg_ll_payload_chunk(ch, P, wide);  // uniform: every lane of the wave holds payload
-      const epg_vec16 chunk = payload_chunk ? epg_ll_chunk16(v[q].x, v[q].y, v[q].z) : zero;
-      if (keep && payload_chunk) {
-        if (lane < 3 * EPG_WAVE / 4) epg_st16(mine + a.off_recv_x + row * a.row_bytes + 12 * EPG_WAVE * ch + 16 * lane, chunk);
+      if (keep && epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
+        epg_ll_store_chunk16(mine + a.off_recv_x + row * a.row_bytes + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
       } else if (src[q]) {
         if (keep && 3 * vv + 2 < P) {  // payload
           epg_u32* dx = (epg_u32*)(mine + a.off_recv_x + row * a.row_bytes) + 3 * vv;
@@ -1285,30 +1033,13 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
             epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v[q], e), P, S, s, (int)(row - base[s]), ll_t);
         }
       }
-      if (fast) {  // the chunk to the grouped rows of the row's kept local pairs, in j order (each wave-uniform)
-        const epg_u32 words[3] = {v[q].x, v[q].y, v[q].z};
-        for (int j = 0; j < K; ++j) {
-          const int gj = (int)epg_shfl((epg_u32)grow, j);
-          if (gj >= 0) epg_ll_place_chunk(a, gj, ch, payload_chunk, chunk, src[q] != nullptr, vv, words, P, S);
-        }
-      }
-      if (src[q] && !(fast && vv >= vi0 && vv <= vi1)) epg_st16((char*)src[q], zero);  // consumed
-      if (fast) epg_ll_row_read(a, slot, row, nch, vi0, vi1);  // the row's id / weight / rank vectors, once read
+      if (src[q]) epg_st16((char*)src[q], zero);  // consumed
     }
     if (!good) ok = 0;
     if (epg_ballot(!ok)) break;  // a timeout (this wave's or another's): outputs undefined, the host raises
   }
   epg_syncthreads();
   if (!ok) return;
-  if (fast) {
-    epg_grouped_mark(g, sh, end > before ? end : before);  // rows without a pair, up to the larger end
-  } else if (grp) {
-    epg_dispatch_grouped_tail(a, sh);  // the layout's two passes behind grid barriers (grouped_tail.j2)
-  }
-  const bool finisher = epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, fast ? end : -1);
-  if (finisher && ranked_from) {  // the counts every block has read: zeros again (the vectors' invariant)
-    const int V = epg_ll_ecnt_vectors(a);
-    for (int i = tid; i < W * V; i += epg_block_dim())
-      if ((ranked_from >> (i / V)) & 1ull) epg_st16(epg_ll_ecnt(a, mine, parity, i / V, i % V), zero);
-  }
+  if (a.grp_x && a.phase == EPG_PHASE_BOTH) epg_dispatch_grouped_tail(a);  // 4. with a.grp_x: the pairs into their groups
+  epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH);
 }

@@ -54,9 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) {  // shared memory, this block
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-}
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -303,20 +300,19 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   if (tid == 0) g.counts[e] = sh.base;
 }
 
-// The groups, worked out by every block from the per-expert counts `counts` (g.counts, or a block's own copy in
-// shared memory; in expert order: start_e, kept_e =
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
 // kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
 // the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
 // default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
 // Returns the end of the last group.
-EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, const int* counts) {
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
   const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
   int mine = 0;
   for (int e = lo; e < hi; ++e) {
-    const int c = counts[e];
+    const int c = g.counts[e];
     sh.kept[e] = c;
     mine += (c + A - 1) / A * A;
   }
@@ -341,7 +337,7 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, con
   if (sh.over && tid == 0) {
     epg_i64 at = 0, lost = 0;
     for (int e = 0; e < E; ++e) {
-      const epg_i64 c = counts[e];
+      const epg_i64 c = g.counts[e];
       const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
       sh.start[e] = (int)at;
       sh.kept[e] = (int)kept;

@@ -54,9 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) {  // shared memory, this block
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-}
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -260,8 +257,6 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
-  epg_i64 off_ll_ecnt;  // workspace offset: low-latency per-expert pair counts (0: none; then the messages carry no ranks)
-  epg_i64 off_ll_rows;  // workspace offset: low-latency readers per received row (with off_ll_ecnt)
   epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
   epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
   epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32

@@ -37,7 +37,6 @@ EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: 
 EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) { return atomicAdd_block(p, v); }  // shared memory, this block
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
@@ -243,8 +242,6 @@ struct EpArgs {
   epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
   epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
-  epg_i64 off_ll_ecnt;  // workspace offset: low-latency per-expert pair counts (0: none; then the messages carry no ranks)
-  epg_i64 off_ll_rows;  // workspace offset: low-latency readers per received row (with off_ll_ecnt)
   epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
   epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
   epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32

@@ -37,7 +37,6 @@ EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: 
 EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
-EPG_DEVICE int epg_atomic_add_block(int* p, int v) { return atomicAdd_block(p, v); }  // shared memory, this block
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
@@ -311,20 +310,19 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   if (tid == 0) g.counts[e] = sh.base;
 }
 
-// The groups, worked out by every block from the per-expert counts `counts` (g.counts, or a block's own copy in
-// shared memory; in expert order: start_e, kept_e =
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
 // kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
 // the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
 // default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
 // Returns the end of the last group.
-EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, const int* counts) {
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
   const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
   int mine = 0;
   for (int e = lo; e < hi; ++e) {
-    const int c = counts[e];
+    const int c = g.counts[e];
     sh.kept[e] = c;
     mine += (c + A - 1) / A * A;
   }
@@ -349,7 +347,7 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, con
   if (sh.over && tid == 0) {
     epg_i64 at = 0, lost = 0;
     for (int e = 0; e < E; ++e) {
-      const epg_i64 c = counts[e];
+      const epg_i64 c = g.counts[e];
       const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
       sh.start[e] = (int)at;
       sh.kept[e] = (int)kept;
@@ -498,7 +496,7 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
   g.row_bytes = row_bytes;
   g.scale_bytes = scale_bytes;
   g.has_weights = has_weights;
-  epg_grouped_bounds(g, sh, g.counts);
+  epg_grouped_bounds(g, sh);
   (void)out_scales;
   const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 pairs = (epg_i64)*total_recv * k;

@@ -212,8 +212,7 @@ class NativeBackend:
                       num_experts=cfg.num_experts, rank=cfg.rank, world=cfg.world_size, max_recv=R,
                       max_tokens=cfg.max_num_inp_token_per_rank, ll_tokens=self.ll_tokens,
                       ll_row_bytes=plan.ll_row, ll_cell_bytes=plan.ll_cell,
-                      **({f"off_{n}": lay[n] for n in ("ll_cnt", "ll_x", "ll_c", "ll_map", "ll_ecnt", "ll_rows")
-                          if n in lay}))
+                      **({f"off_{n}": lay[n] for n in ("ll_cnt", "ll_x", "ll_c", "ll_map")} if self.ll_tokens else {}))
         self.dargs = self.k.struct("dispatch", **common, row_bytes=plan.in_row, wire_row_bytes=plan.wire_row,
                                    scale_row_bytes=plan.scale_row)
         comb = dict(off_scat_x=lay["scat_x"], off_scat_s=lay["scat_s"], off_scat_w=lay["scat_w"],
@@ -282,10 +281,8 @@ class NativeBackend:
         return geo
 
     def _resident(self, role: str, threads: int) -> int:
-        """Every block the device keeps resident at once: the grid of a bandwidth-protocol EP kernel that also runs
-        the grouped layout's passes behind grid barriers (their copies and sums want the whole GPU; the dispatch's
-        own grid is sized to its rows). The low-latency legs need no grid barrier for the layout (ll_grouped.j2)
-        and keep their own grids."""
+        """Every block the device keeps resident at once: the grid of an EP kernel that also runs the grouped
+        layout's passes (their copies and sums want the whole GPU; the dispatch's own grid is sized to its rows)."""
         return self.num_sms * self.k[role].blocks_per_sm(threads)
 
     def _block_rows(self, tokens: int) -> bool:
@@ -359,16 +356,12 @@ class NativeBackend:
         return self._grp is not None and "tail" in self._grp
 
     def one_kernel_legs(self, protocol: str) -> bool:
-        """Does a grouped leg of this protocol run as one kernel rather than the EP kernel and the separate passes?
-        self.one_kernel: "always" / "never" (tests, scripts/grouped_profile.py) or "auto": only eager low-latency
-        calls. History: with the layout's passes behind grid barriers in the EP kernels (grouped_tail.j2), measured at
-        W = 1 on one H200 (results/2026-12-03-1xH200-W1-2b65c38/), inside a graph the separate passes were faster at
-        1 / 128 / 4096 tokens (29.7 / 37.9 / 393 µs of epgen kernels per layer against 33.6 / 45.1 / 473.5: the tail
-        ran on the EP kernel's grid, one block per SM), while an eager 1-token layer is bound by the host's launches
-        (3 fewer: 91 against 110 µs wall). The low-latency legs now place the layout with no grid barrier
-        (ll_grouped.j2: counts first, each pair ranked by its sender; the combine forms its rows as it sends them)
-        on their own grids; not yet measured, so "auto" still takes them for eager calls only. The bandwidth legs
-        keep the barriers."""
+        """Does a grouped leg of this protocol run as one kernel (grouped_tail.j2) rather than the EP kernel and the
+        separate passes? self.one_kernel: "always" / "never" (tests, scripts/grouped_profile.py) or "auto": only
+        eager low-latency calls. Measured at W = 1 on one H200 (results/2026-12-03-1xH200-W1-2b65c38/): inside a
+        graph the separate passes are faster at 1 / 128 / 4096 tokens (29.7 / 37.9 / 393 µs of epgen kernels per
+        layer against 33.6 / 45.1 / 473.5: the tail runs on the EP kernel's grid, one block per SM), while an eager
+        1-token layer is bound by the host's launches (3 fewer: 91 against 110 µs wall)."""
         if self.one_kernel != "auto":
             return self.one_kernel == "always"
         return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
@@ -747,9 +740,8 @@ class NativeBackend:
         T = slots.shape[0]
         a.slots, a.num_tokens = slots.data_ptr(), T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R; the gather
-        # combine stages them on every resident block (behind a grid barrier), the low-latency one forms each row's
-        # words as it sends them, on its own grid (no barrier: templates/kernels/combine_ll.j2)
+        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R, and the
+        # combine runs on every resident block (its staging sums pairs)
         stage, apply = call.get("stage", (0, 0))
         a.grp_pair_pos, a.grp_apply_weights = stage, apply
         a.expert_out, a.expert_rows = expert_out.data_ptr(), self.config.max_recv_tokens if stage else expert_out.shape[0]
@@ -757,8 +749,7 @@ class NativeBackend:
         a.phase = phase
         role = "combine_ll" if call["protocol"] == "ll" else "combine"
         blocks, threads, _ = self._launch_geometry(role, T, T)
-        self._stream = self.k.launch(role, self._resident(role, threads) if stage and role == "combine" else blocks,
-                                     threads, a)
+        self._stream = self.k.launch(role, self._resident(role, threads) if stage else blocks, threads, a)
         if phase != PHASE_SEND:
             self._last, self.last_protocol = "combine", call["protocol"]
         self.check(ids="skip")

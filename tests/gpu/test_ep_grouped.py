@@ -251,7 +251,6 @@ def _snapshot(lay):
     ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp32", "ll", 0), ("fp8_blockwise", "bw", 0),
     ("fp8", "ll", 0),  # a pre-quantized payload: its scales placed beside it
     ("bf16", "bw", 128),  # a small buffer: drops, the serial recurrence
-    ("bf16", "ll", 128),
 ])
 def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     def check():
@@ -281,126 +280,6 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
             end = int(lay2.offs[-1])
             assert bool((lay2.src[end:] == -1).all()) and bool((lay2.m_indices[end:] == -1).all())
             assert bool((lay2.weights[end:] == 0).all())
-    run_collective(check)
-
-
-# --- the low-latency legs in one kernel each: dispatch_ll places the pairs as their rows arrive (counts first, ranks
-# from the senders: templates/kernels/ll_grouped.j2; the barrier tail when rows were dropped at the receive cap or
-# past the tables' limits), combine_ll forms each row from its pairs as it sends it --------------------------------
-LL_ONE_KERNEL = {
-    "bf16": ("bf16", {}),
-    "fp32": ("fp32", {}),
-    "fp8": ("fp8", {}),                                                   # scales placed beside the payload
-    "drops": ("bf16", dict(grouped_capacity=128)),                        # past the buffer: the serial recurrence
-    "fp8_drops": ("fp8", dict(grouped_capacity=96)),
-    "recv_cap": ("bf16", dict(max_total_recv_tokens=40)),                 # rows dropped at the cap: the barrier tail
-    "recv_cap_drops": ("bf16", dict(max_total_recv_tokens=40, grouped_capacity=64)),
-    "align3": ("bf16", dict(expert_alignment=3)),                         # an alignment that is no power of two
-    "many_experts": ("bf16", dict(num_experts_per_rank=700, expert_alignment=3)),
-    "many_experts_drops": ("bf16", dict(num_experts_per_rank=300, grouped_capacity=2048)),
-    "one_expert": ("bf16", dict(num_experts_per_rank=1, num_experts_per_token=1)),
-    "k17": ("fp32", dict(num_experts_per_rank=16, num_experts_per_token=17)),  # past the rank words: barrier tail
-}
-
-
-def _ll_inputs(seed, mode, epr, k, tokens=T):
-    hidden, fields = MODES[mode]
-    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
-    x = (torch.randint(-64, 65, (tokens, hidden), generator=g).float() / 16).to(fields.get("data_type", torch.bfloat16))
-    w = torch.randint(1, 64, (tokens, k), generator=g).float() / 64
-    idx = random_routing(g, tokens, k, epr * dist.get_world_size())
-    idx[0, -1] = idx[0, 0]  # a repeated id: two pairs of one (row, expert)
-    s = None
-    if mode == "fp8":
-        x = x.float().to(torch.float8_e4m3fn)
-        s = torch.rand(tokens, 2, generator=g) + 0.5
-    return tuple(None if t is None else t.to("cuda") for t in (x, w, s, idx))
-
-
-@pytest.mark.parametrize("case", sorted(LL_ONE_KERNEL))
-def test_ll_one_kernel_legs_match_separate_passes_and_torch(case):
-    """The one-kernel low-latency legs == the separate passes (same op, routing replay) == the torch backend, bit
-    for bit (the low-latency receive order is (source rank, token): src / m_indices / x exactly), eager, then a
-    replayed round with new rows through the one-kernel legs again."""
-    mode, extra = LL_ONE_KERNEL[case]
-    hidden, fields = MODES[mode]
-
-    def check():
-        kw = dict(hidden_dim=hidden, max_num_inp_token_per_rank=T, num_experts_per_rank=EPR,
-                  num_experts_per_token=K, enable_grouped_layout=True, **fields)
-        kw.update(extra)
-        epr, k = kw["num_experts_per_rank"], kw["num_experts_per_token"]
-        with EpDispatchCombineOp(dist_config(intranode_protocol="ll", **kw)) as op, \
-                EpDispatchCombineOp(dist_config(kernel_backend="torch", **kw)) as ref:
-            nb = op._backend
-            assert nb.fuses_layout and nb.protocol == "ll"
-            nb.one_kernel = "always"
-            first = dist.get_rank() * epr
-            h = rh = None
-            for attempt, seed in enumerate((3, 4)):
-                x, w, s, idx = _ll_inputs(seed, mode, epr, k)
-                if attempt:
-                    idx = idx0
-                lay, h1 = op.dispatch_grouped(x, w, s, idx, routing=h)  # one kernel (attempt 1: replay)
-                one = _snapshot(lay)
-                y = expert_rows(lay, mode, op.config.combine_dtype, first)
-                comb = op.combine_grouped(y, h1)[0].clone()  # one kernel
-                comb_u = op.combine_grouped(y, h1, apply_weights=False)[0].clone()
-                op.dispatch(x, w, s, idx, routing=h1)  # replay: the same rows in the same slots
-                two = _snapshot(op.grouped_layout())  # the standalone grouped_count + grouped_place
-                for name, got in one.items():
-                    want = two[name]
-                    assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), (case, name)
-                assert torch.equal(comb, op.combine(nb.grouped_reduce(y, True), routing=h1)[0])
-                assert torch.equal(comb_u, op.combine(nb.grouped_reduce(y, False), routing=h1)[0])
-                torch.cuda.synchronize()
-                cpu = (None if t is None else t.to(ref.device) for t in (x, w, s, idx))
-                rlay, rh1 = ref.dispatch_grouped(*cpu, routing=rh)
-                assert lay.offs.tolist() == rlay.offs.tolist() and lay.counts.tolist() == rlay.counts.tolist()
-                assert int(lay.dropped) == int(rlay.dropped)
-                assert torch.equal(lay.src.cpu(), rlay.src.cpu()) and torch.equal(lay.m_indices.cpu(), rlay.m_indices.cpu())
-                assert torch.equal(lay.weights.cpu(), rlay.weights.cpu())
-                keep = rlay.src >= 0
-                assert torch.equal(lay.x.view(torch.uint8).cpu()[keep.cpu()], rlay.x.view(torch.uint8)[keep].cpu())
-                ry = expert_rows(rlay, mode, ref.config.combine_dtype, first)
-                assert torch.equal(comb.cpu(), ref.combine_grouped(ry, rh1)[0].cpu())
-                assert torch.equal(comb_u.cpu(), ref.combine_grouped(ry, rh1, apply_weights=False)[0].cpu())
-                if "drops" in case:
-                    assert int(lay.dropped) > 0, "the small buffer dropped nothing"
-                if "recv_cap" in case:
-                    assert int(nb.dropped_count()) > 0, "the receive cap dropped no row"
-                if not attempt:
-                    h, rh, idx0 = h1, rh1, idx
-            # a smaller batch after a larger one: the rows past its groups are padding again
-            x, w, s, idx = _ll_inputs(9, mode, epr, k, tokens=T // 4)
-            lay2, _ = op.dispatch_grouped(x, w, s, idx)
-            end = int(lay2.offs[-1])
-            assert bool((lay2.src[end:] == -1).all()) and bool((lay2.m_indices[end:] == -1).all())
-            assert bool((lay2.weights[end:] == 0).all())
-    run_collective(check)
-
-
-def test_ll_one_kernel_legs_in_a_cuda_graph():
-    """The one-kernel low-latency round captured replays to the eager separate passes' bits."""
-    def check():
-        with EpDispatchCombineOp(_cfg("native", "bf16", intranode_protocol="ll")) as op:
-            op._backend.one_kernel = "always"
-            x, w, _, idx = _inputs(11, "bf16", "cuda")
-            sx, sw, sidx = x.clone(), w.clone(), idx.clone()
-            g, (_, _, res, _) = _captured(lambda: _round(op, sx, sw, None, sidx, "bf16"))
-            for rep in range(3):
-                x, w, _, idx = _inputs(70 + rep, "bf16", "cuda")
-                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-                g.replay()
-                torch.cuda.synchronize()
-                got = res.clone()
-                dist.barrier()
-                op._backend.one_kernel = "never"
-                want = _round(op, x, w, None, idx, "bf16")[2]
-                op._backend.one_kernel = "always"
-                torch.cuda.synchronize()
-                assert torch.equal(got, want), f"replay {rep}: {(got.float() - want.float()).abs().max()}"
-                dist.barrier()
     run_collective(check)
 
 

@@ -110,33 +110,3 @@ def test_each_slot_launches_with_its_own_argument_block_and_buffers():
     assert nb._last == "dispatch" and nb._had_weights
     nb.select_slot(0)
     assert nb._last == "dispatch" and nb._had_weights
-
-
-@pytest.mark.parametrize("protocol,role,grid", [("ll", "combine_ll", 7), ("bw", "combine", 99)])
-def test_one_kernel_combine_grid(protocol, role, grid):
-    """combine_grouped in one kernel: the low-latency combine forms its rows as it sends them (no grid barrier) on
-    its own grid; the gather combine stages them behind a grid barrier, on every resident block."""
-    nb = _backend(protocol)
-    nb._resident = lambda role, threads: 99
-    nb._grp = {"stage": 1234}
-    *_, fields = nb.dispatch(*_inputs(), None)
-    nb._had_weights = True
-    h = _handle(fields)
-    nb.k.log.clear()
-    nb.combine_grouped_staged(torch.zeros(8, H), h, True)
-    (r, g, _, p, args), = nb.k.log
-    assert (r, g, p) == (role, grid, PHASE_BOTH)
-    assert args.grp_pair_pos == 1234 and args.grp_apply_weights == 1 and args.expert_rows == nb.config.max_recv_tokens
-
-
-@pytest.mark.parametrize("protocol,role,grid", [("ll", "dispatch_ll", 7), ("bw", "dispatch", 99)])
-def test_one_kernel_dispatch_grid(protocol, role, grid):
-    """dispatch_grouped in one kernel: the low-latency dispatch places the layout on its own grid (no grid
-    barrier unless rows were dropped at the receive cap: then the grid, resident, takes the barrier tail)."""
-    nb = _backend(protocol)
-    nb._resident = lambda role, threads: 99
-    nb._grp = {"tail": 4321}
-    nb.one_kernel = "always"
-    nb.dispatch(*_inputs(), None, layout=True)
-    (r, g, _, p, args), = nb.k.log
-    assert (r, g, p) == (role, grid, PHASE_BOTH) and args.grp_x == 4321 and nb._placed
