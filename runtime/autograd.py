@@ -232,6 +232,22 @@ class _Leg:
 
 
 
+# --- masks -------------------------------------------------------------------------------------------
+_ZEROS: dict = {}  # (device, dtype) -> a 0-dim zero, made once outside graph capture
+
+
+def _where(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """torch.where(keep, t, 0) with a kept 0-dim zero of t's dtype on t's device: a Python 0 there becomes a new
+    device scalar per call (an allocation and a fill kernel)."""
+    key = (t.device, t.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = torch.zeros((), dtype=t.dtype, device=t.device)
+        if t.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a graph's pool may reuse it
+            _ZEROS[key] = zero
+    return torch.where(keep, t, zero)
+
+
 # --- the companion op for quantized legs -------------------------------------------------------------
 def _needs_grad_op(cfg) -> bool:
     return cfg.dispatch_quant_type != "none" or cfg.quant_type != "none"
@@ -274,9 +290,9 @@ def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor |
     out, out_w, _, _, total = mover.dispatch(grad.to(cfg.data_type).contiguous(), grad_w, None, saved.ids,
                                              routing=routing)
     keep = _rows_mask(total, out.shape[0])
-    rows = torch.where(keep, out, 0)
+    rows = _where(keep, out)
     if out_w is not None:
-        out_w = torch.where(keep, out_w, 0)
+        out_w = _where(keep, out_w)
     return rows, out_w
 
 
@@ -345,7 +361,7 @@ def _sum_pairs(op, grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: 
 def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     """Grouped rows' values [P] -> [R, k] per (received row, column) pair, 0 where the pair has no row."""
     pos = _pair_rows(pair_pos, k, rows)
-    return torch.where(pos >= 0, wg[pos.clamp(min=0)], 0)
+    return _where(pos >= 0, wg[pos.clamp(min=0)])
 
 
 # --- epgen::dispatch_grouped -----------------------------------------------------------------------
@@ -380,7 +396,7 @@ def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     were): a grouped GEMM over a group's padding rows then gives finite, zero, weight gradients."""
     raw = x.view(torch.uint8)  # any payload dtype, fp8 included
     filled = (src >= 0).unsqueeze(1)
-    return torch.where(filled, raw, 0).view(x.dtype)
+    return _where(filled, raw).view(x.dtype)
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -492,12 +508,12 @@ def _combine_grouped_backward(ctx, grad_out):
     if ctx.needs_input_grad[0]:
         grad_y = torch.empty_like(y)
         if ctx.apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
-            torch.mul(g, torch.where(filled, wg, 0).unsqueeze(1), out=grad_y)
+            torch.mul(g, _where(filled, wg).unsqueeze(1), out=grad_y)
         else:
             grad_y.copy_(g)
         grad_y.masked_fill_(~filled.unsqueeze(1), 0)
     if ctx.needs_input_grad[1] and ctx.apply_weights:  # padding rows of y may hold anything: 0 there
-        grad_w = torch.where(filled, (y.float() * g).sum(1), 0)
+        grad_w = _where(filled, (y.float() * g).sum(1))
     return grad_y, grad_w, None, None, None
 
 
@@ -564,10 +580,10 @@ def _dispatch_setup(ctx, inputs, output):
 def _dispatch_backward(ctx, grad_out, grad_w, *_):
     saved = _routing_of(ctx, *ctx.saved_tensors)
     keep = _rows_mask(saved.total, grad_out.shape[0])
-    rows = torch.where(keep, grad_out, 0)
+    rows = _where(keep, grad_out)
     rows_w = None
     if ctx.needs_input_grad[1]:
-        rows_w = torch.where(keep, grad_w, 0).contiguous()
+        rows_w = _where(keep, grad_w).contiguous()
     gx, gw = _gather_back(saved, "epgen::dispatch", rows, rows_w)
     return (gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None), gw, None, None, None
 
