@@ -21,9 +21,7 @@ At one rank (W = 1) this is the glue with no link in the way, never a 2-GPU figu
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -34,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import graphprof  # noqa: E402
+from bench import graphprof, hostprof  # noqa: E402
 from bench.inputs import make_input_sets, point_config  # noqa: E402
 from bench.measure import warm_on_side_stream  # noqa: E402
 from bench.records import meta as record_meta  # noqa: E402
@@ -167,16 +165,7 @@ def host_primitives(iters: int = 2000) -> dict:
 def host_profile(layer, iters: int, top: int = 25) -> list[dict]:
     """The functions that take an eager layer's host time: cProfile over `iters` layers, the `top` by own time
     (µs per layer, own and cumulative)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        layer()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_layer": st[0] / iters,
-             "own_us": st[2] / iters * 1e6, "cum_us": st[3] / iters * 1e6} for (f, line, name), st in rows]
+    return hostprof.top_functions(layer, iters, top=top, sort="own", per="layer", sync=torch.cuda.synchronize)
 
 
 def table(rec: dict) -> list[str]:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import hostprof  # noqa: E402
 from bench.inputs import make_input_sets  # noqa: E402
 from bench.records import meta as record_meta, write_records  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError  # noqa: E402
@@ -299,22 +300,8 @@ def epgen_marked(op, inp: dict):
 
 
 def host_profile(clock: Clock, step, iters: int, top: int = 30) -> list[dict]:
-    """cProfile over `iters` steps: the `top` functions by cumulative time, µs per step (own and cumulative).
-    The profiler's own cost inflates every figure: read them against each other."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    clock.sync()
-    prof.enable()
-    for _ in range(iters):
-        step()
-    prof.disable()
-    clock.sync()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
-    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": st[0] / iters,
-             "own_us": st[2] / iters * 1e6, "cum_us": st[3] / iters * 1e6} for (f, line, name), st in rows]
+    """cProfile over `iters` steps: the `top` functions by cumulative time, µs per step (own and cumulative)."""
+    return hostprof.top_functions(step, iters, top=top, sort="cum", per="step", sync=clock.sync)
 
 
 def fwd_bwd_step(fwd, inp: dict):
