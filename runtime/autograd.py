@@ -231,7 +231,6 @@ class _Leg:
         return self.function.apply(*args)
 
 
-
 # --- masks -------------------------------------------------------------------------------------------
 _ZEROS: dict = {}  # (device, dtype) -> a 0-dim zero, made once outside graph capture
 
@@ -373,8 +372,8 @@ def _meta_split(cfg) -> tuple[int, ...]:
 
 
 def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
-                         handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor]:
+                           handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor]:
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
     without), meta int32 (_meta_split), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
@@ -465,7 +464,7 @@ def dispatch_grouped(op, x, weights=None, indices=None):
 
 # --- epgen::combine_grouped ------------------------------------------------------------------------
 def _combine_grouped_impl(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id: int,
-                        apply_weights: bool) -> torch.Tensor:
+                          apply_weights: bool) -> torch.Tensor:
     op = _op(op_id, "epgen::combine_grouped")
     saved = _take(handle_id)
     last = op._grouped_by.get(saved.routing.slot)
@@ -508,10 +507,10 @@ def _combine_grouped_backward(ctx, grad_out):
     if ctx.needs_input_grad[0]:
         grad_y = torch.empty_like(y)
         if ctx.apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
-            torch.mul(g, _where(filled, wg).unsqueeze(1), out=grad_y)
+            torch.mul(g, wg.unsqueeze(1), out=grad_y)
         else:
             grad_y.copy_(g)
-        grad_y.masked_fill_(~filled.unsqueeze(1), 0)
+        grad_y.masked_fill_(~filled.unsqueeze(1), 0)  # padding rows (their g and weight may hold anything)
     if ctx.needs_input_grad[1] and ctx.apply_weights:  # padding rows of y may hold anything: 0 there
         grad_w = _where(filled, (y.float() * g).sum(1))
     return grad_y, grad_w, None, None, None
@@ -548,7 +547,7 @@ def _check_plain(op, call: str) -> None:
 
 
 def _dispatch_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
-                 handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
@@ -607,7 +606,7 @@ def dispatch(op, x, weights=None, indices=None):
 
 # --- epgen::combine (plain) ------------------------------------------------------------------------
 def _combine_impl(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
-                handle_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  handle_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::combine")
     saved = _take(handle_id)
     out, out_w = op.combine(y, weights, routing=saved.routing)
