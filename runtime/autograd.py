@@ -502,16 +502,22 @@ def _combine_grouped_backward(ctx, grad_out):
     y, wg, handle_t = ctx.saved_tensors
     saved = _routing_of(ctx, handle_t)
     g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
+    want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.apply_weights
+    own = getattr(_live(saved, "epgen::combine_grouped")._backend, "grouped_grad", None)
+    if (own is not None and g.dtype == y.dtype and wg.dtype == torch.float32 and g.is_contiguous()
+            and y.is_contiguous() and wg.is_contiguous() and (want_y or want_w)):
+        grad_y, grad_w = own(g, y, wg, saved.src, ctx.apply_weights, want_w)  # one kernel, each row read once
+        return (grad_y if want_y else None), grad_w, None, None, None
     filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)
     grad_y = grad_w = None
-    if ctx.needs_input_grad[0]:
+    if want_y:
         grad_y = torch.empty_like(y)
         if ctx.apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
             torch.mul(g, wg.unsqueeze(1), out=grad_y)
         else:
             grad_y.copy_(g)
         grad_y.masked_fill_(~filled.unsqueeze(1), 0)  # padding rows (their g and weight may hold anything)
-    if ctx.needs_input_grad[1] and ctx.apply_weights:  # padding rows of y may hold anything: 0 there
+    if want_w:  # padding rows of y may hold anything: 0 there
         grad_w = _where(filled, (y.float() * g).sum(1))
     return grad_y, grad_w, None, None, None
 

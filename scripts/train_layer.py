@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import hostprof  # noqa: E402
+from bench import graphprof, hostprof  # noqa: E402
 from bench.inputs import make_input_sets  # noqa: E402
 from bench.records import meta as record_meta, write_records  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp, EpgenError  # noqa: E402
@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_at_least(0), default=7)
     p.add_argument("--host-profile", action="store_true",
                    help="cProfile epgen's forward + backward: the functions that take its host time (host_top)")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="kineto over epgen's eager forward + backward: device time per kernel name (kernel_top)")
     return p
 
 
@@ -304,6 +306,25 @@ def host_profile(clock: Clock, step, iters: int, top: int = 30) -> list[dict]:
     return hostprof.top_functions(step, iters, top=top, sort="cum", per="step", sync=clock.sync)
 
 
+def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
+    """The device side of `iters` eager steps under kineto: per kernel (memcpy, memset) name, its calls and µs
+    per step, the `top` names by time; on a CPU (no device events) an empty list."""
+    if not clock.cuda:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    clock.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        clock.sync()
+    total: dict[str, list[float]] = {}
+    for name, _, dur in graphprof.device_events(prof.profiler.kineto_results.events()):
+        total.setdefault(name[:120], []).append(dur)
+    rows = sorted(total.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"kernel": n, "calls_per_step": len(d) / iters, "us_per_step": sum(d) / iters} for n, d in rows]
+
+
 def fwd_bwd_step(fwd, inp: dict):
     def step():
         out = fwd()
@@ -408,6 +429,8 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
                         "expert_alignment": cfg.expert_alignment, "check": errs}
         if args.host_profile:
             out["epgen"]["host_top"] = host_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
+        if args.kernel_profile:
+            out["epgen"]["kernel_top"] = kernel_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
     for path in PATHS[1:]:
         if titan is None:
             out[path] = {**base, "path": path, "skipped": skip_reason}
@@ -505,6 +528,10 @@ def table(records: list[dict]) -> list[str]:
             host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by cumulative):")
             host += [f"  {h['cum_us']:8.1f} cum {h['own_us']:7.1f} own {h['calls_per_step']:5g}x  {h['function']}"
                      for h in r["host_top"]]
+    for r in records:
+        if r.get("kernel_top"):
+            host.append(f"epgen device kernels at {r['tokens_per_rank']} tokens (kineto, µs per step, eager fwd+bwd):")
+            host += [f"  {h['us_per_step']:8.1f} us {h['calls_per_step']:5g}x  {h['kernel']}" for h in r["kernel_top"]]
     return [head, *out, "", "epgen's legs (µs, stream time between the step's marks):", *legs, *notes, *host]
 
 

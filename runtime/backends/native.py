@@ -625,6 +625,20 @@ class NativeBackend:
                                         k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=0)
         return out
 
+    def grouped_grad(self, g: torch.Tensor, y: torch.Tensor, wg: torch.Tensor, src: torch.Tensor, apply_weights: bool,
+                     weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """combine_grouped's backward on the expert side, one launch (templates/kernels/grouped_grad.j2): every
+        pair's token gradient at its grouped row `g` [P, H], the forward's expert outputs `y` [P, H] and weights
+        `wg` [P] float32, the saved pair ids `src` [P] -> (grad_y [P, H]: w g, or g without weights; grad_w [P]
+        float32 <y, g>, or None unless weights_grad), padding rows (src < 0) 0 in both."""
+        P, H = y.shape
+        grad_y = torch.empty_like(y)
+        grad_w = torch.empty((P,), dtype=torch.float32, device=self.device) if weights_grad else None
+        self.k["grouped_grad"].launch(max(1, min(P, 8 * self.num_sms)), BLOCK, g=g, y=y, wg=wg, src=src,
+                                      grad_y=grad_y, grad_w=grad_w, rows=P, hidden=H,
+                                      apply_weights=int(apply_weights), weights_grad=int(weights_grad))
+        return grad_y, grad_w
+
     def grouped_out_view(self) -> torch.Tensor | None:
         """[P, H] in the workspace when the fused combine reads the expert rows from there (None otherwise)."""
         return self._grp.get("out_view")
