@@ -387,12 +387,17 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     meta, pair_pos, src, ids = held.split((n_meta, n_pos, P, indices.numel()))
     _PENDING[handle_id] = _Saved(op, routing, ids.view(indices.shape), pair_pos=pair_pos, src=src)
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
-    return (_zero_padding(layout.x, layout.src), layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
+    return (_zero_padding(op, layout.x, layout.src), layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
 
 
-def _zero_padding(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def _zero_padding(op, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """A copy of the grouped rows with every row that holds no pair zeroed (the native layout leaves them as they
-    were): a grouped GEMM over a group's padding rows then gives finite, zero, weight gradients."""
+    were): a grouped GEMM over a group's padding rows then gives finite, zero, weight gradients. The native
+    backend copies the filled rows in one kernel (grouped_scale: padding rows written, never read) where the rows
+    are in the combine dtype; otherwise a torch.where over the bytes (fp8 / fp4 payloads too)."""
+    own = getattr(op._backend, "grouped_scale", None)
+    if own is not None and x.dtype == op.config.combine_dtype and x.is_contiguous():
+        return own(x, src)[0]
     raw = x.view(torch.uint8)  # any payload dtype, fp8 included
     filled = (src >= 0).unsqueeze(1)
     return _where(filled, raw).view(x.dtype)
@@ -503,10 +508,12 @@ def _combine_grouped_backward(ctx, grad_out):
     saved = _routing_of(ctx, handle_t)
     g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
     want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.apply_weights
-    own = getattr(_live(saved, "epgen::combine_grouped")._backend, "grouped_grad", None)
-    if (own is not None and g.dtype == y.dtype and wg.dtype == torch.float32 and g.is_contiguous()
-            and y.is_contiguous() and wg.is_contiguous() and (want_y or want_w)):
-        grad_y, grad_w = own(g, y, wg, saved.src, ctx.apply_weights, want_w)  # one kernel, each row read once
+    own = getattr(_live(saved, "epgen::combine_grouped")._backend, "grouped_scale", None)
+    if (own is not None and (want_y or want_w) and g.dtype == y.dtype and wg.dtype == torch.float32
+            and g.is_contiguous() and y.is_contiguous() and wg.is_contiguous()):
+        # one kernel, each row's g and y read once (grad_w summed in another order than below: the same
+        # float32 products, rounded sums that may differ in the last bits)
+        grad_y, grad_w = own(g, saved.src, wg if ctx.apply_weights else None, y if want_w else None)
         return (grad_y if want_y else None), grad_w, None, None, None
     filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)
     grad_y = grad_w = None

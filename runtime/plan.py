@@ -150,7 +150,7 @@ class Plan:
         dequantized = cfg.grouped_dequantize and cfg.dispatch_quant_type != "none"
         if cfg.enable_grouped_layout:
             roles += [("grouped_count", "grouped_count.i32"), ("grouped_place", place),
-                      ("grouped_reduce", f"grouped_reduce.{comb}"), ("grouped_grad", f"grouped_grad.{comb}")]
+                      ("grouped_reduce", f"grouped_reduce.{comb}"), ("grouped_scale", f"grouped_scale.{comb}")]
             if fused_grouped(cfg):
                 roles.append(("combine_grouped", f"combine_grouped.{comb}.intranode"))
         return cls(target=target.name, protocol=protocol, ll_tokens=ll_tokens, capped=capped, roles=tuple(roles),

@@ -625,19 +625,21 @@ class NativeBackend:
                                         k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=0)
         return out
 
-    def grouped_grad(self, g: torch.Tensor, y: torch.Tensor, wg: torch.Tensor, src: torch.Tensor, apply_weights: bool,
-                     weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """combine_grouped's backward on the expert side, one launch (templates/kernels/grouped_grad.j2): every
-        pair's token gradient at its grouped row `g` [P, H], the forward's expert outputs `y` [P, H] and weights
-        `wg` [P] float32, the saved pair ids `src` [P] -> (grad_y [P, H]: w g, or g without weights; grad_w [P]
-        float32 <y, g>, or None unless weights_grad), padding rows (src < 0) 0 in both."""
-        P, H = y.shape
-        grad_y = torch.empty_like(y)
-        grad_w = torch.empty((P,), dtype=torch.float32, device=self.device) if weights_grad else None
-        self.k["grouped_grad"].launch(max(1, min(P, 8 * self.num_sms)), BLOCK, g=g, y=y, wg=wg, src=src,
-                                      grad_y=grad_y, grad_w=grad_w, rows=P, hidden=H,
-                                      apply_weights=int(apply_weights), weights_grad=int(weights_grad))
-        return grad_y, grad_w
+    def grouped_scale(self, x: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None = None,
+                      y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Grouped rows x [P, H] (combine dtype) row by row, one launch (templates/kernels/grouped_scale.j2), under
+        the pair ids `src` [P] (-1: a padding row, never read) -> (a fresh [P, H]: each filled row times its
+        weight w [P] float32 (one rounding), or copied without w; [P] float32 <y, x> per filled row, or None
+        without y), padding rows 0 in both. combine_grouped's backward (x the token gradients, y the expert
+        rows) and dispatch_grouped's autograd output (the rows with their padding zeroed), runtime/autograd.py."""
+        P, H = x.shape
+        out = torch.empty_like(x)
+        dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None
+        waves = BLOCK // self.wave
+        self.k["grouped_scale"].launch(max(1, min(-(-P // waves), 8 * self.num_sms)), BLOCK, x=x, y=y, w=w, src=src,
+                                       out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
+                                       want_dot=int(y is not None))
+        return out, dot
 
     def grouped_out_view(self) -> torch.Tensor | None:
         """[P, H] in the workspace when the fused combine reads the expert rows from there (None otherwise)."""

@@ -89,36 +89,38 @@ def test_grouped_backward_matches_torch_backend(dtype, apply_weights, recv_cap, 
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("apply_weights,weights_grad", [(True, True), (True, False), (False, False)])
-def test_grouped_grad_kernel(dtype, apply_weights, weights_grad):
-    """combine_grouped's backward kernel on arbitrary values (not the exact ones above): grad_y bit-exact against
-    torch's w * g (float32, one rounding), grad_w within float32 summation error of a float64 <y, g>, and 0 in both
-    on padding rows, whose g, y and weight hold NaN (a kernel that read them would show it). H = 136: 17 chunks of
-    8, not a multiple of the block's threads."""
+@pytest.mark.parametrize("apply_weights,want_dot", [(True, True), (True, False), (False, True), (False, False)])
+def test_grouped_scale_kernel(dtype, apply_weights, want_dot):
+    """The grouped_scale kernel (combine_grouped's backward; dispatch_grouped's output copy without weights or dot)
+    on arbitrary values, not the exact ones above: out bit-exact against torch's w * x (float32, one rounding) or
+    x, dot within float32 summation error of a float64 <y, x>, and 0 in both on padding rows, whose x, y and weight
+    hold NaN (a kernel that read them would show it). H = 136: 17 chunks of 8, fewer than a wave's lanes take in
+    one step; 300 rows: not a multiple of a block's waves."""
     def check():
         dt = DTYPES[dtype]
         with EpDispatchCombineOp(_cfg("native", dt)) as op:
             P, Hh = 300, 136
             gen = torch.Generator().manual_seed(7)
-            g = torch.randn((P, Hh), generator=gen).to(dt)
+            x = torch.randn((P, Hh), generator=gen).to(dt)
             y = torch.randn((P, Hh), generator=gen).to(dt)
-            wg = torch.rand((P,), generator=gen)
+            w = torch.rand((P,), generator=gen)
             src = torch.arange(P, dtype=torch.int32)
             src[torch.randperm(P, generator=gen)[:P // 3]] = -1  # padding rows, scattered
             pad = src < 0
-            g[pad], y[pad], wg[pad] = float("nan"), float("nan"), float("nan")
-            gy, gw = op._backend.grouped_grad(g.cuda(), y.cuda(), wg.cuda(), src.cuda(), apply_weights, weights_grad)
-            want_y = (g.float() * wg[:, None] if apply_weights else g.float()).to(dt)
-            want_y[pad] = 0
-            assert torch.equal(gy.cpu(), want_y), f"grad_y differs by {(gy.cpu().float() - want_y.float()).abs().max()}"
-            if not weights_grad:
-                assert gw is None
+            x[pad], y[pad], w[pad] = float("nan"), float("nan"), float("nan")
+            out, dot = op._backend.grouped_scale(x.cuda(), src.cuda(), w.cuda() if apply_weights else None,
+                                                 y.cuda() if want_dot else None)
+            want = (x.float() * w[:, None] if apply_weights else x.float()).to(dt)
+            want[pad] = 0
+            assert torch.equal(out.cpu(), want), f"out differs by {(out.cpu().float() - want.float()).abs().max()}"
+            if not want_dot:
+                assert dot is None
                 return
-            want_w = (y.double() * g.double()).sum(1)
-            want_w[pad] = 0
-            gw = gw.cpu().double()
-            assert torch.equal(gw[pad], want_w[pad]), "padding rows' weight gradient is not 0"
-            assert torch.allclose(gw, want_w, rtol=1e-5, atol=1e-5), (gw - want_w).abs().max()
+            want_d = (y.double() * x.double()).sum(1)
+            want_d[pad] = 0
+            dot = dot.cpu().double()
+            assert torch.equal(dot[pad], want_d[pad]), "a padding row's dot is not 0"
+            assert torch.allclose(dot, want_d, rtol=1e-5, atol=1e-5), (dot - want_d).abs().max()
     run_collective(check)
 
 
