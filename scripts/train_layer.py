@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_at_least(0), default=7)
     p.add_argument("--host-profile", action="store_true",
                    help="cProfile epgen's forward + backward: the functions that take its host time (host_top)")
+    p.add_argument("--host-sort", choices=["cum", "own"], default="cum",
+                   help="--host-profile's order: cumulative time (callees included) or own time")
     p.add_argument("--kernel-profile", action="store_true",
                    help="kineto over epgen's eager forward + backward: device time per kernel name (kernel_top)")
     return p
@@ -301,9 +303,9 @@ def epgen_marked(op, inp: dict):
     return step
 
 
-def host_profile(clock: Clock, step, iters: int, top: int = 30) -> list[dict]:
-    """cProfile over `iters` steps: the `top` functions by cumulative time, µs per step (own and cumulative)."""
-    return hostprof.top_functions(step, iters, top=top, sort="cum", per="step", sync=clock.sync)
+def host_profile(clock: Clock, step, iters: int, sort: str = "cum", top: int = 30) -> list[dict]:
+    """cProfile over `iters` steps: the `top` functions by `sort` time, µs per step (own and cumulative)."""
+    return hostprof.top_functions(step, iters, top=top, sort=sort, per="step", sync=clock.sync)
 
 
 def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
@@ -428,7 +430,8 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
                         "leg_method": LEG_METHOD, "grouped_capacity": cfg.resolved_grouped_capacity,
                         "expert_alignment": cfg.expert_alignment, "check": errs}
         if args.host_profile:
-            out["epgen"]["host_top"] = host_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
+            out["epgen"]["host_top"] = host_profile(clock, fwd_bwd_step(fwd, inp), args.iters, args.host_sort)
+            out["epgen"]["host_sort"] = args.host_sort
         if args.kernel_profile:
             out["epgen"]["kernel_top"] = kernel_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
     for path in PATHS[1:]:
@@ -525,7 +528,8 @@ def table(records: list[dict]) -> list[str]:
     host = []
     for r in records:
         if r.get("host_top"):
-            host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by cumulative):")
+            by_what = "own time" if r.get("host_sort") == "own" else "cumulative"
+            host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by {by_what}):")
             host += [f"  {h['cum_us']:8.1f} cum {h['own_us']:7.1f} own {h['calls_per_step']:5g}x  {h['function']}"
                      for h in r["host_top"]]
     for r in records:

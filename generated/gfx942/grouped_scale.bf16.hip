@@ -210,13 +210,15 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // defined, so an FP4 kernel for this target fails to compile instead of producing zeros.
 // Grouped rows, row by row (bf16): per grouped row p that holds a pair (src[p] >= 0)
 //   out[p] = w[p] * x[p]  (float32 product, one rounding to bf16; x[p] as it is when apply_weights = 0)
-//   dot[p] = <y[p], x[p]> (when want_dot = 1: float32 products summed in float32, per lane in ascending element,
-//            then a butterfly over the wave)
-// and 0 in both for a padding row (src[p] < 0: its x, y and w are never read). Uses (runtime/autograd.py):
+//   dot[p] = <y[p], x[p]> (when want_dot = 1: float32 products summed in float32)
+// and 0 in both for a padding row (src[p] < 0: its x, y and w are never read). dot's order: per thread in
+// ascending element, then a butterfly over each wave, then the waves in order. Uses (runtime/autograd.py):
 // combine_grouped's backward (x = each pair's token gradient, y = the forward's expert rows: grad_y and grad_w
 // in one pass, each row read once) and dispatch_grouped's output (apply_weights = want_dot = 0: a copy of the
-// grouped rows with the padding zeroed). One wave per row, grid-stride over the rows (no block-wide barrier);
-// a lane takes EPG_SCALE_U 8-element chunks per step, every load issued before any is used.
+// grouped rows with the padding zeroed). One block per row, grid-stride over the rows; a thread takes
+// EPG_SCALE_U 8-element chunks per step, every load issued before any is used: a row of up to 8192 bf16
+// elements is one step of 256 threads (a few rows cost one memory round trip, not one per chunk; the runtime
+// launches 256: at ~80 registers three blocks share an SM).
 constexpr int EPG_SCALE_U = 4;
 EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     const char* __restrict__ y,
@@ -229,22 +231,23 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     epg_i64 apply_weights,
     epg_i64 want_dot) {
   constexpr int B = 2;
+  __shared__ float wave_dot[2][1024 / EPG_WAVE];  // two rows' sets: a block's next row never waits for thread 0
   const epg_i64 row_bytes = hidden * B, n8 = hidden / 8;
-  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
-  const epg_i64 step = (epg_i64)epg_nblocks() * waves;
-  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < rows; p += step) {
-    const bool filled = src[p] >= 0;  // wave-uniform
+  const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE;
+  int parity = 0;
+  for (epg_i64 p = epg_block(); p < rows; p += epg_nblocks(), parity ^= 1) {
+    const bool filled = src[p] >= 0;  // block-uniform
     const float wp = filled && apply_weights != 0 ? w[p] : 1.0f;
     const bool with_dot = filled && want_dot != 0;
     const char* xp = x + p * row_bytes;
     const char* yp = with_dot ? y + p * row_bytes : nullptr;
     char* outp = out + p * row_bytes;
     float d = 0.f;
-    for (epg_i64 c0 = lane; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * EPG_WAVE) {
+    for (epg_i64 c0 = tid; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * bdim) {
       float xv[EPG_SCALE_U][8], yv[EPG_SCALE_U][8];
 #pragma unroll
       for (int u = 0; u < EPG_SCALE_U; ++u) {
-        const epg_i64 c = c0 + (epg_i64)u * EPG_WAVE;
+        const epg_i64 c = c0 + (epg_i64)u * bdim;
         if (filled && c < n8) {
           epg_load8(xp + 8 * c * B, xv[u]);
           if (with_dot) epg_load8(yp + 8 * c * B, yv[u]);
@@ -252,7 +255,7 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
       }
 #pragma unroll
       for (int u = 0; u < EPG_SCALE_U; ++u) {
-        const epg_i64 c = c0 + (epg_i64)u * EPG_WAVE;
+        const epg_i64 c = c0 + (epg_i64)u * bdim;
         if (c >= n8) continue;
         float o[8];
 #pragma unroll
@@ -265,6 +268,12 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     }
     if (want_dot == 0) continue;
     for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d += epg_shfl_xor(d, m);
-    if (lane == 0) dot[p] = with_dot ? d : 0.f;
+    if (tid % EPG_WAVE == 0) wave_dot[parity][tid / EPG_WAVE] = d;
+    epg_syncthreads();
+    if (tid == 0) {
+      float s = 0.f;
+      for (int i = 0; i < waves; ++i) s += wave_dot[parity][i];
+      dot[p] = with_dot ? s : 0.f;
+    }
   }
 }

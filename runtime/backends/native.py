@@ -37,6 +37,7 @@ from .common import (check_expert_ids, device_target, id_check_mode, local_exper
 
 PHASE_BOTH, PHASE_SEND, PHASE_RECV = 0, 1, 2  # the EP kernels' a.phase (specs/kernels.toml [args.ep])
 BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the EP kernels take specs/tuning.toml)
+SCALE_BLOCK = 256  # grouped_scale's: one step of four chunks per thread covers a row (templates/kernels/grouped_scale.j2)
 
 
 def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
@@ -635,8 +636,7 @@ class NativeBackend:
         P, H = x.shape
         out = torch.empty_like(x)
         dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None
-        waves = BLOCK // self.wave
-        self.k["grouped_scale"].launch(max(1, min(-(-P // waves), 8 * self.num_sms)), BLOCK, x=x, y=y, w=w, src=src,
+        self.k["grouped_scale"].launch(max(1, min(P, 8 * self.num_sms)), SCALE_BLOCK, x=x, y=y, w=w, src=src,
                                        out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
                                        want_dot=int(y is not None))
         return out, dot
