@@ -377,7 +377,11 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
     without), meta int32 (_meta_split), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
-    layout, routing = op.dispatch_grouped(x, weights, None, indices)
+    shape, dtype = op.grouped_x_spec()
+    # the rows land in a tensor of this forward's own, every row without a pair zeroed by the placing kernel (a
+    # grouped GEMM over a group's padding then gives finite, zero, weight gradients)
+    layout, routing = op.dispatch_grouped(x, weights, None, indices, out_x=torch.empty(shape, dtype=dtype,
+                                                                                        device=x.device))
     # one copy of every int32 tensor: the outputs' part (meta), then what the backward keeps (pair map, pair
     # ids, the token ids): views of one block, which the outputs do not alias
     held = torch.cat((layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped.view(1),
@@ -387,20 +391,7 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     meta, pair_pos, src, ids = held.split((n_meta, n_pos, P, indices.numel()))
     _PENDING[handle_id] = _Saved(op, routing, ids.view(indices.shape), pair_pos=pair_pos, src=src)
     scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
-    return (_zero_padding(op, layout.x, layout.src), layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
-
-
-def _zero_padding(op, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """A copy of the grouped rows with every row that holds no pair zeroed (the native layout leaves them as they
-    were): a grouped GEMM over a group's padding rows then gives finite, zero, weight gradients. The native
-    backend copies the filled rows in one kernel (grouped_scale: padding rows written, never read) where the rows
-    are in the combine dtype; otherwise a torch.where over the bytes (fp8 / fp4 payloads too)."""
-    own = getattr(op._backend, "grouped_scale", None)
-    if own is not None and x.dtype == op.config.combine_dtype and x.is_contiguous():
-        return own(x, src)[0]
-    raw = x.view(torch.uint8)  # any payload dtype, fp8 included
-    filled = (src >= 0).unsqueeze(1)
-    return _where(filled, raw).view(x.dtype)
+    return (layout.x, layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -412,13 +403,10 @@ def _(x, weights, indices, op_id, handle_id):
     op = _OPS[op_id]
     cfg = op.config
     P = cfg.resolved_grouped_capacity
-    if cfg.grouped_dequantize:
-        xg, scales = x.new_empty((P, cfg.hidden_dim), dtype=cfg.data_type), x.new_empty((P, 0))
-    else:
-        xg = x.new_empty((P, op.dispatch_out_cols), dtype=op.dispatch_out_dtype)
-        sd = op.dispatch_out_scales_dtype
-        scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
-    return (xg, x.new_empty((P,), dtype=torch.float32), scales,
+    shape, dtype = op.grouped_x_spec()
+    sd = None if cfg.grouped_dequantize else op.dispatch_out_scales_dtype
+    scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
+    return (x.new_empty(shape, dtype=dtype), x.new_empty((P,), dtype=torch.float32), scales,
             x.new_empty((sum(_meta_split(cfg)),), dtype=torch.int32), torch.empty((), dtype=torch.int64))
 
 

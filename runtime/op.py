@@ -191,7 +191,7 @@ class EpDispatchCombineOp:
 
     # --- public API ----------------------------------------------------------------------------
     def dispatch(self, x=None, weights=None, scales=None, indices=None, return_routing: bool = False, routing=None, *,
-                 input=None, _layout: bool = False):
+                 input=None, _layout: bool = False, _layout_out=None):
         """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle]). ``input``: the seed's
         name for x."""
         self._check_open("dispatch")
@@ -201,7 +201,7 @@ class EpDispatchCombineOp:
         routed = self._routed_across(indices)  # before the backend, which may raise on some ranks only
         try:
             *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing,
-                                                   **({"layout": True} if _layout else {}))
+                                                   **({"layout": True, "layout_out": _layout_out} if _layout else {}))
         except CapacityError:
             self._seq += 1  # the data moved; dropped_count() reports it
             raise
@@ -619,31 +619,52 @@ class EpDispatchCombineOp:
         self._need_grouped("grouped_layout")
         return self._grouped_layout_of(self._need_dispatch("grouped_layout"))
 
-    def _grouped_layout_of(self, last: dict) -> grouped.GroupedLayout:
-        """The grouped layout of the received dispatch `last` (its slot selected and its layout kept)."""
+    def _grouped_layout_of(self, last: dict, out_x=None) -> grouped.GroupedLayout:
+        """The grouped layout of the received dispatch `last` (its slot selected and its layout kept); out_x: see
+        dispatch_grouped."""
         self._select(last["slot"])
         own = getattr(self._backend, "grouped_layout", None)
         cfg = self.config
         if own is not None:
-            layout = own(seq=last["seq"])
+            layout = own(seq=last["seq"], out_x=out_x)
         else:
             layout = grouped.group(last["out"], last["out_s"], last["out_w"], last["out_i"], last["total"], cfg.rank,
                                    cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
             if cfg.grouped_dequantize:
                 layout = grouped.dequantized(layout, cfg.dispatch_quant_type, cfg.data_type)
+            if out_x is not None:  # the rows are fresh here, their padding zeroed: copied into the caller's
+                layout = attrs.evolve(layout, x=out_x.copy_(layout.x))
             layout = attrs.evolve(layout, seq=last["seq"])
         self._grouped_by[last["slot"]] = layout
         return layout
 
-    def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None):
+    def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None, *, out_x=None):
         """dispatch(x, weights, scales, indices, return_routing=True, routing=routing), then grouped_layout():
         -> (GroupedLayout, routing handle). The grouped GEMMs run on the layout; combine_grouped(expert_out,
-        handle) brings their rows back."""
+        handle) brings their rows back.
+
+        out_x: a contiguous tensor of the layout's x shape and dtype (grouped_x_spec()) the rows are placed
+        into instead of the op's buffer, every row without a pair zeroed (by the placing kernel on the native
+        backend): the layout's x is then the caller's, valid past the next dispatch (runtime/autograd.py gives
+        every forward its own this way)."""
         self._check_open("dispatch_grouped")
         self._need_grouped("dispatch_grouped")
+        if out_x is not None:
+            shape, dtype = self.grouped_x_spec()
+            self._check_tensor("dispatch_grouped", "out_x", out_x, dtype, shape=shape)
         place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel may place the layout itself
-        *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place)
-        return self.grouped_layout(), handle
+        *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place,
+                                   _layout_out=out_x)
+        self._check_open("grouped_layout")
+        return self._grouped_layout_of(self._need_dispatch("grouped_layout"), out_x), handle
+
+    def grouped_x_spec(self) -> tuple[tuple[int, int], torch.dtype]:
+        """(shape, dtype) of a grouped layout's x: [resolved_grouped_capacity, dispatch_out_cols] of
+        dispatch_out_dtype, or [.., hidden_dim] of data_type with grouped_dequantize."""
+        cfg = self.config
+        if cfg.grouped_dequantize:
+            return (cfg.resolved_grouped_capacity, cfg.hidden_dim), cfg.data_type
+        return (cfg.resolved_grouped_capacity, self.dispatch_out_cols), self.dispatch_out_dtype
 
     def combine_grouped(self, expert_out, routing, apply_weights: bool = True):
         """Expert outputs in the grouped layout of the last grouped_layout() -> combine.

@@ -255,6 +255,7 @@ struct EpArgs {
   epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
+  epg_i64 grp_zero_padding;  // dispatch: 1 to zero the payload of every grouped row without a pair (grp_x a fresh buffer)
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
@@ -594,21 +595,39 @@ EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& s
   }
 }
 
+// Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
+EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
+  int lo = 0, hi = (int)g.num_local;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+  }
+  return lo < g.num_local && r < sh.start[lo] + sh.kept[lo];
+}
+
 // Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
-// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is.
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is (but see epg_grouped_zero).
 EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
-  const int E = (int)g.num_local;
   for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
-    int lo = 0, hi = E;  // the first group ending past r (E: past the last group)
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
-    }
-    if (lo == E || r >= sh.start[lo] + sh.kept[lo]) {
+    if (!epg_grouped_filled(g, sh, r)) {
       g.src[r] = -1;
       g.m_indices[r] = -1;
       g.weights[r] = 0.f;
     }
+  }
+}
+
+// Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
+// (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
+// (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
+EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 out_row_bytes) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 n16 = out_row_bytes / 16;
+  epg_vec16 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (epg_i64 r = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; r < g.capacity; r += (epg_i64)epg_nblocks() * waves) {
+    if (epg_grouped_filled(g, sh, r)) continue;  // wave-uniform
+    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(g.out_x + r * out_row_bytes + 16 * b, z);
   }
 }
 
@@ -698,7 +717,8 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // layout's two passes with a grid barrier between them, the grid standing in for the standalone kernels'
 // grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
 // places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
-// (state grouped_end; rows past both are padding already).
+// (state grouped_end; rows past both are padding already); with grp_zero_padding (grp_x a fresh buffer) every
+// row without a pair has its payload zeroed.
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   __shared__ EpgGroupedShared sh;
   if (!epg_grid_sync(a)) return;
@@ -710,6 +730,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   const int end = epg_grouped_bounds(g, sh);
   epg_grouped_place(g, sh);
   epg_grouped_mark(g, sh, end > before ? end : before);
+  if (a.grp_zero_padding != 0) epg_grouped_zero(g, sh, g.row_bytes);  // a fresh grp_x: every row without a pair
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 

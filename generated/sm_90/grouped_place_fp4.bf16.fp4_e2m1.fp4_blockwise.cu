@@ -196,7 +196,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Grouped layout, pass 2 (grouped_common.j2): every block works out the groups from the per-expert counts
 // (epg_grouped_bounds; block 0 publishes offs / kept counts / drops), then one wave per real (received row, k)
 // pair places the kept ones (epg_grouped_place), then one thread per grouped row marks the rows without a pair
-// (epg_grouped_mark: src = m_indices = -1, weights = 0), every row of the buffer. (A dispatch_grouped call runs
+// (epg_grouped_mark: src = m_indices = -1, weights = 0), every row of the buffer; with zero_padding their payload is
+// zeroed too (epg_grouped_zero: out_x a fresh buffer). (A dispatch_grouped call runs
 // both passes in its dispatch kernel's tail instead.)
 // This variant places the rows dequantized: each fp4_e2m1 (fp4_blockwise) row is decoded with its
 // scales into bf16 (8 elements per lane; out_row_bytes = hidden x 2); no scales are written.
@@ -395,21 +396,39 @@ EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& s
   }
 }
 
+// Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
+EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
+  int lo = 0, hi = (int)g.num_local;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+  }
+  return lo < g.num_local && r < sh.start[lo] + sh.kept[lo];
+}
+
 // Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
-// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is.
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is (but see epg_grouped_zero).
 EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
-  const int E = (int)g.num_local;
   for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
-    int lo = 0, hi = E;  // the first group ending past r (E: past the last group)
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
-    }
-    if (lo == E || r >= sh.start[lo] + sh.kept[lo]) {
+    if (!epg_grouped_filled(g, sh, r)) {
       g.src[r] = -1;
       g.m_indices[r] = -1;
       g.weights[r] = 0.f;
     }
+  }
+}
+
+// Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
+// (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
+// (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
+EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 out_row_bytes) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 n16 = out_row_bytes / 16;
+  epg_vec16 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (epg_i64 r = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; r < g.capacity; r += (epg_i64)epg_nblocks() * waves) {
+    if (epg_grouped_filled(g, sh, r)) continue;  // wave-uniform
+    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(g.out_x + r * out_row_bytes + 16 * b, z);
   }
 }
 
@@ -463,7 +482,8 @@ EPG_KERNEL void epg_grouped_place_fp4__bf16__fp4_e2m1__fp4_blockwise(const char*
     epg_i64 row_bytes,
     epg_i64 scale_bytes,
     epg_i64 has_weights,
-    epg_i64 out_row_bytes) {
+    epg_i64 out_row_bytes,
+    epg_i64 zero_padding) {
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;
@@ -510,4 +530,5 @@ EPG_KERNEL void epg_grouped_place_fp4__bf16__fp4_e2m1__fp4_blockwise(const char*
     if (lane == 0) epg_grouped_note(g, p, row);
   }
   epg_grouped_mark(g, sh, capacity);
+  if (zero_padding != 0) epg_grouped_zero(g, sh, out_row_bytes);
 }

@@ -368,11 +368,12 @@ class NativeBackend:
         return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
-    def dispatch(self, x, weights, scales, indices, routing, layout: bool = False):
+    def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
         """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;
-        one-call launches only)."""
+        one-call launches only), into layout_out (a fresh [P, cols] buffer, padding zeroed) when given."""
         call = self._dispatch_prepare(x, weights, scales, indices, routing)
         call["layout"] = layout and self.one_kernel_legs(call["protocol"])
+        call["layout_out"] = layout_out
         self._dispatch_launch(call, PHASE_BOTH)
         return self._dispatch_outputs(call)
 
@@ -419,7 +420,9 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens, a.phase = T, phase
         layout = call.get("layout", False) and phase == PHASE_BOTH
-        a.grp_x = self._grp["tail"] if layout else 0
+        out = call.get("layout_out") if layout else None
+        a.grp_x = (self._grp["tail"] if out is None else out.data_ptr()) if layout else 0
+        a.grp_zero_padding = int(out is not None)
         if phase != PHASE_SEND:
             self._placed = layout
         if call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
@@ -564,7 +567,7 @@ class NativeBackend:
             "place_launch": self.k["grouped_place"].bind(
                 recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
                 total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], pair_pos=g["pair_pos"],
-                out_x=g["x"], out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"], src=g["src"],
+                out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"], src=g["src"],
                 m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
                 num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
                 row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
@@ -592,16 +595,22 @@ class NativeBackend:
         if not self.plan.scatter:
             g["stage"] = g["pair_pos"].data_ptr()
 
-    def grouped_layout(self, seq: int = 0) -> grouped.GroupedLayout:
+    def grouped_layout(self, seq: int = 0, out_x: torch.Tensor | None = None) -> grouped.GroupedLayout:
         """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
-        stream, sized by the device's total_recv (no host sync); seq: the op's number of that dispatch."""
+        stream, sized by the device's total_recv (no host sync); seq: the op's number of that dispatch. out_x: the
+        rows go there, every row without a pair zeroed (the dispatch that placed them in its kernel was given the
+        same one: op.dispatch_grouped)."""
         g = self._grp
         if not self._placed:
             g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
-            g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights))
-        return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
-                                     src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
-                                     dropped=g["dropped_view"], pair_pos=g["pair_pos"], seq=seq)
+            g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights),
+                                     out_x=g["x"] if out_x is None else out_x, zero_padding=int(out_x is not None))
+        if out_x is not None:
+            self._placed = False  # the op's buffer does not hold these rows: a later grouped_layout() places again
+        return grouped.GroupedLayout(x=g["x_view"] if out_x is None else out_x, scales=g["scales_view"],
+                                     offs=g["offs"], counts=g["counts"], src=g["src"], m_indices=g["m_indices"],
+                                     weights=g["weights"], dropped=g["dropped_view"], pair_pos=g["pair_pos"],
+                                     seq=seq)
 
     def grouped_reduce(self, expert_out, apply_weights: bool) -> torch.Tensor:
         """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
@@ -631,8 +640,8 @@ class NativeBackend:
         """Grouped rows x [P, H] (combine dtype) row by row, one launch (templates/kernels/grouped_scale.j2), under
         the pair ids `src` [P] (-1: a padding row, never read) -> (a fresh [P, H]: each filled row times its
         weight w [P] float32 (one rounding), or copied without w; [P] float32 <y, x> per filled row, or None
-        without y), padding rows 0 in both. combine_grouped's backward (x the token gradients, y the expert
-        rows) and dispatch_grouped's autograd output (the rows with their padding zeroed), runtime/autograd.py."""
+        without y), padding rows 0 in both: combine_grouped's backward (x the token gradients, y the expert
+        rows, w their weights), runtime/autograd.py."""
         P, H = x.shape
         out = torch.empty_like(x)
         dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None

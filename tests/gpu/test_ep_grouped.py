@@ -283,6 +283,37 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     run_collective(check)
 
 
+@pytest.mark.parametrize("mode,protocol,one_kernel", [
+    ("bf16", "bw", "never"), ("bf16", "ll", "always"), ("bf16", "bw", "always"), ("fp8_blockwise", "bw", "never"),
+    ("fp8", "ll", "always"), ("fp32", "bw", "never"),
+])
+def test_dispatch_grouped_into_a_fresh_buffer(mode, protocol, one_kernel):
+    """dispatch_grouped(out_x=...) on both placements (the standalone grouped_place, the dispatch kernel's tail):
+    the layout's x is the caller's tensor, every kept row bit-identical to the op's own buffer's, every row
+    without a pair zeroed although the tensor was filled with 0xff bytes (NaN in every float dtype); a later
+    grouped_layout() places into the op's buffer again. Groups padded to 3 rows: padding inside the groups."""
+    def check():
+        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, expert_alignment=3)) as op:
+            op._backend.one_kernel = one_kernel
+            x, w, s, idx = _inputs(5, mode, "cuda")
+            shape, dtype = op.grouped_x_spec()
+            out = torch.empty(shape, dtype=dtype, device="cuda")
+            out.view(torch.uint8).fill_(0xFF)
+            lay, h = op.dispatch_grouped(x, w, s, idx, out_x=out)
+            assert lay.x is out
+            fresh = _snapshot(lay)
+            pad = (lay.src < 0).cpu()
+            assert int(pad[: int(lay.offs[-1])].sum()) > 0, "no padding inside the groups: the test shows nothing"
+            assert bool((out.view(torch.uint8).cpu()[pad] == 0).all()), "a row without a pair is not zeroed"
+            op.dispatch(x, w, s, idx, routing=h)  # replay into the op's own buffer
+            own = _snapshot(op.grouped_layout())
+            for name, got in fresh.items():
+                want = own[name]
+                assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), name
+            assert op.grouped_layout().x is not out
+    run_collective(check)
+
+
 # --- memory: the report against what the op's construction allocates -----------------------------------------
 @pytest.mark.parametrize("gcap", [0, 256])
 def test_memory_report_holds_against_the_bytes_allocated(gcap):

@@ -190,6 +190,28 @@ def test_grouped_bad_inputs(monkeypatch):
         o.close()
 
 
+def test_dispatch_grouped_into_the_callers_tensor(monkeypatch):
+    """out_x: the layout's x is the caller's tensor (the same rows as the op's own layout, rows without a pair
+    zeroed whatever it held); a tensor of another shape, dtype or layout is refused with the call's message."""
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
+        x, w, _, idx = _inputs(1, 0, 6, "bf16", EPR1)
+        shape, dtype = op.grouped_x_spec()
+        assert shape == (op.config.resolved_grouped_capacity, 32) and dtype == torch.bfloat16
+        own, h = op.dispatch_grouped(x, w, None, idx)
+        own_x = own.x.clone()
+        out = torch.full(shape, float("nan"), dtype=dtype)
+        lay, _ = op.dispatch_grouped(x, w, None, idx, out_x=out, routing=h)
+        assert lay.x is out and torch.equal(out, own_x)
+        assert bool((out[lay.src < 0] == 0).all()) and int((lay.src < 0).sum()) > 0
+        for bad, message in ((torch.empty(shape, dtype=torch.float32), "out_x must be torch.bfloat16"),
+                             (torch.empty((8, 32), dtype=dtype), r"out_x must have shape \[96, 32\], got \[8, 32\]"),
+                             (torch.empty((32, 96), dtype=dtype).t(), "out_x must be contiguous"),
+                             ([0.0], "out_x must be a torch.Tensor, got list")):
+            with pytest.raises(InputError, match=rf"^dispatch_grouped: {message}"):
+                op.dispatch_grouped(x, w, None, idx, out_x=bad)
+
+
 def test_grouped_empty_dispatch(monkeypatch):
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
     with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
