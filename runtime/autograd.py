@@ -342,10 +342,6 @@ def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
     return op.combine(rows, rows_w, routing=routing)
 
 
-def _pair_rows(pair_pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
-    return pair_pos.long().view(-1, k)[:rows]
-
-
 def _sum_pairs(op, grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     """Grouped rows' gradients [P, H] -> per received row the float32 sum, in ascending column, of its local pairs'
     rows [R, H], rounded once to the combine dtype (the native backend: one kernel, the grouped combine's reduce)."""
@@ -358,9 +354,10 @@ def _sum_pairs(op, grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: 
 
 
 def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """Grouped rows' values [P] -> [R, k] per (received row, column) pair, 0 where the pair has no row."""
-    pos = _pair_rows(pair_pos, k, rows)
-    return _where(pos >= 0, wg[pos.clamp(min=0)])
+    """Grouped rows' values [P] -> [R, k] per (received row, column) pair, 0 where the pair has no row: the
+    values with a zero appended, indexed by the pair map as it is (its -1, a pair without a row, is the last
+    element: that zero), two small ops."""
+    return torch.nn.functional.pad(wg, (0, 1))[pair_pos.view(-1, k)[:rows]]
 
 
 # --- epgen::dispatch_grouped -----------------------------------------------------------------------
