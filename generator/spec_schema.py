@@ -110,6 +110,10 @@ class Family:
     # the most threads per block the kernel is compiled for (its launch bounds: registers are held to what a block
     # of that many threads may use); 1024, the default, leaves the compiler's register choice as it is
     max_threads: int = 1024
+    # blocks of max_threads threads the kernel must fit on one multiprocessor at once (NVIDIA's launch bounds'
+    # second number: registers are held to what that many blocks may share); 0, the default, asks nothing.
+    # The AMD targets take no such hint from it (their flat work-group size is max_threads alone)
+    min_blocks: int = 0
     args: str  # the [args.NAME] table of its launch arguments
     signature: "ArgList | None" = attrs.field(default=None, eq=False, repr=False)  # args, resolved by the loader
     # every [args.NAME] table's limits by NAME (a kernel that runs another family's pass in its tail sizes its
@@ -276,6 +280,7 @@ _RANGES = {
     (Bucket, "threads"): _Range(1, 1024),  # and whole waves of the target
     (Bucket, "world"): _Range(0, _INT32_MAX),
     (Family, "max_threads"): _Range(64, 1024, pow2=True),  # whole waves of every target
+    (Family, "min_blocks"): _Range(1, 32, zero=True),  # an SM holds at most 32 blocks (sm_90)
 }
 
 # Strings of a fixed form: C identifiers, plain file-name parts, template paths, toolchain programs.

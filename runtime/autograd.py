@@ -295,20 +295,32 @@ def _replay(saved: _Saved, call: str, grad: torch.Tensor, grad_w: torch.Tensor |
     return rows, out_w
 
 
+def _replay_rows(saved: _Saved, call: str, grad: torch.Tensor) -> torch.Tensor:
+    """combine_grouped's backward: the output gradient [T, H] dispatched along the forward's routing -> the
+    received rows [R, H] data_type in the forward's numbering (a replay keeps it), pair p's token gradient at
+    row p // k (rows past total_recv: anything). A quantized dispatch's gradients move unquantized through the
+    companion op (_replay)."""
+    op = _live(saved, call)
+    cfg = op.config
+    if cfg.dispatch_quant_type == "none" and not cfg.prequantized:
+        return op.dispatch(grad.to(cfg.data_type).contiguous(), None, None, saved.ids, routing=saved.routing)[0]
+    return _replay(saved, call, grad, None)[0]
+
+
 def _replay_grouped(saved: _Saved, call: str, grad: torch.Tensor) -> torch.Tensor:
-    """combine_grouped's backward: the output gradient [T, H] dispatched along the forward's routing into the
-    forward's grouped layout -> [P, H] data_type, row p the gradient of pair p's token (padding rows: anything).
-    A replay keeps the forward's received-row numbering, so its layout puts every pair where the forward did: one
-    dispatch_grouped (the op's kernels: the native one-kernel legs place the rows as they land). A quantized
-    dispatch's gradients move unquantized through the companion op, which has no grouped layout: a dispatch, then
-    a gather of each pair's row."""
+    """combine_grouped's backward where no kernel takes the received rows (the torch backend): the output
+    gradient [T, H] dispatched along the forward's routing into the forward's grouped layout -> [P, H]
+    data_type, row p the gradient of pair p's token (padding rows: anything). A replay keeps the forward's
+    received-row numbering, so its layout puts every pair where the forward did: one dispatch_grouped. A
+    quantized dispatch's gradients move unquantized through the companion op, which has no grouped layout: a
+    dispatch, then a gather of each pair's row."""
     op = _live(saved, call)
     cfg = op.config
     x = grad.to(cfg.data_type).contiguous()
     if cfg.dispatch_quant_type == "none" and not cfg.prequantized:
         layout, _ = op.dispatch_grouped(x, None, None, saved.ids, routing=saved.routing)
         return layout.x
-    rows, _ = _replay(saved, call, grad, None)
+    rows = _replay_rows(saved, call, grad)
     k = cfg.num_experts_per_token
     return rows[torch.div(saved.src.long().clamp(min=0), k, rounding_mode="floor")]
 
@@ -491,15 +503,18 @@ def _combine_grouped_setup(ctx, inputs, output):
 def _combine_grouped_backward(ctx, grad_out):
     y, wg, handle_t = ctx.saved_tensors
     saved = _routing_of(ctx, handle_t)
-    g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
+    op = _live(saved, "epgen::combine_grouped")
     want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.apply_weights
-    own = getattr(_live(saved, "epgen::combine_grouped")._backend, "grouped_scale", None)
-    if (own is not None and (want_y or want_w) and g.dtype == y.dtype and wg.dtype == torch.float32
-            and g.is_contiguous() and y.is_contiguous() and wg.is_contiguous()):
-        # one kernel, each row's g and y read once (grad_w summed in another order than below: the same
-        # float32 products, rounded sums that may differ in the last bits)
-        grad_y, grad_w = own(g, saved.src, wg if ctx.apply_weights else None, y if want_w else None)
+    own = getattr(op._backend, "grouped_scale", None)
+    if own is not None and (want_y or want_w) and y.dtype == op.config.data_type and wg.dtype == torch.float32 \
+            and y.is_contiguous() and wg.is_contiguous():
+        # one kernel from the replayed rows: each pair's row times its weight and <y, g>, y read once (grad_w
+        # summed in another order than below: the same float32 products, sums that may differ in the last bits)
+        rows = _replay_rows(saved, "epgen::combine_grouped", grad_out)
+        grad_y, grad_w = own(rows, saved.src, wg if ctx.apply_weights else None, y if want_w else None,
+                             k=op.config.num_experts_per_token)
         return (grad_y if want_y else None), grad_w, None, None, None
+    g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
     filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)
     grad_y = grad_w = None
     if want_y:

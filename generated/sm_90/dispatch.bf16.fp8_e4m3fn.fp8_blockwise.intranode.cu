@@ -3,7 +3,8 @@
 // family:  dispatch -- intranode dispatch: one row per (token, destination rank), pushed into the peer's receive buffer; fp8/fp4 payloads move as bytes with their scales, bf16/fp32 rows may be quantized on the way; with the grouped layout (grp_x) its tail places the received pairs in their expert groups
 // target:  sm_90 (NVIDIA Hopper (H100/H200)), wave 32, FP8 e4m3 ocp (max 448.0), FP4 conversion software
 #define EPG_DEVICE __device__ __forceinline__
-// launch bounds where the family declares fewer than 1024 threads (specs/kernels.toml max_threads)
+// launch bounds where the family declares fewer than 1024 threads or blocks per SM (specs/kernels.toml max_threads,
+// min_blocks)
 #define EPG_KERNEL extern "C" __global__
 typedef unsigned char epg_u8;
 typedef unsigned short epg_u16;

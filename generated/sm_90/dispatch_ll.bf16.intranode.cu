@@ -3,7 +3,8 @@
 // family:  dispatch_ll -- intranode low-latency dispatch: each row goes to a fixed per-(source rank, position) slot of the peer in 16-byte vectors of 12 data bytes and a 4-byte epoch flag; the receiver polls the flags and packs rows in (source rank, token) order; no claims, no fence, no barrier; with grp_x its tail places the received pairs in their expert groups
 // target:  sm_90 (NVIDIA Hopper (H100/H200)), wave 32, FP8 e4m3 ocp (max 448.0), FP4 conversion software
 #define EPG_DEVICE __device__ __forceinline__
-// launch bounds where the family declares fewer than 1024 threads (specs/kernels.toml max_threads)
+// launch bounds where the family declares fewer than 1024 threads or blocks per SM (specs/kernels.toml max_threads,
+// min_blocks)
 #define EPG_KERNEL extern "C" __global__ __launch_bounds__(512)
 typedef unsigned char epg_u8;
 typedef unsigned short epg_u16;

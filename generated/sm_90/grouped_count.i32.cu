@@ -3,7 +3,8 @@
 // family:  grouped_count -- grouped-GEMM layout, pass 1: per local expert, its real (received row, k) pairs and each pair's position in its group (one block per expert, ballot prefix: ascending pair id)
 // target:  sm_90 (NVIDIA Hopper (H100/H200)), wave 32, FP8 e4m3 ocp (max 448.0), FP4 conversion software
 #define EPG_DEVICE __device__ __forceinline__
-// launch bounds where the family declares fewer than 1024 threads (specs/kernels.toml max_threads)
+// launch bounds where the family declares fewer than 1024 threads or blocks per SM (specs/kernels.toml max_threads,
+// min_blocks)
 #define EPG_KERNEL extern "C" __global__
 typedef unsigned char epg_u8;
 typedef unsigned short epg_u16;

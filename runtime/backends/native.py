@@ -636,18 +636,19 @@ class NativeBackend:
         return out
 
     def grouped_scale(self, x: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None = None,
-                      y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Grouped rows x [P, H] (combine dtype) row by row, one launch (templates/kernels/grouped_scale.j2), under
-        the pair ids `src` [P] (-1: a padding row, never read) -> (a fresh [P, H]: each filled row times its
-        weight w [P] float32 (one rounding), or copied without w; [P] float32 <y, x> per filled row, or None
-        without y), padding rows 0 in both: combine_grouped's backward (x the token gradients, y the expert
-        rows, w their weights), runtime/autograd.py."""
-        P, H = x.shape
-        out = torch.empty_like(x)
+                      y: torch.Tensor | None = None, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Grouped rows row by row, one launch (templates/kernels/grouped_scale.j2), under the pair ids `src` [P]
+        (-1: a padding row) -> (a fresh [P, H]: each filled row's x row times its weight w [P] float32 (one
+        rounding), or copied without w; [P] float32 <y, x row> per filled row, or None without y), padding rows
+        0 in both, their inputs never read. x row of grouped row p: x[p] (k = 0, x [P, H]) or x[src[p] // k]
+        (k = experts per token, x the received rows [R, H] its pairs came from). combine_grouped's backward
+        (runtime/autograd.py): x the replayed gradient rows, y the expert rows, w their weights."""
+        P, H = src.shape[0], x.shape[1]
+        out = torch.empty((P, H), dtype=x.dtype, device=self.device)
         dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None
         self.k["grouped_scale"].launch(max(1, min(P, 8 * self.num_sms)), SCALE_BLOCK, x=x, y=y, w=w, src=src,
                                        out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
-                                       want_dot=int(y is not None))
+                                       want_dot=int(y is not None), k=k)
         return out, dot
 
     def grouped_out_view(self) -> torch.Tensor | None:

@@ -185,3 +185,18 @@ def test_fp8_max_that_does_not_render_exactly_is_refused(spec_copy, value):
 def test_exact_fp8_max_is_accepted(spec_copy, value):
     mutate(spec_copy / "targets.toml", "fp8_max = 240.0", f"fp8_max = {value}")
     assert S.load(spec_copy).targets["gfx942"].fp8_max == float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5: a family's launch bounds (max_threads, min_blocks) are range-checked where they stand
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("old,new,message", [
+    ("min_blocks = 3", "min_blocks = 33", "min_blocks = 33"),
+    ("min_blocks = 3", "min_blocks = -1", "min_blocks = -1"),
+    ("max_threads = 256", "max_threads = 384", "max_threads = 384"),
+    ("max_threads = 256", "max_threads = 32", "max_threads = 32"),
+])
+def test_launch_bounds_out_of_range_are_located(spec_copy, old, new, message):
+    mutate(spec_copy / "kernels.toml", old, new)
+    msg = _located(spec_copy, "kernels.toml", line_of(spec_copy / "kernels.toml", new))
+    assert msg.startswith(f"[family.grouped_scale] {message}"), msg

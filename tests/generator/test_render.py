@@ -81,6 +81,11 @@ def test_render_is_deterministic():
     ("sm_90/quantize_fp4.fp32.fp4_e2m1.fp4_blockwise",
      ["epg_fp4x8_encode_sw(v, e)", "cvt.rn.satfinite.e4m3x2.f32", "EPG_WAVE = 32"], ["__builtin_amdgcn"]),
     ("sm_90/dequantize_fp8.bf16.fp8_e4m3fn.fp8_direct_cast", ["cvt.rn.f16x2.e4m3x2"], ["#ifdef"]),
+    # a family's launch bounds (specs/kernels.toml max_threads, min_blocks), and none where it declares none
+    ("sm_90/grouped_scale.bf16", ["__global__ __launch_bounds__(256, 3)\n"], []),
+    ("sm_90/dispatch_ll.bf16.intranode", ["__global__ __launch_bounds__(512)\n"], []),
+    ("sm_90/grouped_reduce.bf16", ['#define EPG_KERNEL extern "C" __global__\n'], ["__launch_bounds__"]),
+    ("gfx950/grouped_scale.bf16", ["amdgpu_flat_work_group_size(1, 256)"], ["__launch_bounds__"]),
 ])
 def test_golden_snippets(specs, key, present, absent):
     text = render.render(_one(specs, key))

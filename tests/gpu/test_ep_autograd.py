@@ -90,33 +90,39 @@ def test_grouped_backward_matches_torch_backend(dtype, apply_weights, recv_cap, 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("apply_weights,want_dot", [(True, True), (True, False), (False, True), (False, False)])
-def test_grouped_scale_kernel(dtype, apply_weights, want_dot):
-    """The grouped_scale kernel (combine_grouped's backward; dispatch_grouped's output copy without weights or dot)
-    on arbitrary values, not the exact ones above: out bit-exact against torch's w * x (float32, one rounding) or
-    x, dot within float32 summation error of a float64 <y, x>, and 0 in both on padding rows, whose x, y and weight
-    hold NaN (a kernel that read them would show it). H = 136: 17 chunks of 8, fewer than a wave's lanes take in
-    one step; 300 rows: not a multiple of a block's waves."""
+@pytest.mark.parametrize("k", [0, 3])
+def test_grouped_scale_kernel(dtype, apply_weights, want_dot, k):
+    """combine_grouped's backward kernel on arbitrary values, not the exact ones above: out bit-exact against
+    torch's w * x (float32, one rounding) or x, dot within float32 summation error of a float64 <y, x>, and 0 in
+    both on padding rows, whose x, y and weight hold NaN (a kernel that read them would show it). k = 0: x in the
+    grouped layout; k = 3: x the received rows, grouped row p taking row src[p] // 3 (pairs in shuffled order).
+    H = 136: 17 chunks of 8, fewer than a block's threads; 300 rows."""
     def check():
         dt = DTYPES[dtype]
         with EpDispatchCombineOp(_cfg("native", dt)) as op:
             P, Hh = 300, 136
             gen = torch.Generator().manual_seed(7)
-            x = torch.randn((P, Hh), generator=gen).to(dt)
-            y = torch.randn((P, Hh), generator=gen).to(dt)
-            w = torch.rand((P,), generator=gen)
-            src = torch.arange(P, dtype=torch.int32)
+            src = torch.randperm(P, generator=gen).to(torch.int32)  # pair ids, shuffled
             src[torch.randperm(P, generator=gen)[:P // 3]] = -1  # padding rows, scattered
             pad = src < 0
-            x[pad], y[pad], w[pad] = float("nan"), float("nan"), float("nan")
+            rows = P if k == 0 else -(-P // k)
+            x = torch.randn((rows, Hh), generator=gen).to(dt)
+            y = torch.randn((P, Hh), generator=gen).to(dt)
+            w = torch.rand((P,), generator=gen)
+            y[pad], w[pad] = float("nan"), float("nan")
+            at = torch.arange(P) if k == 0 else src.long().clamp(min=0) // k  # row p's x row
+            if k == 0:
+                x[pad] = float("nan")
+            xr = x[at]
             out, dot = op._backend.grouped_scale(x.cuda(), src.cuda(), w.cuda() if apply_weights else None,
-                                                 y.cuda() if want_dot else None)
-            want = (x.float() * w[:, None] if apply_weights else x.float()).to(dt)
+                                                 y.cuda() if want_dot else None, k=k)
+            want = (xr.float() * w[:, None] if apply_weights else xr.float()).to(dt)
             want[pad] = 0
             assert torch.equal(out.cpu(), want), f"out differs by {(out.cpu().float() - want.float()).abs().max()}"
             if not want_dot:
                 assert dot is None
                 return
-            want_d = (y.double() * x.double()).sum(1)
+            want_d = (y.double() * xr.double()).sum(1)
             want_d[pad] = 0
             dot = dot.cpu().double()
             assert torch.equal(dot[pad], want_d[pad]), "a padding row's dot is not 0"
