@@ -233,7 +233,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // pass, each row of y read once. One block per row, grid-stride over the rows; a thread takes EPG_SCALE_U
 // 8-element chunks per step, every load issued before any is used: a row of up to 8192 bf16 elements is one
 // step of 256 threads (a few rows cost one memory round trip, not one per chunk; the runtime launches 256: at
-// ~80 registers three blocks share an SM).
+// ~80 registers three blocks share an SM); the next row's pair id is read while this row's data loads are in
+// flight (it decides where the next row's x row is: one round trip less per row).
 constexpr int EPG_SCALE_U = 4;
 EPG_KERNEL void epg_grouped_scale__fp32(const char* __restrict__ x,
     const char* __restrict__ y,
@@ -250,9 +251,12 @@ EPG_KERNEL void epg_grouped_scale__fp32(const char* __restrict__ x,
   __shared__ float wave_dot[2][1024 / EPG_WAVE];  // two rows' sets: a block's next row never waits for thread 0
   const epg_i64 row_bytes = hidden * B, n8 = hidden / 8;
   const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE;
+  const epg_i64 step = epg_nblocks();
   int parity = 0;
-  for (epg_i64 p = epg_block(); p < rows; p += epg_nblocks(), parity ^= 1) {
-    const int pair = src[p];
+  int next = epg_block() < rows ? src[epg_block()] : -1;
+  for (epg_i64 p = epg_block(); p < rows; p += step, parity ^= 1) {
+    const int pair = next;
+    next = p + step < rows ? src[p + step] : -1;  // the next row's pair id, in flight beside this row's loads
     const bool filled = pair >= 0;  // block-uniform
     const float wp = filled && apply_weights != 0 ? w[p] : 1.0f;
     const bool with_dot = filled && want_dot != 0;
