@@ -109,6 +109,24 @@ def test_without_titan_the_records_say_so():
     assert lines[3].startswith("| 3 |") and "| – | – |" in lines[3] and lines[-1] == "titan: --no-titan"
 
 
+def test_profiles_by_own_time_and_the_kernel_table():
+    """--host-profile --host-sort own: host_top in descending own time, said in the table; --kernel-profile on a CPU:
+    kernel_top is empty (no device events there), and a record's kernel_top is printed as its table."""
+    m = _script()
+    argv = TINY + ["--tokens", "3", "--no-titan", "--host-profile", "--host-sort", "own", "--kernel-profile"]
+    recs = get_world(1).run(scn_run, argv, timeout=120)[0]
+    e = recs[0]
+    own = [h["own_us"] for h in e["host_top"]]
+    assert e["host_sort"] == "own" and len(own) > 5 and own == sorted(own, reverse=True), own
+    assert e["kernel_top"] == []
+    lines = m.table(recs)
+    assert "epgen host profile at 3 tokens (cProfile, µs per step, by own time):" in lines
+    e["kernel_top"] = [{"kernel": "epg_grouped_scale__bf16", "calls_per_step": 1.0, "us_per_step": 563.04}]
+    lines = m.table(recs)
+    at = lines.index("epgen device kernels at 3 tokens (kineto, µs per step, eager fwd+bwd):")
+    assert lines[at + 1] == "     563.0 us     1x  epg_grouped_scale__bf16", lines[at + 1]
+
+
 def scn_titan_fails(rank, world, argv):
     """run() with torchtitan's all-to-all dispatcher failing to build."""
     m = _script()
