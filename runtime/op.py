@@ -661,6 +661,8 @@ class EpDispatchCombineOp:
     def grouped_x_spec(self) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of a grouped layout's x: [resolved_grouped_capacity, dispatch_out_cols] of
         dispatch_out_dtype, or [.., hidden_dim] of data_type with grouped_dequantize."""
+        self._check_open("grouped_x_spec")
+        self._need_grouped("grouped_x_spec")
         cfg = self.config
         if cfg.grouped_dequantize:
             return (cfg.resolved_grouped_capacity, cfg.hidden_dim), cfg.data_type

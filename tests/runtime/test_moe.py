@@ -427,6 +427,7 @@ def test_build_close_ten_times_then_closed(no_env):
         "convert_dispatch_output": op.convert_dispatch_output, "std_moe_dropped": op.std_moe_dropped,
         "convert_combine_input": lambda: op.convert_combine_input(y, h), "memory_report": op.memory_report,
         "scale_stride_bytes": op.scale_stride_bytes, "grouped_layout": op.grouped_layout,
+        "grouped_x_spec": op.grouped_x_spec,
         "dispatch_grouped": lambda: op.dispatch_grouped(x, w, None, idx),
         "combine_grouped": lambda: op.combine_grouped(out, h), "grouped_out_view": op.grouped_out_view,
         "dispatch_send": lambda: op.dispatch_send(x, w, None, idx), "combine_send": lambda: op.combine_send(out, routing=h),
