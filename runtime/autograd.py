@@ -30,7 +30,8 @@ Backward (no new routing, no host sync):
     summed over its destination ranks; in the grouped form each received row first sums its local pairs'
     gradient rows, in float32); the weights' gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient; in the
-    grouped form a dispatch_grouped replay, which places each pair's token gradient at the pair's grouped row;
+    grouped form the replay keeps the forward's row numbering, so pair p's token gradient is received row
+    src[p] // k (native: one grouped_scale kernel reads it there; the torch backend replays a dispatch_grouped);
   * pairs or rows the forward dropped (receive cap ``max_total_recv_tokens``, grouped capacity) get zero
     gradient; rows past total_recv and grouped padding rows get zero gradient (and the padding rows of the
     layout's x are zeros: a grouped GEMM over them gives finite weight gradients);

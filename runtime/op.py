@@ -655,7 +655,6 @@ class EpDispatchCombineOp:
         place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel may place the layout itself
         *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place,
                                    _layout_out=out_x)
-        self._check_open("grouped_layout")
         return self._grouped_layout_of(self._need_dispatch("grouped_layout"), out_x), handle
 
     def grouped_x_spec(self) -> tuple[tuple[int, int], torch.dtype]:

@@ -232,8 +232,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // (k > 0: no grouped copy of them), y = the forward's expert rows, w its weights: grad_y and grad_w in one
 // pass, each row of y read once. One block per row, grid-stride over the rows; a thread takes EPG_SCALE_U
 // 8-element chunks per step, every load issued before any is used: a row of up to 8192 bf16 elements is one
-// step of 256 threads (a few rows cost one memory round trip, not one per chunk; the runtime launches 256: at
-// ~80 registers three blocks share an SM); the next row's pair id is read while this row's data loads are in
+// step of 256 threads (a few rows cost one memory round trip, not one per chunk; the family's max_threads, 256,
+// is what the runtime launches, and its min_blocks keeps three blocks on an SM); the next row's pair id is read while this row's data loads are in
 // flight (it decides where the next row's x row is: one round trip less per row).
 constexpr int EPG_SCALE_U = 4;
 EPG_KERNEL void epg_grouped_scale__fp32(const char* __restrict__ x,

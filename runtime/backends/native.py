@@ -37,7 +37,6 @@ from .common import (check_expert_ids, device_target, id_check_mode, local_exper
 
 PHASE_BOTH, PHASE_SEND, PHASE_RECV = 0, 1, 2  # the EP kernels' a.phase (specs/kernels.toml [args.ep])
 BLOCK = 512  # threads per block of the std-MoE and grouped-layout kernels (the EP kernels take specs/tuning.toml)
-SCALE_BLOCK = 256  # grouped_scale's: one step of four chunks per thread covers a row (templates/kernels/grouped_scale.j2)
 
 
 def bad_id_message(cfg: EpDispatchCombineConfig, bad: int | None, seen: int) -> str:
@@ -646,9 +645,10 @@ class NativeBackend:
         P, H = src.shape[0], x.shape[1]
         out = torch.empty((P, H), dtype=x.dtype, device=self.device)
         dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None
-        self.k["grouped_scale"].launch(max(1, min(P, 8 * self.num_sms)), SCALE_BLOCK, x=x, y=y, w=w, src=src,
-                                       out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
-                                       want_dot=int(y is not None), k=k)
+        kern = self.k["grouped_scale"]  # blocks of the threads its family is compiled for (specs max_threads)
+        kern.launch(max(1, min(P, 8 * self.num_sms)), kern.variant.family.max_threads, x=x, y=y, w=w, src=src,
+                    out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None), want_dot=int(y is not None),
+                    k=k)
         return out, dot
 
     def grouped_out_view(self) -> torch.Tensor | None:
