@@ -120,6 +120,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--host-profile's order: cumulative time (callees included) or own time")
     p.add_argument("--kernel-profile", action="store_true",
                    help="kineto over epgen's eager forward + backward: device time per kernel name (kernel_top)")
+    p.add_argument("--host-ledger", action="store_true",
+                   help="host µs of each piece of epgen's step, called alone (host_ledger): what the step is made of")
     return p
 
 
@@ -327,6 +329,90 @@ def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
     return [{"kernel": n, "calls_per_step": len(d) / iters, "us_per_step": sum(d) / iters} for n, d in rows]
 
 
+def host_us(clock: Clock, call, iters: int, warmup: int) -> float:
+    """Median host µs of call() alone: the device idle before each call (synced), the clock stopped when the call
+    returns (its device work may still run)."""
+    samples = []
+    for i in range(warmup + iters):
+        clock.sync()
+        t0 = time.perf_counter()
+        kept = call()
+        t1 = time.perf_counter()
+        del kept
+        if i >= warmup:
+            samples.append((t1 - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[str, float]:
+    """The host µs of the pieces epgen's training step is made of, each called alone (host_us), in the order the
+    step runs them: what a cut of the step's host time can come from. Pieces of the native backend only (its
+    kernels' launches) are left out on the torch backend."""
+    x, w, ids, g = inp["x"], inp["w"], inp["ids"], inp["g"]
+    dev, H = x.device, x.shape[1]
+
+    class Same(torch.autograd.Function):  # the autograd engine's own cost: one node, its input's AccumulateGrad
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, gt):
+            return gt
+
+    leaf = torch.zeros_like(x, requires_grad=True)
+
+    def engine():
+        Same.apply(leaf).backward(g)
+        leaf.grad = None
+
+    layout, h = ag.dispatch_grouped(op, x, w, ids)
+    y = (layout.x * 1).detach()
+    wg = layout.weights.detach()
+    saved = h._saved
+    k = op.config.num_experts_per_token
+    R = op.config.max_recv_tokens
+    pieces = {
+        "torch_empty": lambda: torch.empty((x.shape[0], H), dtype=x.dtype, device=dev),
+        "torch_mul": lambda: g.mul(1),
+        "engine_one_node_fwd_bwd": engine,
+        "op_dispatch_grouped": lambda: op.dispatch_grouped(x.detach(), w.detach(), None, ids),
+        "op_combine_grouped": None,  # after a dispatch_grouped of its own (below)
+        "ag_dispatch_grouped": lambda: ag.dispatch_grouped(op, x, w, ids),
+        "ag_combine_grouped": None,
+        "replay_dispatch": lambda: ag._replay_rows(saved, "ledger", g),
+        "grouped_scale": (lambda: op._backend.grouped_scale(y, saved.src, wg, y, k=k))
+        if hasattr(op._backend, "grouped_scale") else None,
+        "sum_pairs": (lambda: op._backend.sum_pairs(y, saved.pair_pos))
+        if hasattr(op._backend, "sum_pairs") else None,
+        "pair_weights": lambda: ag._pair_weights(wg, saved.pair_pos, R, k),
+        "combine_back": None,
+    }
+    out = {}
+    for name, call in pieces.items():
+        if name == "op_combine_grouped":
+            with torch.no_grad():
+                _, r = op.dispatch_grouped(x.detach(), w.detach(), None, ids)
+                out[name] = host_us(clock, lambda: op.combine_grouped(y, r), iters, warmup)
+            continue
+        if name == "ag_combine_grouped":
+            lay, hh = ag.dispatch_grouped(op, x, w, ids)
+            ys = lay.x * 1
+            out[name] = host_us(clock, lambda: ag.combine_grouped(op, ys, hh), iters, warmup)
+            continue
+        if name == "combine_back":
+            rows = ag._sum_pairs(op, y, saved.pair_pos, R, k)
+            rows_w = ag._pair_weights(wg, saved.pair_pos, R, k)
+            out[name] = host_us(clock, lambda: ag._gather_back(saved, "ledger", rows, rows_w), iters, warmup)
+            continue
+        if call is not None:
+            out[name] = host_us(clock, call, iters, warmup)
+    fwd = epgen_fwd(op, inp)
+    out["step_fwd"] = host_us(clock, fwd, iters, warmup)
+    out["step_fwd_bwd"] = host_us(clock, fwd_bwd_step(fwd, inp), iters, warmup)
+    return out
+
+
 def fwd_bwd_step(fwd, inp: dict):
     def step():
         out = fwd()
@@ -434,6 +520,8 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
             out["epgen"]["host_sort"] = args.host_sort
         if args.kernel_profile:
             out["epgen"]["kernel_top"] = kernel_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
+        if args.host_ledger:
+            out["epgen"]["host_ledger_us"] = slowest(host_ledger(clock, op, inp, args.iters, args.warmup), device)
     for path in PATHS[1:]:
         if titan is None:
             out[path] = {**base, "path": path, "skipped": skip_reason}
@@ -532,6 +620,10 @@ def table(records: list[dict]) -> list[str]:
             host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by {by_what}):")
             host += [f"  {h['cum_us']:8.1f} cum {h['own_us']:7.1f} own {h['calls_per_step']:5g}x  {h['function']}"
                      for h in r["host_top"]]
+    for r in records:
+        if r.get("host_ledger_us"):
+            host.append(f"epgen host ledger at {r['tokens_per_rank']} tokens (µs of host time, each piece alone):")
+            host += [f"  {v:8.1f}  {n}" for n, v in r["host_ledger_us"].items()]
     for r in records:
         if r.get("kernel_top"):
             host.append(f"epgen device kernels at {r['tokens_per_rank']} tokens (kineto, µs per step, eager fwd+bwd):")
