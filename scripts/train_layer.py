@@ -120,6 +120,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--host-profile's order: cumulative time (callees included) or own time")
     p.add_argument("--kernel-profile", action="store_true",
                    help="kineto over epgen's eager forward + backward: device time per kernel name (kernel_top)")
+    p.add_argument("--host-trace", action="store_true",
+                   help="kineto with Python stacks over epgen's steps: the last step's outline per thread (host_trace)")
     p.add_argument("--host-ledger", action="store_true",
                    help="host µs of each piece of epgen's step, called alone (host_ledger): what the step is made of")
     return p
@@ -329,6 +331,42 @@ def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
     return [{"kernel": n, "calls_per_step": len(d) / iters, "us_per_step": sum(d) / iters} for n, d in rows]
 
 
+def host_trace(clock: Clock, step, iters: int = 5, depth: int = 6, min_us: float = 3.0) -> list[str]:
+    """kineto (CPU activity, Python functions recorded) over `iters` steps: the last step's events as an outline,
+    thread by thread (the autograd engine runs the backward on a thread of its own, which cProfile does not see),
+    nesting up to `depth`, events of at least `min_us`: "thread +start µs  duration µs  name"."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    clock.sync()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for i in range(iters):
+            with record_function(f"epgen_step_{i}"):
+                step()
+            clock.sync()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    last = [e for e in spans if e.get("name") == f"epgen_step_{iters - 1}"]
+    if not last:
+        return ["(no step span in the trace)"]
+    t0, t1 = last[0]["ts"], last[0]["ts"] + last[0]["dur"]
+    mine = sorted((e for e in spans if t0 <= e["ts"] <= t1), key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    lines, threads, stack = [], {}, []
+    for e in mine:
+        tid = threads.setdefault(e["tid"], f"T{len(threads)}")
+        while stack and (stack[-1][0] != e["tid"] or e["ts"] >= stack[-1][1]):
+            stack.pop()
+        level = len(stack)
+        stack.append((e["tid"], e["ts"] + e["dur"]))
+        if level <= depth and e["dur"] >= min_us:
+            lines.append(f"{tid} +{e['ts'] - t0:8.1f} {e['dur']:8.1f}  {'  ' * level}{e['name'][:110]}")
+    return lines
+
+
 def host_us(clock: Clock, call, iters: int, warmup: int) -> float:
     """Median host µs of call() alone: the device idle before each call (synced), the clock stopped when the call
     returns (its device work may still run)."""
@@ -520,6 +558,8 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
             out["epgen"]["host_sort"] = args.host_sort
         if args.kernel_profile:
             out["epgen"]["kernel_top"] = kernel_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
+        if args.host_trace:
+            out["epgen"]["host_trace"] = host_trace(clock, fwd_bwd_step(fwd, inp))
         if args.host_ledger:
             out["epgen"]["host_ledger_us"] = slowest(host_ledger(clock, op, inp, args.iters, args.warmup), device)
     for path in PATHS[1:]:
@@ -620,6 +660,11 @@ def table(records: list[dict]) -> list[str]:
             host.append(f"epgen host profile at {r['tokens_per_rank']} tokens (cProfile, µs per step, by {by_what}):")
             host += [f"  {h['cum_us']:8.1f} cum {h['own_us']:7.1f} own {h['calls_per_step']:5g}x  {h['function']}"
                      for h in r["host_top"]]
+    for r in records:
+        if r.get("host_trace"):
+            host.append(f"epgen host trace at {r['tokens_per_rank']} tokens (kineto, one step: thread, +start µs, "
+                        f"µs, event):")
+            host += ["  " + line for line in r["host_trace"]]
     for r in records:
         if r.get("host_ledger_us"):
             host.append(f"epgen host ledger at {r['tokens_per_rank']} tokens (µs of host time, each piece alone):")
