@@ -189,11 +189,12 @@ def _take(handle_id: int) -> _Saved:
     return saved
 
 
-def _remember(ctx, handle_id: int, saved: _Saved) -> torch.Tensor:
+def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None = None) -> torch.Tensor:
     """setup_context's record of the routing a forward ran: ctx holds it, and the returned handle id (a CPU
-    scalar) goes into ctx.save_for_backward beside the other saved tensors, for _routing_of."""
+    scalar: handle_t, the forward's own output, where it has one) goes into ctx.save_for_backward beside the
+    other saved tensors, for _routing_of."""
     ctx.saved, ctx.handle_id = saved, handle_id
-    return torch.tensor(handle_id, dtype=torch.int64)
+    return handle_t if handle_t is not None else torch.tensor(handle_id, dtype=torch.int64)
 
 
 def _routing_of(ctx, handle_t: torch.Tensor) -> _Saved:
@@ -304,7 +305,10 @@ def _replay_rows(saved: _Saved, call: str, grad: torch.Tensor) -> torch.Tensor:
     op = _live(saved, call)
     cfg = op.config
     if cfg.dispatch_quant_type == "none" and not cfg.prequantized:
-        return op.dispatch(grad.to(cfg.data_type).contiguous(), None, None, saved.ids, routing=saved.routing)[0]
+        x = grad.to(cfg.data_type).contiguous()
+        if x.shape == (saved.routing.num_tokens, cfg.hidden_dim) and x.device == op.device:  # as the op's checks want
+            return op.dispatch(x, None, None, saved.ids, _replay_of=saved.routing)[0]
+        return op.dispatch(x, None, None, saved.ids, routing=saved.routing)[0]
     return _replay(saved, call, grad, None)[0]
 
 
@@ -355,15 +359,22 @@ def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
     return op.combine(rows, rows_w, routing=routing)
 
 
-def _sum_pairs(op, grad_xg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """Grouped rows' gradients [P, H] -> per received row the float32 sum, in ascending column, of its local pairs'
-    rows [R, H], rounded once to the combine dtype (the native backend: one kernel, the grouped combine's reduce)."""
+def _sum_pairs(op, grad_xg: torch.Tensor | None, pair_pos: torch.Tensor, rows: int, k: int,
+               grad_wg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Grouped rows' gradients [P, H] -> (per received row the float32 sum, in ascending column, of its local pairs'
+    rows [R, H], rounded once to the combine dtype (zeros where grad_xg is None: no gradient reached the rows);
+    with grad_wg [P] float32, [R, k]: each pair's value of it, 0 where the pair has no row, else None). The native
+    backend does both in one kernel (the grouped combine's reduce, which also gathers the pair values)."""
     cfg = op.config
     own = getattr(op._backend, "sum_pairs", None)
-    if own is not None and grad_xg.dtype == cfg.combine_dtype and grad_xg.is_contiguous():
-        return own(grad_xg, pair_pos)
+    if own is not None and grad_xg is not None and grad_xg.dtype == cfg.combine_dtype and grad_xg.is_contiguous() \
+            and (grad_wg is None or grad_wg.is_contiguous()):
+        return own(grad_xg, pair_pos, grad_wg)
+    rows_w = _pair_weights(grad_wg, pair_pos, rows, k) if grad_wg is not None else None
+    if grad_xg is None:
+        return torch.zeros((rows, cfg.hidden_dim), dtype=cfg.combine_dtype, device=pair_pos.device), rows_w
     return grouped.reduce(grad_xg, types.SimpleNamespace(pair_pos=pair_pos), None, rows, k, cfg.combine_dtype,
-                          apply_weights=False)
+                          apply_weights=False), rows_w
 
 
 def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -> torch.Tensor:
@@ -422,8 +433,9 @@ def _(x, weights, indices, op_id, handle_id):
 
 def _dispatch_grouped_setup(ctx, inputs, output):
     handle_id = int(output[-1])
-    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
+    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id), output[-1]))
     ctx.x_dtype = inputs[0].dtype
+    ctx.set_materialize_grads(False)  # an output no gradient reached comes as None: no zero tensors made for it
     ctx.mark_non_differentiable(*output[2:])
     if output[0].dtype not in _FLOAT_DTYPES:
         ctx.mark_non_differentiable(output[0])
@@ -434,11 +446,8 @@ def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
     op = _live(saved, "epgen::dispatch_grouped")
     cfg = op.config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
-    if grad_xg is None:
-        rows = torch.zeros((R, cfg.hidden_dim), dtype=torch.float32, device=op.device)
-    else:
-        rows = _sum_pairs(op, grad_xg, saved.pair_pos, R, k)
-    rows_w = _pair_weights(grad_wg.float(), saved.pair_pos, R, k) if grad_wg is not None else None
+    want_w = grad_wg is not None and ctx.needs_input_grad[1]
+    rows, rows_w = _sum_pairs(op, grad_xg, saved.pair_pos, R, k, grad_wg.float() if want_w else None)
     gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
     gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
     return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None

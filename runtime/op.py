@@ -191,13 +191,19 @@ class EpDispatchCombineOp:
 
     # --- public API ----------------------------------------------------------------------------
     def dispatch(self, x=None, weights=None, scales=None, indices=None, return_routing: bool = False, routing=None, *,
-                 input=None, _layout: bool = False, _layout_out=None):
+                 input=None, _layout: bool = False, _layout_out=None, _replay_of=None):
         """-> (out, out_weights, out_scales, out_indices, total_recv[, routing handle]). ``input``: the seed's
-        name for x."""
+        name for x. _replay_of (runtime/autograd.py's backward replays): a handle of this op whose routing the
+        caller replays with tensors it made itself to this op's shapes (x [num_tokens, cols] of dispatch_dtype,
+        contiguous; indices the forward's, weights and scales None): their checks are skipped."""
         self._check_open("dispatch")
-        x = aliases.renamed("dispatch", "x", x, "input", input)
-        num_tokens, return_routing, slot = self._dispatch_begin("dispatch", x, weights, scales, indices,
-                                                                return_routing, routing, one_call=True)
+        if _replay_of is not None:
+            num_tokens, return_routing, slot = self._replay_begin(_replay_of)
+            routing = _replay_of
+        else:
+            x = aliases.renamed("dispatch", "x", x, "input", input)
+            num_tokens, return_routing, slot = self._dispatch_begin("dispatch", x, weights, scales, indices,
+                                                                    return_routing, routing, one_call=True)
         routed = self._routed_across(indices)  # before the backend, which may raise on some ranks only
         try:
             *outs, fields = self._backend.dispatch(x, weights, scales, indices, routing,
@@ -364,6 +370,14 @@ class EpDispatchCombineOp:
         if one_call:
             self._follow(slot)
         return num_tokens, return_routing, slot
+
+    def _replay_begin(self, routing):
+        """_dispatch_begin of an internal replay (dispatch's _replay_of): the slot work alone."""
+        slot = self._slots.for_dispatch("dispatch", True)
+        self._forget(slot)
+        self._select(slot)
+        self._follow(slot)
+        return routing.num_tokens, False, slot
 
     def _dispatch_end(self, slot, outs, fields, num_tokens, return_routing, routed, routing):
         self._seq += 1

@@ -367,14 +367,15 @@ def host_trace(clock: Clock, step, iters: int = 5, depth: int = 6, min_us: float
     return lines
 
 
-def host_us(clock: Clock, call, iters: int, warmup: int) -> float:
-    """Median host µs of call() alone: the device idle before each call (synced), the clock stopped when the call
-    returns (its device work may still run)."""
+def host_us(clock: Clock, call, iters: int, warmup: int, setup=None) -> float:
+    """Median host µs of call() alone (call(setup()) with a setup, untimed): the device idle before each call
+    (synced), the clock stopped when the call returns (its device work may still run)."""
     samples = []
     for i in range(warmup + iters):
+        made = setup() if setup is not None else None
         clock.sync()
         t0 = time.perf_counter()
-        kept = call()
+        kept = call() if setup is None else call(made)
         t1 = time.perf_counter()
         del kept
         if i >= warmup:
@@ -421,7 +422,7 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
         "replay_dispatch": lambda: ag._replay_rows(saved, "ledger", g),
         "grouped_scale": (lambda: op._backend.grouped_scale(y, saved.src, wg, y, k=k))
         if hasattr(op._backend, "grouped_scale") else None,
-        "sum_pairs": (lambda: op._backend.sum_pairs(y, saved.pair_pos))
+        "sum_pairs": (lambda: op._backend.sum_pairs(y, saved.pair_pos, wg))
         if hasattr(op._backend, "sum_pairs") else None,
         "pair_weights": lambda: ag._pair_weights(wg, saved.pair_pos, R, k),
         "combine_back": None,
@@ -439,8 +440,7 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
             out[name] = host_us(clock, lambda: ag.combine_grouped(op, ys, hh), iters, warmup)
             continue
         if name == "combine_back":
-            rows = ag._sum_pairs(op, y, saved.pair_pos, R, k)
-            rows_w = ag._pair_weights(wg, saved.pair_pos, R, k)
+            rows, rows_w = ag._sum_pairs(op, y, saved.pair_pos, R, k, wg)
             out[name] = host_us(clock, lambda: ag._gather_back(saved, "ledger", rows, rows_w), iters, warmup)
             continue
         if call is not None:
@@ -448,6 +448,11 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
     fwd = epgen_fwd(op, inp)
     out["step_fwd"] = host_us(clock, fwd, iters, warmup)
     out["step_fwd_bwd"] = host_us(clock, fwd_bwd_step(fwd, inp), iters, warmup)
+
+    def backward(out_):
+        out_.backward(g)
+        x.grad = w.grad = None
+    out["step_bwd"] = host_us(clock, backward, iters, warmup, setup=fwd)
     return out
 
 

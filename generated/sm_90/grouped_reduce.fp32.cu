@@ -193,7 +193,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Grouped combine (fp32): expert outputs in the grouped layout -> combine input rows, received row i
 // = grouped_common.j2's epg_grouped_reduce8 of its kept local pairs, one rounding to fp32. One thread
 // per (received row, 8 elements), rows < total_recv; the rest of `out` is left as it is. (A combine_grouped
-// call runs this as its combine kernel's staging instead.)
+// call runs this as its combine kernel's staging instead.) With out_w (dispatch's backward), the thread of a row's
+// first elements also writes the row's k pair values: out_w[row, j] = pair_w[pair_pos[row, j]], 0 without a pair.
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
 // standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
 // place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
@@ -434,7 +435,9 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
     char* __restrict__ out,
     epg_i64 k,
     epg_i64 hidden,
-    epg_i64 apply_weights) {
+    epg_i64 apply_weights,
+    const float* __restrict__ pair_w,
+    float* __restrict__ out_w) {
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 items = (epg_i64)*total_recv * n8;
@@ -444,5 +447,11 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
     float acc[8];
     epg_grouped_reduce8<1>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply_weights != 0, acc);
     epg_store8(out + row * row_bytes + elem * 4, acc);
+    if (out_w != nullptr && elem == 0) {
+      for (int j = 0; j < (int)k; ++j) {
+        const int g = pair_pos[row * k + j];
+        out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
+      }
+    }
   }
 }

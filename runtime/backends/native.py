@@ -572,7 +572,8 @@ class NativeBackend:
                 row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
                 out_row_bytes=g["out_row"]),
             "reduce_launch": self.k["grouped_reduce"].bind(pair_pos=g["pair_pos"], recv_w=self.recv_w,
-                                                           total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim),
+                                                           total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim,
+                                                           pair_w=None, out_w=None),
             "dropped_view": g["dropped"][0],
         }
 
@@ -619,20 +620,23 @@ class NativeBackend:
                                   apply_weights=int(apply_weights and self._had_weights))
         return dst
 
-    def sum_pairs(self, grouped_rows: torch.Tensor, pair_pos: torch.Tensor) -> torch.Tensor:
-        """Rows in the grouped layout [P, H] (combine dtype) -> [R, H] combine dtype: every received row the float32
+    def sum_pairs(self, grouped_rows: torch.Tensor, pair_pos: torch.Tensor,
+                  pair_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows in the grouped layout [P, H] (combine dtype) -> ([R, H] combine dtype: every received row the float32
         sum, in ascending column, of its pairs' rows under the pair map `pair_pos` [R * k] (a saved one: -1 no
-        pair), rounded once, as combine_grouped's reduce without weights; one launch of the grouped_reduce kernel
-        over all R rows (dispatch's backward, runtime/autograd.py)."""
+        pair), rounded once, as combine_grouped's reduce without weights; with pair_w [P] float32, [R, k] float32:
+        each pair's grouped row's value, 0 without a pair, else None), one launch of the grouped_reduce kernel over
+        all R rows (dispatch's backward, runtime/autograd.py)."""
         cfg, g = self.config, self._grp
-        R = cfg.max_recv_tokens
+        R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
         if "all_rows" not in g:
             g["all_rows"] = torch.full((1,), R, dtype=torch.int32, device=self.device)
         out = torch.empty((R, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
+        out_w = torch.empty((R, k), dtype=torch.float32, device=self.device) if pair_w is not None else None
         self.k["grouped_reduce"].launch(self._rows_grid(), BLOCK, expert_out=grouped_rows, pair_pos=pair_pos,
-                                        recv_w=self.recv_w, total_recv=g["all_rows"], out=out,
-                                        k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=0)
-        return out
+                                        recv_w=self.recv_w, total_recv=g["all_rows"], out=out, k=k,
+                                        hidden=cfg.hidden_dim, apply_weights=0, pair_w=pair_w, out_w=out_w)
+        return out, out_w
 
     def grouped_scale(self, x: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None = None,
                       y: torch.Tensor | None = None, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -129,18 +129,19 @@ def test_profiles_by_own_time_and_the_kernel_table():
 
 def test_host_ledger_names_the_step_s_pieces():
     """--host-ledger: a positive host time for every piece the torch backend has (the native backend's own kernels,
-    grouped_scale and sum_pairs, are absent there, not zero), the whole step last, and each piece in the table."""
+    grouped_scale and sum_pairs, are absent there, not zero), the whole step and its backward last, and each piece in
+    the table."""
     m = _script()
     recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-ledger"], timeout=120)[0]
     led = recs[0]["host_ledger_us"]
     want = ["torch_empty", "torch_mul", "engine_one_node_fwd_bwd", "op_dispatch_grouped", "op_combine_grouped",
             "ag_dispatch_grouped", "ag_combine_grouped", "replay_dispatch", "pair_weights", "combine_back",
-            "step_fwd", "step_fwd_bwd"]
+            "step_fwd", "step_fwd_bwd", "step_bwd"]
     assert list(led) == want and all(v > 0 for v in led.values()), led
     assert led["step_fwd_bwd"] > led["step_fwd"]
     lines = m.table(recs)
     at = lines.index("epgen host ledger at 3 tokens (µs of host time, each piece alone):")
-    assert lines[at + 1].endswith("  torch_empty") and lines[at + len(want)].endswith("  step_fwd_bwd")
+    assert lines[at + 1].endswith("  torch_empty") and lines[at + len(want)].endswith("  step_bwd")
 
 
 def scn_titan_fails(rank, world, argv):

@@ -130,6 +130,42 @@ def test_grouped_scale_kernel(dtype, apply_weights, want_dot, k):
     run_collective(check)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("with_values", [True, False])
+def test_sum_pairs_kernel(dtype, with_values):
+    """dispatch_grouped's backward kernel on arbitrary values: every received row (all R of them) the float32 sum in
+    ascending column of its pairs' grouped rows, one rounding (bit-exact against the same sum in torch), 0 without a
+    pair; with pair values [P], each (row, column) pair's value of its grouped row, 0 without one (bit-exact: a
+    gather), None without. Grouped rows that no pair names hold NaN (a kernel that read them would show it)."""
+    def check():
+        dt = DTYPES[dtype]
+        with EpDispatchCombineOp(_cfg("native", dt)) as op:
+            cfg = op.config
+            R, k, Hh = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.hidden_dim
+            P = R * k + 37  # more grouped rows than pairs: some no pair names
+            gen = torch.Generator().manual_seed(11)
+            pair_pos = torch.randperm(P, generator=gen)[:R * k].to(torch.int32)  # distinct grouped rows
+            pair_pos[torch.randperm(R * k, generator=gen)[:R * k // 3]] = -1  # pairs without a row
+            named = torch.zeros(P, dtype=torch.bool)
+            named[pair_pos[pair_pos >= 0].long()] = True
+            g = torch.randn((P, Hh), generator=gen).to(dt)
+            v = torch.randn((P,), generator=gen)
+            g[~named], v[~named] = float("nan"), float("nan")
+            rows, rows_w = op._backend.sum_pairs(g.cuda(), pair_pos.cuda(), v.cuda() if with_values else None)
+            pp = pair_pos.view(R, k).long()
+            acc = torch.zeros((R, Hh), dtype=torch.float32)
+            for j in range(k):
+                has = pp[:, j] >= 0
+                acc[has] += g[pp[has, j]].float()
+            assert torch.equal(rows.cpu(), acc.to(dt)), (rows.cpu().float() - acc).abs().max()
+            if not with_values:
+                assert rows_w is None
+                return
+            want_w = torch.where(pp >= 0, v[pp.clamp(min=0)], torch.zeros(()))
+            assert torch.equal(rows_w.cpu(), want_w), (rows_w.cpu() - want_w).abs().max()
+    run_collective(check)
+
+
 def _plain_step(op, x, w, ids, grad):
     """dispatch -> rows times 3 -> combine (weights too) and the backward -> (out, grad x, grad w)."""
     x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
