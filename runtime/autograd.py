@@ -450,6 +450,9 @@ def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
     rows, rows_w = _sum_pairs(op, grad_xg, saved.pair_pos, R, k, grad_wg.float() if want_w else None)
     gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
     gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    if gw is None and ctx.needs_input_grad[1]:  # the weights took part in the forward: zeros, not "unused"
+        gw = torch.zeros((saved.routing.num_tokens, cfg.num_experts_per_token), dtype=torch.float32,
+                         device=op.device)
     return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
 
 

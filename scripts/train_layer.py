@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -445,6 +446,33 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
             continue
         if call is not None:
             out[name] = host_us(clock, call, iters, warmup)
+    # the same work (combine's backward: the replay and grouped_scale) timed inside a backward, on the autograd
+    # engine's thread, against on this one: what the engine's thread costs the step beyond the engine's own work
+    inside: list[float] = []
+
+    def work():
+        rows = ag._replay_rows(saved, "ledger", g)
+        if hasattr(op._backend, "grouped_scale"):
+            op._backend.grouped_scale(rows, saved.src, wg, y, k=k)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, gt):
+            t0 = time.perf_counter()
+            work()
+            inside.append((time.perf_counter() - t0) * 1e6)
+            return gt
+
+    def probe():
+        Probe.apply(leaf).backward(g)
+        leaf.grad = None
+    out["combine_bwd_work_here"] = host_us(clock, work, iters, warmup)
+    host_us(clock, probe, iters, warmup)
+    out["combine_bwd_work_in_engine"] = statistics.median(inside[warmup:])
     fwd = epgen_fwd(op, inp)
     out["step_fwd"] = host_us(clock, fwd, iters, warmup)
     out["step_fwd_bwd"] = host_us(clock, fwd_bwd_step(fwd, inp), iters, warmup)
@@ -618,6 +646,8 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     device = device or (torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda"
                         else torch.device("cpu"))
     meta = record_meta(device, torchtitan=titan_version())
+    meta["host_cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    meta["host_threads"] = threading.active_count()
     skip = "--no-titan" if args.no_titan else titan_missing()
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
@@ -652,6 +682,8 @@ def table(records: list[dict]) -> list[str]:
     head = (f"train_layer: µs, eager, W={r0['world_size']}, {r0['gpu']}, bf16, hidden {r0['hidden']}, "
             f"top-{r0['topk']} of {r0['experts']}, epgen backend {by[(r0['tokens_per_rank'], 'epgen')]['backend']}, "
             f"median of {r0['iters']} (slowest rank); ratio = epgen fwd+bwd / titan fwd+bwd")
+    if r0.get("host_cpus") is not None:
+        head += f"; host: {r0['host_cpus']} CPUs usable, {r0['host_threads']} Python threads"
     if r0["titan"] == "ran":
         notes = ["titan_epgen (EpgenTokenDispatcher) fwd+bwd: " + ", ".join(
             f"{T}: {_f(by[(T, 'titan_epgen')].get('fwd_bwd_us'))}" for T in sorted({t for t, _ in by}))]

@@ -136,7 +136,7 @@ def test_host_ledger_names_the_step_s_pieces():
     led = recs[0]["host_ledger_us"]
     want = ["torch_empty", "torch_mul", "engine_one_node_fwd_bwd", "op_dispatch_grouped", "op_combine_grouped",
             "ag_dispatch_grouped", "ag_combine_grouped", "replay_dispatch", "pair_weights", "combine_back",
-            "step_fwd", "step_fwd_bwd", "step_bwd"]
+            "combine_bwd_work_here", "combine_bwd_work_in_engine", "step_fwd", "step_fwd_bwd", "step_bwd"]
     assert list(led) == want and all(v > 0 for v in led.values()), led
     assert led["step_fwd_bwd"] > led["step_fwd"]
     lines = m.table(recs)

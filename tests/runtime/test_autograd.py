@@ -412,3 +412,16 @@ def scn_eager_and_named_paths(rank, world):
 
 def test_eager_calls_and_named_op_calls_agree():
     assert all(get_world(2).run(scn_eager_and_named_paths, timeout=120))
+
+
+def test_weights_the_combine_did_not_apply_get_a_zero_gradient():
+    """combine_grouped(apply_weights=False): no gradient reaches the layout's weights, yet the routing weights took
+    part in the forward: their gradient is zeros (torch.autograd.grad does not call them unused), x's is the sum of
+    its k pairs' gradients (every column a pair, repeated ids too)."""
+    with EpDispatchCombineOp(_cfg(0, 1, 4)) as op:
+        x, w, ids, _, grad = _step_inputs(0, op.config, 8, 4)
+        x, w = x.requires_grad_(True), w.requires_grad_(True)
+        layout, h = ag.dispatch_grouped(op, x, w, ids)
+        gx, gw = torch.autograd.grad(ag.combine_grouped(op, layout.x * 3, h, apply_weights=False), (x, w), grad)
+        assert gw.shape == w.shape and gw.dtype == torch.float32 and not gw.any()
+        assert torch.allclose(gx, 3 * K * grad, rtol=1e-6, atol=0)
