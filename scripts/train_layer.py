@@ -332,7 +332,7 @@ def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
     return [{"kernel": n, "calls_per_step": len(d) / iters, "us_per_step": sum(d) / iters} for n, d in rows]
 
 
-def host_trace(clock: Clock, step, iters: int = 5, depth: int = 6, min_us: float = 3.0) -> list[str]:
+def host_trace(clock: Clock, step, iters: int = 5, depth: int = 9, min_us: float = 3.0) -> list[str]:
     """kineto (CPU activity, Python functions recorded) over `iters` steps: the last step's events as an outline,
     thread by thread (the autograd engine runs the backward on a thread of its own, which cProfile does not see),
     nesting up to `depth`, events of at least `min_us`: "thread +start µs  duration µs  name"."""
