@@ -79,13 +79,19 @@ _IDS = itertools.count(1)
 
 
 class _Saved:
-    """A forward's routing as its backward needs it, copied out of the op's reused buffers."""
+    """A forward's routing as its backward needs it: tensors of its own, never the op's reused buffers. guard: the
+    tensors held as they are that others can reach (the token ids, the grouped layout's int32 block), each with
+    its version when saved, so a backward after an in-place change to one of them is refused (_live), as torch
+    refuses it for saved tensors."""
 
-    __slots__ = ("op", "routing", "ids", "total", "pair_pos", "src", "__weakref__")
+    __slots__ = ("op", "routing", "ids", "total", "pair_pos", "src", "guard", "named", "__weakref__")
 
-    def __init__(self, op, routing: RoutingHandle, ids: torch.Tensor, total=None, pair_pos=None, src=None):
+    def __init__(self, op, routing: RoutingHandle, ids: torch.Tensor, total=None, pair_pos=None, src=None,
+                 guard: tuple = ()):
         self.op, self.routing, self.ids = op, routing, ids
         self.total, self.pair_pos, self.src = total, pair_pos, src
+        self.guard = tuple((t, t._version) for t in guard)
+        self.named = None  # (handle id, its CPU scalar): the forward's last output, which a combine saves again
 
 
 class Handle:
@@ -114,6 +120,8 @@ class Handle:
 def _register(op) -> None:
     if op.closed:
         raise ClosedError("epgen autograd: this EpDispatchCombineOp is closed")
+    if _OPS.get(op.uid) is op:  # registered by an earlier forward: every check below passed then
+        return
     if op.combine_weights != "values":
         raise InputError("epgen autograd: the op must be built with combine_weights='values' (the default)")
     _OPS[op.uid] = op
@@ -129,11 +137,21 @@ def _op(op_id: int, call: str):
 
 
 def _live(saved: _Saved, call: str):
-    """The op of a saved routing, refusing a closed one (a backward after op.close())."""
+    """The op of a saved routing, refusing a closed one (a backward after op.close()) and a routing whose held
+    tensors changed in place since (_Saved.guard)."""
     if saved.op.closed:
         raise ClosedError(f"backward of {call}: the EpDispatchCombineOp (uid {saved.op.uid}) its forward ran on "
                           f"is closed; run the backward before op.close()")
+    _unchanged(saved, f"backward of {call}")
     return saved.op
+
+
+def _unchanged(saved: _Saved, what: str) -> None:
+    for t, version in saved.guard:
+        if t._version != version:
+            raise InputError(f"{what}: a tensor its dispatch kept (the expert ids, or the grouped layout's offs / "
+                             f"counts / src / m_indices / dropped) was modified in place after the dispatch, which "
+                             f"reads it again: clone it before changing it")
 
 
 def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
@@ -144,9 +162,12 @@ def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
                          f"no gradient can go back through it; dispatch with autograd on")
 
 
-def _handle_tensor(handle_id: int) -> torch.Tensor:
-    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device)."""
-    return torch.tensor(handle_id, dtype=torch.int64)
+def _handle_tensor(handle_id: int, saved: _Saved) -> torch.Tensor:
+    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device),
+    kept with the routing it names for the combine's setup (_remember)."""
+    t = torch.tensor(handle_id, dtype=torch.int64)
+    saved.named = (handle_id, t)
+    return t
 
 
 def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
@@ -194,7 +215,11 @@ def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None 
     scalar: handle_t, the forward's own output, where it has one) goes into ctx.save_for_backward beside the
     other saved tensors, for _routing_of."""
     ctx.saved, ctx.handle_id = saved, handle_id
-    return handle_t if handle_t is not None else torch.tensor(handle_id, dtype=torch.int64)
+    if handle_t is None:  # a combine: the scalar its dispatch made for this id, where it has it (no new tensor)
+        named = saved.named
+        handle_t = named[1] if named is not None and named[0] == handle_id else torch.tensor(handle_id,
+                                                                                             dtype=torch.int64)
+    return handle_t
 
 
 def _routing_of(ctx, handle_t: torch.Tensor) -> _Saved:
@@ -385,11 +410,17 @@ def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -
 
 
 # --- epgen::dispatch_grouped -----------------------------------------------------------------------
-def _meta_split(cfg) -> tuple[int, ...]:
-    """The parts of dispatch_grouped's int32 output `meta`: offs [E], counts [E], src [P], m_indices [P],
-    dropped [1] (one copy kernel for all of them, not five)."""
-    E, P = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity
-    return (E, E, P, P, 1)
+_META_SPLITS: dict = {}  # op uid -> _meta_split of its config (computed once: config properties cost host time)
+
+
+def _meta_split(op) -> tuple[int, ...]:
+    """The parts of dispatch_grouped's int32 output `meta`, the head of the fresh layout's block
+    (grouped.block_parts): offs [E], counts [E], src [P], m_indices [P], dropped [1]."""
+    parts = _META_SPLITS.get(op.uid)
+    if parts is None:
+        E, P = op.config.num_experts_per_rank, op.config.resolved_grouped_capacity
+        parts = _META_SPLITS[op.uid] = (E, E, P, P, 1)
+    return parts
 
 
 def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
@@ -398,21 +429,16 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
     without), meta int32 (_meta_split), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
-    shape, dtype = op.grouped_x_spec()
-    # the rows land in a tensor of this forward's own, every row without a pair zeroed by the placing kernel (a
-    # grouped GEMM over a group's padding then gives finite, zero, weight gradients)
-    layout, routing = op.dispatch_grouped(x, weights, None, indices, out_x=torch.empty(shape, dtype=dtype,
-                                                                                        device=x.device))
-    # one copy of every int32 tensor: the outputs' part (meta), then what the backward keeps (pair map, pair
-    # ids, the token ids): views of one block, which the outputs do not alias
-    held = torch.cat((layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped.view(1),
-                      layout.pair_pos, layout.src, indices.reshape(-1)))
-    n_meta = sum(_meta_split(op.config))
-    n_pos, P = layout.pair_pos.numel(), layout.src.numel()
-    meta, pair_pos, src, ids = held.split((n_meta, n_pos, P, indices.numel()))
-    _PENDING[handle_id] = _Saved(op, routing, ids.view(indices.shape), pair_pos=pair_pos, src=src)
-    scales = layout.scales.clone() if layout.scales is not None else x.new_zeros((layout.rows, 0))
-    return (layout.x, layout.weights.clone(), scales, meta, _handle_tensor(handle_id))
+    # a layout of this forward's own (no copies: the placing kernel writes it whole, every row without a pair
+    # zeroed, so a grouped GEMM over a group's padding gives finite, zero, weight gradients); the backward keeps
+    # its pair map and pair ids (views of its int32 block, whose head is the output `meta`) and the token ids as
+    # they are, guarded against in-place changes (_live)
+    layout, routing = op.dispatch_grouped(x, weights, None, indices, fresh=True)
+    block = layout.block
+    _PENDING[handle_id] = saved = _Saved(op, routing, indices, pair_pos=layout.pair_pos, src=layout.src,
+                                         guard=(indices, block))
+    scales = layout.scales if layout.scales is not None else x.new_empty((layout.rows, 0))
+    return layout.x, layout.weights, scales, block[:sum(_meta_split(op))], _handle_tensor(handle_id, saved)
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -428,7 +454,7 @@ def _(x, weights, indices, op_id, handle_id):
     sd = None if cfg.grouped_dequantize else op.dispatch_out_scales_dtype
     scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
     return (x.new_empty(shape, dtype=dtype), x.new_empty((P,), dtype=torch.float32), scales,
-            x.new_empty((sum(_meta_split(cfg)),), dtype=torch.int32), torch.empty((), dtype=torch.int64))
+            x.new_empty((sum(_meta_split(op)),), dtype=torch.int32), torch.empty((), dtype=torch.int64))
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
@@ -469,7 +495,7 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
     (xg, wg, scales, meta, _), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
-    offs, counts, src, m_idx, dropped = meta.split(_meta_split(op.config))
+    offs, counts, src, m_idx, dropped = torch.split_with_sizes(meta, _meta_split(op))
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
                                    src=src, m_indices=m_idx, weights=wg, dropped=dropped.view(()),
@@ -485,6 +511,7 @@ def _combine_grouped_impl(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_
     last = op._grouped_by.get(saved.routing.slot)
     if last is not None and last.seq == saved.routing.seq:  # the op's own path: its slot's layout is this handle's
         return op.combine_grouped(y, saved.routing, apply_weights)[0]
+    _unchanged(saved, "combine_grouped")
     cfg = op.config  # an older handle: the pairs' rows from the saved map, then the combine
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
     checks_shape = (cfg.resolved_grouped_capacity, cfg.hidden_dim)
@@ -577,10 +604,10 @@ def _dispatch_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: to
     op = _op(op_id, "epgen::dispatch")
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
-    _PENDING[handle_id] = _Saved(op, routing, indices.clone(), total=total)
+    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), total=total)
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
-    return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id)
+    return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id, saved)
 
 
 _dispatch_op = torch.library.custom_op("epgen::dispatch", _dispatch_impl, mutates_args=())

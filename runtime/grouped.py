@@ -43,7 +43,8 @@ class GroupedLayout:
     weights    float32 [P]: the dispatch's weight of each row (1.0 without weights), 0 padding
     dropped    int32 scalar: local pairs past the buffer's rows (grouped_capacity), dropped
 
-    Every tensor is on the device and may be the op's buffer: valid until the next grouped_layout().
+    Every tensor is on the device and may be the op's buffer: valid until the next grouped_layout(); a fresh
+    layout's (op.dispatch_grouped(fresh=True)) are the call's own, valid as long as they are held.
     """
     x: torch.Tensor
     scales: torch.Tensor | None
@@ -55,6 +56,9 @@ class GroupedLayout:
     dropped: torch.Tensor
     pair_pos: torch.Tensor = attrs.field(repr=False)  # int32 [R * k]: grouped row of each pair, -1 none (combine)
     seq: int = attrs.field(default=0, repr=False)  # the dispatch it was made from
+    # a fresh layout's (dispatch_grouped(fresh=True)) int32 block, which offs, counts, src, m_indices, dropped and
+    # pair_pos are views of (block_parts); None for a layout in the op's buffers
+    block: torch.Tensor | None = attrs.field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -64,6 +68,19 @@ class GroupedLayout:
     @property
     def num_groups(self) -> int:
         return self.offs.shape[0]
+
+
+def block_size(experts_per_rank: int, rows: int, pairs: int) -> int:
+    """int32 elements of a fresh layout's block: offs [E], counts [E], src [P], m_indices [P], dropped [1], the pair
+    map [R * k] (pairs), in that order."""
+    return 2 * experts_per_rank + 2 * rows + 1 + pairs
+
+
+def block_parts(block: torch.Tensor, experts_per_rank: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """A fresh layout's int32 block -> (offs, counts, src, m_indices, dropped [1], pair_pos) views (block_size's
+    order; one split)."""
+    E, P = experts_per_rank, rows
+    return torch.split_with_sizes(block, (E, E, P, P, 1, block.numel() - 2 * E - 2 * P - 1))
 
 
 def grouped_rows(world: int, tokens: int, experts_per_rank: int, top_k: int, align: int) -> int:

@@ -633,43 +633,59 @@ class EpDispatchCombineOp:
         self._need_grouped("grouped_layout")
         return self._grouped_layout_of(self._need_dispatch("grouped_layout"))
 
-    def _grouped_layout_of(self, last: dict, out_x=None) -> grouped.GroupedLayout:
-        """The grouped layout of the received dispatch `last` (its slot selected and its layout kept); out_x: see
-        dispatch_grouped."""
+    def _grouped_layout_of(self, last: dict, fresh: bool = False, out=None) -> grouped.GroupedLayout:
+        """The grouped layout of the received dispatch `last` (its slot selected and its layout kept); fresh, out
+        (the backend's fresh_grouped() tensors, or out_x alone): see dispatch_grouped."""
         self._select(last["slot"])
         own = getattr(self._backend, "grouped_layout", None)
         cfg = self.config
         if own is not None:
-            layout = own(seq=last["seq"], out_x=out_x)
-        else:
+            layout = own(seq=last["seq"], out=out)
+        else:  # the reference: every tensor made here, so a fresh layout only gathers its int32 ones in one block
             layout = grouped.group(last["out"], last["out_s"], last["out_w"], last["out_i"], last["total"], cfg.rank,
                                    cfg.num_experts_per_rank, cfg.expert_alignment, cfg.resolved_grouped_capacity)
             if cfg.grouped_dequantize:
                 layout = grouped.dequantized(layout, cfg.dispatch_quant_type, cfg.data_type)
-            if out_x is not None:  # the rows are fresh here, their padding zeroed: copied into the caller's
-                layout = attrs.evolve(layout, x=out_x.copy_(layout.x))
-            layout = attrs.evolve(layout, seq=last["seq"])
+            changes = {"seq": last["seq"]}
+            if fresh:
+                block = torch.cat((layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped.view(1),
+                                   layout.pair_pos))
+                offs, counts, src, m_idx, dropped, pair_pos = grouped.block_parts(block, cfg.num_experts_per_rank,
+                                                                                  cfg.resolved_grouped_capacity)
+                changes.update(offs=offs, counts=counts, src=src, m_indices=m_idx, dropped=dropped.view(()),
+                               pair_pos=pair_pos, block=block)
+                if out is not None:  # out_x: the rows (fresh here, padding zeroed) copied into the caller's
+                    changes["x"] = out["x"].copy_(layout.x)
+            layout = attrs.evolve(layout, **changes)
         self._grouped_by[last["slot"]] = layout
         return layout
 
-    def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None, *, out_x=None):
+    def dispatch_grouped(self, x, weights=None, scales=None, indices=None, routing=None, *, out_x=None,
+                         fresh: bool = False):
         """dispatch(x, weights, scales, indices, return_routing=True, routing=routing), then grouped_layout():
         -> (GroupedLayout, routing handle). The grouped GEMMs run on the layout; combine_grouped(expert_out,
         handle) brings their rows back.
 
-        out_x: a contiguous tensor of the layout's x shape and dtype (grouped_x_spec()) the rows are placed
-        into instead of the op's buffer, every row without a pair zeroed (by the placing kernel on the native
-        backend): the layout's x is then the caller's, valid past the next dispatch (runtime/autograd.py gives
-        every forward its own this way)."""
+        fresh=True: every tensor of the layout is the call's own, not the op's buffers (x, scales, weights, and one
+        int32 block, layout.block, that offs, counts, src, m_indices, dropped and the pair map are views of), valid
+        past the next dispatch: runtime/autograd.py gives every forward its own this way. Every row without a
+        pair is zeroed (a grouped GEMM over the padding sees zeros) and every entry written (on the native backend
+        by the placing kernel itself: no copies). out_x: a contiguous tensor of the layout's x shape and dtype
+        (grouped_x_spec()) for the rows; it implies fresh=True."""
         self._check_open("dispatch_grouped")
         self._need_grouped("dispatch_grouped")
         if out_x is not None:
             shape, dtype = self.grouped_x_spec()
             self._check_tensor("dispatch_grouped", "out_x", out_x, dtype, shape=shape)
+            fresh = True
+        elif not isinstance(fresh, bool):
+            raise InputError(f"dispatch_grouped: fresh must be a bool, got {type(fresh).__name__}")
+        make = getattr(self._backend, "fresh_grouped", None) if fresh else None
+        out = make(out_x) if make is not None else ({"x": out_x} if out_x is not None else None)
         place = getattr(self._backend, "fuses_layout", False)  # the dispatch kernel may place the layout itself
         *_, handle = self.dispatch(x, weights, scales, indices, return_routing=True, routing=routing, _layout=place,
-                                   _layout_out=out_x)
-        return self._grouped_layout_of(self._need_dispatch("grouped_layout"), out_x), handle
+                                   _layout_out=out)
+        return self._grouped_layout_of(self._need_dispatch("grouped_layout"), fresh, out), handle
 
     def grouped_x_spec(self) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of a grouped layout's x: [resolved_grouped_capacity, dispatch_out_cols] of
@@ -706,7 +722,7 @@ class EpDispatchCombineOp:
         staged = getattr(self._backend, "grouped_staged", None)
         if staged is not None and staged(routing):  # one combine kernel, which forms the rows from the groups
             try:
-                return self._backend.combine_grouped_staged(expert_out, routing, apply_weights)
+                return self._backend.combine_grouped_staged(expert_out, routing, apply_weights, layout.pair_pos)
             finally:
                 self._slots.combined(slot)
         return self.combine(self._grouped_rows(expert_out, layout, slot, apply_weights), routing=routing)
@@ -740,7 +756,7 @@ class EpDispatchCombineOp:
         """The reduce pass of combine_grouped: grouped expert rows -> the combine input rows of slot `slot`."""
         own = getattr(self._backend, "grouped_reduce", None)
         if own is not None:
-            return own(expert_out, apply_weights)
+            return own(expert_out, apply_weights, layout.pair_pos)
         cfg = self.config
         return grouped.reduce(expert_out, layout, self._by_slot[slot]["out_w"], cfg.max_recv_tokens,
                               cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)

@@ -406,6 +406,16 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
   }
 }
 
+// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
+// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
+// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
+EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
+  const epg_i64 to = max_recv * g.k;
+  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
+       p += (epg_i64)epg_nblocks() * epg_block_dim())
+    g.pair_pos[p] = -1;
+}
+
 // Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
 // (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
 // (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).

@@ -288,7 +288,7 @@ struct EpArgs {
   epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
-  epg_i64 grp_zero_padding;  // dispatch: 1 to zero the payload of every grouped row without a pair (grp_x a fresh buffer)
+  epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };

@@ -288,7 +288,7 @@ struct EpArgs {
   epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
-  epg_i64 grp_zero_padding;  // dispatch: 1 to zero the payload of every grouped row without a pair (grp_x a fresh buffer)
+  epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
 };
@@ -650,6 +650,16 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
   }
 }
 
+// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
+// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
+// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
+EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
+  const epg_i64 to = max_recv * g.k;
+  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
+       p += (epg_i64)epg_nblocks() * epg_block_dim())
+    g.pair_pos[p] = -1;
+}
+
 // Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
 // (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
 // (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
@@ -750,8 +760,9 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // layout's two passes with a grid barrier between them, the grid standing in for the standalone kernels'
 // grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
 // places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
-// (state grouped_end; rows past both are padding already); with grp_zero_padding (grp_x a fresh buffer) every
-// row without a pair has its payload zeroed.
+// (state grouped_end, which tracks the op's own buffers: rows past both are padding already); with
+// grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
+// pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   __shared__ EpgGroupedShared sh;
   if (!epg_grid_sync(a)) return;
@@ -762,8 +773,13 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (!epg_grid_sync(a)) return;
   const int end = epg_grouped_bounds(g, sh);
   epg_grouped_place(g, sh);
+  if (a.grp_zero_padding != 0) {  // fresh outputs: every row marked, every payload without a pair zeroed, the whole map
+    epg_grouped_mark(g, sh, g.capacity);
+    epg_grouped_zero(g, sh, g.row_bytes);
+    epg_grouped_unpaired(g, a.max_recv);
+    return;  // grouped_end tracks the op's own buffers, which this call did not write
+  }
   epg_grouped_mark(g, sh, end > before ? end : before);
-  if (a.grp_zero_padding != 0) epg_grouped_zero(g, sh, g.row_bytes);  // a fresh grp_x: every row without a pair
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 

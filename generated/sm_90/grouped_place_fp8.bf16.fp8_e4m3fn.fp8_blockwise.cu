@@ -197,8 +197,9 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Grouped layout, pass 2 (grouped_common.j2): every block works out the groups from the per-expert counts
 // (epg_grouped_bounds; block 0 publishes offs / kept counts / drops), then one wave per real (received row, k)
 // pair places the kept ones (epg_grouped_place), then one thread per grouped row marks the rows without a pair
-// (epg_grouped_mark: src = m_indices = -1, weights = 0), every row of the buffer; with zero_padding their payload is
-// zeroed too (epg_grouped_zero: out_x a fresh buffer). (A dispatch_grouped call runs
+// (epg_grouped_mark: src = m_indices = -1, weights = 0), every row of the buffer; with zero_padding (every output
+// a fresh tensor) their payload is zeroed too (epg_grouped_zero) and the pairs of rows past total_recv get pair_pos
+// -1 (epg_grouped_unpaired). (A dispatch_grouped call runs
 // both passes in its dispatch kernel's tail instead.)
 // This variant places the rows dequantized: each fp8_e4m3fn (fp8_blockwise) row is decoded with its
 // scales into bf16 (8 elements per lane; out_row_bytes = hidden x 2); no scales are written.
@@ -425,6 +426,16 @@ EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh
   }
 }
 
+// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
+// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
+// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
+EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
+  const epg_i64 to = max_recv * g.k;
+  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
+       p += (epg_i64)epg_nblocks() * epg_block_dim())
+    g.pair_pos[p] = -1;
+}
+
 // Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
 // (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
 // (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
@@ -490,7 +501,8 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
     epg_i64 scale_bytes,
     epg_i64 has_weights,
     epg_i64 out_row_bytes,
-    epg_i64 zero_padding) {
+    epg_i64 zero_padding,
+    epg_i64 max_recv) {
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;
@@ -537,5 +549,8 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
     if (lane == 0) epg_grouped_note(g, p, row);
   }
   epg_grouped_mark(g, sh, capacity);
-  if (zero_padding != 0) epg_grouped_zero(g, sh, out_row_bytes);
+  if (zero_padding != 0) {  // fresh outputs: no payload or pair map entry left undefined
+    epg_grouped_zero(g, sh, out_row_bytes);
+    epg_grouped_unpaired(g, max_recv);
+  }
 }

@@ -89,6 +89,11 @@ def check_plan(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
                              f"placement kernel keeps the group bounds in shared memory), got {cfg.num_experts_per_rank}")
 
 
+def _layout_ptrs(*tensors) -> tuple:
+    """Device addresses of a layout's outputs, in _aim_tail's order (0 for None)."""
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
 class NativeBackend:
     name = "native"
 
@@ -369,7 +374,7 @@ class NativeBackend:
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
         """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;
-        one-call launches only), into layout_out (a fresh [P, cols] buffer, padding zeroed) when given."""
+        one-call launches only), into layout_out (fresh_grouped()'s tensors) when given."""
         call = self._dispatch_prepare(x, weights, scales, indices, routing)
         call["layout"] = layout and self.one_kernel_legs(call["protocol"])
         call["layout_out"] = layout_out
@@ -419,9 +424,12 @@ class NativeBackend:
         a.scales = scales.data_ptr() if scales is not None else 0
         a.num_tokens, a.phase = T, phase
         layout = call.get("layout", False) and phase == PHASE_BOTH
-        out = call.get("layout_out") if layout else None
-        a.grp_x = (self._grp["tail"] if out is None else out.data_ptr()) if layout else 0
-        a.grp_zero_padding = int(out is not None)
+        if layout:  # the tail writes the op's layout buffers, or a fresh layout's tensors (every row and pair then)
+            out = call.get("layout_out")
+            self._aim_tail(self._grp["tail"] if out is None else out["ptrs"])
+            a.grp_zero_padding = int(out is not None)
+        else:
+            a.grp_x = 0
         if phase != PHASE_SEND:
             self._placed = layout
         if call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
@@ -570,7 +578,14 @@ class NativeBackend:
                 m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
                 num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
                 row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
-                out_row_bytes=g["out_row"]),
+                out_row_bytes=g["out_row"], max_recv=cfg.max_recv_tokens),
+            # a fresh layout's (fresh_grouped): the outputs named per launch
+            "place_fresh": self.k["grouped_place"].bind(
+                recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
+                total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first,
+                num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
+                row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
+                out_row_bytes=g["out_row"], max_recv=cfg.max_recv_tokens, zero_padding=1),
             "reduce_launch": self.k["grouped_reduce"].bind(pair_pos=g["pair_pos"], recv_w=self.recv_w,
                                                            total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim,
                                                            pair_w=None, out_w=None),
@@ -587,37 +602,81 @@ class NativeBackend:
             return
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         a = self.dargs
-        a.grp_scales, a.grp_pair_rel, a.grp_counts = ptr(g["scales"]), ptr(g["pair_rel"]), ptr(g["raw_counts"])
-        a.grp_pair_pos, a.grp_offs, a.grp_kept = ptr(g["pair_pos"]), ptr(g["offs"]), ptr(g["counts"])
-        a.grp_src, a.grp_m_indices, a.grp_weights = ptr(g["src"]), ptr(g["m_indices"]), ptr(g["weights"])
-        a.grp_dropped, a.grp_align, a.grp_capacity = ptr(g["dropped"]), cfg.expert_alignment, cfg.resolved_grouped_capacity
-        g["tail"] = g["x"].data_ptr()
+        a.grp_pair_rel, a.grp_counts = ptr(g["pair_rel"]), ptr(g["raw_counts"])
+        a.grp_align, a.grp_capacity = cfg.expert_alignment, cfg.resolved_grouped_capacity
+        g["tail"] = _layout_ptrs(g["x"], g["scales"], g["pair_pos"], g["offs"], g["counts"], g["src"], g["m_indices"],
+                                 g["weights"], g["dropped"])
+        self._aim_tail(g["tail"])
         if not self.plan.scatter:
             g["stage"] = g["pair_pos"].data_ptr()
 
-    def grouped_layout(self, seq: int = 0, out_x: torch.Tensor | None = None) -> grouped.GroupedLayout:
+    def _aim_tail(self, ptrs: tuple) -> None:
+        """Point the dispatch tail's layout outputs (dargs grp_*) at the op's buffers or a fresh layout's."""
+        a = self.dargs
+        (a.grp_x, a.grp_scales, a.grp_pair_pos, a.grp_offs, a.grp_kept, a.grp_src, a.grp_m_indices, a.grp_weights,
+         a.grp_dropped) = ptrs
+
+    def fresh_grouped(self, out_x: torch.Tensor | None = None) -> dict:
+        """The tensors of a layout of the call's own (op.dispatch_grouped(fresh=True)): x (out_x, else a new one),
+        scales, and one int32 block holding offs, counts, src, m_indices, dropped and the pair map
+        (grouped.block_parts), weights float32 [P]: three or four allocations, written whole by the placing
+        kernel (no stale entry: zero_padding), so nothing is copied out of the op's buffers afterwards. With the
+        fused combine the pair map stays in the workspace (its peers read it there) and is copied out."""
+        cfg, g = self.config, self._grp
+        E, P = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity
+        x = torch.empty_like(g["x_view"]) if out_x is None else out_x
+        scales = torch.empty_like(g["scales_view"]) if g["scales_view"] is not None else None
+        block = torch.empty(grouped.block_size(E, P, cfg.max_recv_tokens * cfg.num_experts_per_token),
+                            dtype=torch.int32, device=self.device)
+        weights = torch.empty(P, dtype=torch.float32, device=self.device)
+        offs, counts, src, m_idx, dropped, pair_pos = grouped.block_parts(block, E, P)
+        kernel_pos = g["pair_pos"] if g.get("fused") else pair_pos
+        return {"x": x, "scales": scales, "block": block, "weights": weights, "pair_pos": pair_pos,
+                "parts": (offs, counts, src, m_idx, dropped, kernel_pos),
+                "ptrs": _layout_ptrs(x, scales, kernel_pos, offs, counts, src, m_idx, weights, dropped)}
+
+    def grouped_layout(self, seq: int = 0, out: dict | None = None) -> grouped.GroupedLayout:
         """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
-        stream, sized by the device's total_recv (no host sync); seq: the op's number of that dispatch. out_x: the
-        rows go there, every row without a pair zeroed (the dispatch that placed them in its kernel was given the
-        same one: op.dispatch_grouped)."""
+        stream, sized by the device's total_recv (no host sync); seq: the op's number of that dispatch. out: a
+        fresh_grouped() layout the rows and every other output go to, written whole (the dispatch that placed
+        them in its kernel was given the same one: op.dispatch_grouped(fresh=True))."""
         g = self._grp
         if not self._placed:
             g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
-            g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights),
-                                     out_x=g["x"] if out_x is None else out_x, zero_padding=int(out_x is not None))
-        if out_x is not None:
-            self._placed = False  # the op's buffer does not hold these rows: a later grouped_layout() places again
-        return grouped.GroupedLayout(x=g["x_view"] if out_x is None else out_x, scales=g["scales_view"],
-                                     offs=g["offs"], counts=g["counts"], src=g["src"], m_indices=g["m_indices"],
-                                     weights=g["weights"], dropped=g["dropped_view"], pair_pos=g["pair_pos"],
-                                     seq=seq)
+            if out is None:
+                g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=g["x"],
+                                         zero_padding=0)
+            else:
+                offs, counts, src, m_idx, dropped, kernel_pos = out["parts"]
+                g["place_fresh"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=out["x"],
+                                        out_scales=out["scales"], pair_pos=kernel_pos, offs=offs, kept_counts=counts,
+                                        src=src, m_indices=m_idx, weights=out["weights"], dropped=dropped)
+        if out is None:
+            return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
+                                         src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
+                                         dropped=g["dropped_view"], pair_pos=g["pair_pos"], seq=seq)
+        self._placed = False  # the op's buffers do not hold this layout: a later grouped_layout() places again
+        offs, counts, src, m_idx, dropped, kernel_pos = out["parts"]
+        if kernel_pos is not out["pair_pos"]:  # the fused combine's map, in the workspace: this layout's copy
+            out["pair_pos"].copy_(kernel_pos)
+        return grouped.GroupedLayout(x=out["x"], scales=out["scales"], offs=offs, counts=counts, src=src,
+                                     m_indices=m_idx, weights=out["weights"], dropped=dropped.view(()),
+                                     pair_pos=out["pair_pos"], seq=seq, block=out["block"])
 
-    def grouped_reduce(self, expert_out, apply_weights: bool) -> torch.Tensor:
-        """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch."""
+    def grouped_reduce(self, expert_out, apply_weights: bool, pair_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch; pair_pos:
+        the layout's pair map (a fresh layout's own; None: the op's buffer)."""
         g = self._grp
         dst = self._combine_dst(g)
-        g["reduce_launch"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, out=dst,
-                                  apply_weights=int(apply_weights and self._had_weights))
+        apply = int(apply_weights and self._had_weights)
+        if pair_pos is None or pair_pos.data_ptr() == g["pair_pos"].data_ptr():
+            g["reduce_launch"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, out=dst, apply_weights=apply)
+        else:
+            cfg = self.config
+            self.k["grouped_reduce"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, pair_pos=pair_pos,
+                                            recv_w=self.recv_w, total_recv=self.total_recv, out=dst,
+                                            k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=apply,
+                                            pair_w=None, out_w=None)
         return dst
 
     def sum_pairs(self, grouped_rows: torch.Tensor, pair_pos: torch.Tensor,
@@ -720,12 +779,13 @@ class NativeBackend:
         return self._grp is not None and "stage" in self._grp and \
             self.one_kernel_legs(routing.extra.get("protocol", "bw"))
 
-    def combine_grouped_staged(self, expert_out, routing, apply_weights: bool):
+    def combine_grouped_staged(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor | None = None):
         """Grouped expert outputs [P, H] -> combined rows in one combine kernel (gather or low-latency): its
         staging forms each received row from its pairs' grouped rows (grouped_tail.j2), so there is no reduce
-        pass (grouped_staged(routing) holds)."""
+        pass (grouped_staged(routing) holds); pair_pos: as grouped_reduce's."""
         call = self._combine_prepare(expert_out, None, routing)
-        call["stage"] = (self._grp["stage"], int(apply_weights and self._had_weights))
+        stage = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
+        call["stage"] = (stage, int(apply_weights and self._had_weights))
         self._combine_launch(call, PHASE_BOTH)
         return call["out"], call["out_w"]
 

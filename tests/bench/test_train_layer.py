@@ -6,6 +6,7 @@ float32; the leg partition with a clock of known marks; --no-titan's records; th
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,45 @@ def test_host_ledger_names_the_step_s_pieces():
     lines = m.table(recs)
     at = lines.index("epgen host ledger at 3 tokens (µs of host time, each piece alone):")
     assert lines[at + 1].endswith("  torch_empty") and lines[at + len(want)].endswith("  step_bwd")
+
+
+_TRACE_LINE = re.compile(r"^(T\d+) \+ *(\d+\.\d) +(\d+\.\d)  ((?:  )*)(\S.*)$")  # "thread +start µs  µs  name"
+
+
+def test_host_trace_outlines_the_last_step_thread_by_thread():
+    """--host-trace: kineto's CPU events with Python stacks over 5 steps, the last one's outline: per thread (T0, T1,
+    ... in order), the step's own span at +0 on its (main) thread, nesting 2 spaces a level up to 9 levels, events of
+    at least 3 µs starting within the step, epgen's Python functions named (dispatch_grouped, combine_grouped and
+    their backwards), and the outline in the table under its heading."""
+    m = _script()
+    recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-trace"], timeout=120)[0]
+    trace = recs[0]["host_trace"]
+    assert isinstance(trace, list) and len(trace) > 10 and all(isinstance(ln, str) for ln in trace), trace
+    rows = []
+    for ln in trace:
+        got = _TRACE_LINE.match(ln)
+        assert got, f"not an outline line: {ln!r}"
+        tid, start, dur, indent, name = got.groups()
+        rows.append((tid, float(start), float(dur), len(indent) // 2, name))
+    threads = list(dict.fromkeys(r[0] for r in rows))
+    assert threads == [f"T{i}" for i in range(len(threads))], threads  # thread by thread, numbered in order
+    assert all(dur >= 3.0 and 0 <= level <= 9 for _, _, dur, level, _ in rows), rows  # min_us, depth
+    steps = [r for r in rows if r[4].startswith("epgen_step_")]
+    assert len(steps) == 1 and steps[0][4] == "epgen_step_4", steps  # the last of 5 steps, and only it
+    main, _, step_us, _, _ = steps[0]
+    assert steps[0] == next(r for r in rows if r[0] == main) and steps[0][1:4] == (0.0, step_us, 0), steps[0]
+    assert all(0 <= start <= step_us + 0.1 for _, start, _, _, _ in rows)  # every event starts within the step
+    for tid in threads:  # a thread's outline opens at level 0 and goes at most one level deeper per line
+        levels = [r[3] for r in rows if r[0] == tid]
+        assert levels[0] == 0 and all(b <= a + 1 for a, b in zip(levels, levels[1:])), (tid, levels)
+    mine = [r for r in rows if r[0] == main]
+    assert any(r[3] == 1 and re.fullmatch(r"scripts/train_layer\.py\(\d+\): step", r[4]) for r in mine), mine
+    names = [r[4] for r in rows]
+    for fn in ("dispatch_grouped", "combine_grouped", "_dispatch_grouped_backward", "_combine_grouped_backward"):
+        assert any(re.fullmatch(rf"\S*autograd\.py\(\d+\): {fn}", n) for n in names), (fn, names)
+    lines = m.table(recs)
+    at = lines.index("epgen host trace at 3 tokens (kineto, one step: thread, +start µs, µs, event):")
+    assert lines[at + 1:at + 1 + len(trace)] == ["  " + ln for ln in trace]
 
 
 def scn_titan_fails(rank, world, argv):

@@ -283,34 +283,53 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     run_collective(check)
 
 
-@pytest.mark.parametrize("mode,protocol,one_kernel", [
-    ("bf16", "bw", "never"), ("bf16", "ll", "always"), ("bf16", "bw", "always"), ("fp8_blockwise", "bw", "never"),
-    ("fp8", "ll", "always"), ("fp32", "bw", "never"),
+@pytest.mark.parametrize("mode,protocol,one_kernel,give_x", [
+    ("bf16", "bw", "never", True), ("bf16", "ll", "always", False), ("bf16", "bw", "always", True),
+    ("fp8_blockwise", "bw", "never", False), ("fp8", "ll", "always", True), ("fp32", "bw", "never", False),
 ])
-def test_dispatch_grouped_into_a_fresh_buffer(mode, protocol, one_kernel):
-    """dispatch_grouped(out_x=...) on both placements (the standalone grouped_place, the dispatch kernel's tail):
-    the layout's x is the caller's tensor, every kept row bit-identical to the op's own buffer's, every row
-    without a pair zeroed although the tensor was filled with 0xff bytes (NaN in every float dtype); a later
-    grouped_layout() places into the op's buffer again. Groups padded to 3 rows: padding inside the groups."""
+def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x):
+    """dispatch_grouped(fresh=True) / (out_x=...) on both placements (the standalone grouped_place, the dispatch
+    kernel's tail): every tensor of the layout is the call's own, written whole although each was filled with 0x7f
+    bytes first (an int32 0x7f7f7f7f, a huge float): every kept row and every int32 bit-identical to the op's own
+    buffers after a replay, every row without a pair zeroed, the pair map -1 past the received rows; the combine
+    reads the fresh layout's pair map (the op's own is wiped first); a later grouped_layout() places into the op's
+    buffers again. Groups padded to 3 rows: padding inside the groups."""
     def check():
         with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, expert_alignment=3)) as op:
-            op._backend.one_kernel = one_kernel
+            be = op._backend
+            be.one_kernel = one_kernel
+            made = be.fresh_grouped
+
+            def dirty(out_x=None):  # the fresh tensors as an allocator may hand them out: anything in them
+                t = made(out_x)
+                for part in (t["x"], t["scales"], t["block"], t["weights"]):
+                    if part is not None:
+                        part.view(torch.uint8).fill_(0x7F)
+                return t
+            be.fresh_grouped = dirty
             x, w, s, idx = _inputs(5, mode, "cuda")
             shape, dtype = op.grouped_x_spec()
-            out = torch.empty(shape, dtype=dtype, device="cuda")
-            out.view(torch.uint8).fill_(0xFF)
-            lay, h = op.dispatch_grouped(x, w, s, idx, out_x=out)
-            assert lay.x is out
+            out = torch.empty(shape, dtype=dtype, device="cuda") if give_x else None
+            lay, h = op.dispatch_grouped(x, w, s, idx, out_x=out, fresh=True)
+            assert lay.block is not None and (lay.x is out if give_x else lay.x.data_ptr() != be._grp["x"].data_ptr())
+            assert lay.pair_pos.data_ptr() != be._grp["pair_pos"].data_ptr() or be._grp.get("fused")
+            assert not bool((lay.block == 0x7F7F7F7F).any()), "an int32 of the fresh layout was left unwritten"
             fresh = _snapshot(lay)
             pad = (lay.src < 0).cpu()
             assert int(pad[: int(lay.offs[-1])].sum()) > 0, "no padding inside the groups: the test shows nothing"
-            assert bool((out.view(torch.uint8).cpu()[pad] == 0).all()), "a row without a pair is not zeroed"
-            op.dispatch(x, w, s, idx, routing=h)  # replay into the op's own buffer
+            assert bool((lay.x.view(torch.uint8).cpu()[pad] == 0).all()), "a row without a pair is not zeroed"
+            rows = int(be.total_recv)
+            assert bool((lay.pair_pos[rows * op.config.num_experts_per_token:] == -1).all())
+            y = expert_rows(lay, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+            be._grp["pair_pos"].fill_(-1)  # the combine must take the fresh layout's map, not the op's buffer
+            got = op.combine_grouped(y, h)[0].clone()
+            op.dispatch(x, w, s, idx, routing=h)  # replay into the op's own buffers
             own = _snapshot(op.grouped_layout())
-            for name, got in fresh.items():
+            for name, g in fresh.items():
                 want = own[name]
-                assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), name
-            assert op.grouped_layout().x is not out
+                assert (g is None) == (want is None) and (g is None or torch.equal(g, want)), name
+            assert op.grouped_layout().x.data_ptr() != lay.x.data_ptr()
+            assert torch.equal(got, op.combine(be.grouped_reduce(y, True), routing=h)[0])
     run_collective(check)
 
 

@@ -183,6 +183,35 @@ def test_backward_through_a_closed_op_is_a_clear_error():
     assert all(get_world(2).run(scn_closed, timeout=120))
 
 
+def scn_changed_in_place(rank, world, what):
+    """The backward reads what dispatch_grouped kept as it is (the expert ids, the layout's int32 block): an in-place
+    change to one of them after the forward is refused with one clear error, not a wrong gradient."""
+    cfg = _cfg(rank, world, 4)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 3, 4)
+    with EpDispatchCombineOp(cfg) as op:
+        x.requires_grad_(True)
+        layout, h = ag.dispatch_grouped(op, x, w, ids)
+        out = ag.combine_grouped(op, layout.x * 2, h)
+        if what == "ids":
+            ids.add_(0)
+        elif what == "src":
+            layout.src.add_(0)
+        if what == "nothing":
+            out.backward(grad)
+            return x.grad is not None
+        with pytest.raises(InputError, match=r"^backward of epgen::combine_grouped: a tensor its dispatch kept \(the "
+                                              r"expert ids, or the grouped layout's offs / counts / src / m_indices / "
+                                              r"dropped\) was modified in place after the dispatch, which reads it "
+                                              r"again: clone it before changing it$"):
+            out.backward(grad)
+    return True
+
+
+@pytest.mark.parametrize("what", ["ids", "src", "nothing"])
+def test_a_backward_after_an_in_place_change_to_what_dispatch_kept_is_refused(what):
+    assert all(get_world(2).run(scn_changed_in_place, what, timeout=120))
+
+
 def scn_checkpoint(rank, world, selective):
     """torch.utils.checkpoint (non-reentrant) of a layer: recomputed whole, or (selective) with the outputs of the
     epgen ops saved (docs/TRAINING.md's policy: the recomputation then moves nothing between ranks)."""

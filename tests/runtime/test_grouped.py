@@ -17,7 +17,7 @@ from tests.support.ep_dist import get_world, shutdown_all
 from tests.support.ep_oracle import expected_received, experts_per_rank_for, make_inputs
 from tests.support.configs import make_config
 from tests.support.grouped_oracle import MODE_FIELDS, check_layout, combine_input, expert_rows
-from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError
+from runtime import ConfigError, EpDispatchCombineConfig, EpDispatchCombineOp, InputError, grouped
 
 T, K, EPR = 12, 4, 3
 
@@ -210,6 +210,33 @@ def test_dispatch_grouped_into_the_callers_tensor(monkeypatch):
                              ([0.0], "out_x must be a torch.Tensor, got list")):
             with pytest.raises(InputError, match=rf"^dispatch_grouped: {message}"):
                 op.dispatch_grouped(x, w, None, idx, out_x=bad)
+
+
+NAMES = ("x", "offs", "counts", "src", "m_indices", "weights", "dropped", "pair_pos")
+
+
+def test_a_fresh_layout_is_the_calls_own(monkeypatch):
+    """fresh=True: the same layout as the op's own, every tensor the call's (the int32 ones views of one block, in
+    grouped.block_parts' order), untouched by the next dispatch; a fresh that is not a bool is refused."""
+    monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
+        x, w, _, idx = _inputs(1, 0, 6, "bf16", EPR1)
+        own, h = op.dispatch_grouped(x, w, None, idx)
+        own = {n: getattr(own, n).clone() for n in NAMES}
+        lay, h2 = op.dispatch_grouped(x, w, None, idx, fresh=True)
+        assert lay.block is not None and lay.block.dtype == torch.int32
+        parts = (lay.offs, lay.counts, lay.src, lay.m_indices, lay.dropped, lay.pair_pos)
+        assert [p.data_ptr() for p in parts] == [p.data_ptr() for p in grouped.block_parts(lay.block, EPR1, lay.rows)]
+        assert lay.block.numel() == grouped.block_size(EPR1, lay.rows, op.config.max_recv_tokens * op.config.num_experts_per_token)
+        for n in NAMES:
+            assert torch.equal(getattr(lay, n), own[n]), n
+        kept = {n: getattr(lay, n).clone() for n in NAMES}
+        other, _ = op.dispatch_grouped(x[:2], w[:2], None, idx[:2])  # the op's buffers move on, the fresh layout not
+        assert not torch.equal(other.src, kept["src"])
+        for n in NAMES:
+            assert torch.equal(getattr(lay, n), kept[n]), n
+        with pytest.raises(InputError, match="^dispatch_grouped: fresh must be a bool, got int$"):
+            op.dispatch_grouped(x, w, None, idx, fresh=1)
 
 
 def test_grouped_empty_dispatch(monkeypatch):
