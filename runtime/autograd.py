@@ -552,7 +552,7 @@ def _combine_grouped_backward(ctx, grad_out):
         # summed in another order than below: the same float32 products, sums that may differ in the last bits)
         rows = _replay_rows(saved, "epgen::combine_grouped", grad_out)
         grad_y, grad_w = own(rows, saved.src, wg if ctx.apply_weights else None, y if want_w else None,
-                             k=op.config.num_experts_per_token)
+                             k=op.config.num_experts_per_token, pair_pos=saved.pair_pos)
         return (grad_y if want_y else None), grad_w, None, None, None
     g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
     filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)

@@ -421,7 +421,7 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
         "ag_dispatch_grouped": lambda: ag.dispatch_grouped(op, x, w, ids),
         "ag_combine_grouped": None,
         "replay_dispatch": lambda: ag._replay_rows(saved, "ledger", g),
-        "grouped_scale": (lambda: op._backend.grouped_scale(y, saved.src, wg, y, k=k))
+        "grouped_scale": (lambda: op._backend.grouped_scale(y, saved.src, wg, y, k=k, pair_pos=saved.pair_pos))
         if hasattr(op._backend, "grouped_scale") else None,
         "sum_pairs": (lambda: op._backend.sum_pairs(y, saved.pair_pos, wg))
         if hasattr(op._backend, "sum_pairs") else None,
@@ -453,7 +453,7 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
     def work():
         rows = ag._replay_rows(saved, "ledger", g)
         if hasattr(op._backend, "grouped_scale"):
-            op._backend.grouped_scale(rows, saved.src, wg, y, k=k)
+            op._backend.grouped_scale(rows, saved.src, wg, y, k=k, pair_pos=saved.pair_pos)
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -586,13 +586,6 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
         out["epgen"] = {**base, "path": "epgen", "backend": op.backend_name, **figures, "legs_us": legs,
                         "leg_method": LEG_METHOD, "grouped_capacity": cfg.resolved_grouped_capacity,
                         "expert_alignment": cfg.expert_alignment, "check": errs}
-        if args.host_profile:
-            out["epgen"]["host_top"] = host_profile(clock, fwd_bwd_step(fwd, inp), args.iters, args.host_sort)
-            out["epgen"]["host_sort"] = args.host_sort
-        if args.kernel_profile:
-            out["epgen"]["kernel_top"] = kernel_profile(clock, fwd_bwd_step(fwd, inp), args.iters)
-        if args.host_trace:
-            out["epgen"]["host_trace"] = host_trace(clock, fwd_bwd_step(fwd, inp))
         if args.host_ledger:
             out["epgen"]["host_ledger_us"] = slowest(host_ledger(clock, op, inp, args.iters, args.warmup), device)
     for path in PATHS[1:]:
@@ -607,6 +600,27 @@ def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: 
     for rec in out.values():
         finish(rec, ref)
     return [out[p] for p in PATHS]
+
+
+def profiles(T: int, args, device: torch.device) -> dict:
+    """The profilers' fields of epgen's record at T tokens (--host-profile, --kernel-profile, --host-trace), on an op
+    of their own. run() takes them after every timing: cProfile and kineto leave the host slower afterwards in the
+    same process (seen: timings after a kineto trace 1.2-2x their usual), which would skew every later figure."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = Clock(device)
+    cfg = op_config(rank, world, T, args)
+    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    out: dict = {}
+    with EpDispatchCombineOp(cfg) as op:
+        step = fwd_bwd_step(epgen_fwd(op, inp), inp)
+        if args.host_profile:
+            out["host_top"] = host_profile(clock, step, args.iters, args.host_sort)
+            out["host_sort"] = args.host_sort
+        if args.kernel_profile:
+            out["kernel_top"] = kernel_profile(clock, step, args.iters)
+        if args.host_trace:
+            out["host_trace"] = host_trace(clock, step)
+    return out
 
 
 def titan_point(path: str, T: int, args, inp: dict, titan: Titan, clock: Clock, device: torch.device) -> dict:
@@ -652,10 +666,15 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
     try:
-        return [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
+        records = [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
     finally:
         if titan is not None:
             titan.close()
+    if args.host_profile or args.kernel_profile or args.host_trace:  # after every timing (profiles' docstring)
+        for rec in records:
+            if rec["path"] == "epgen":
+                rec.update(profiles(rec["tokens_per_rank"], args, device))
+    return records
 
 
 # --- output ----------------------------------------------------------------------------------------------------

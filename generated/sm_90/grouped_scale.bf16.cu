@@ -207,7 +207,88 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // step of 256 threads (a few rows cost one memory round trip, not one per chunk; the family's max_threads, 256,
 // is what the runtime launches, and its min_blocks keeps three blocks on an SM); the next row's pair id is read while this row's data loads are in
 // flight (it decides where the next row's x row is: one round trip less per row).
+//
+// Token-major form (pair_pos given, 0 < k <= EPG_SCALE_MAX_TOPK): one block per received row r, grid-stride, its k
+// pairs (pair_pos[r k + j] = grouped row g, -1 none) one after another: out[g] and dot[g] as above, each thread's
+// dot partial in the same element order as the row-major form (the same bits); the pairs of a row follow each other
+// on one block, so its x row comes from memory once and from the cache for the others (the row-major form reads it
+// once per pair, k times, far apart); then every padding row (src[p] < 0) gets 0 in both.
 constexpr int EPG_SCALE_U = 4;
+constexpr int EPG_SCALE_MAX_TOPK = 16;
+
+template <int B>
+EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, const int* src, char* out, float* dot,
+                                 const int* pair_pos, epg_i64 recv_rows, epg_i64 rows, epg_i64 hidden, int k,
+                                 bool apply, bool want) {
+  __shared__ float wave_dot[EPG_SCALE_MAX_TOPK][1024 / EPG_WAVE];
+  __shared__ int pos[EPG_SCALE_MAX_TOPK];
+  __shared__ float wts[EPG_SCALE_MAX_TOPK];
+  const epg_i64 row_bytes = hidden * B, n8 = hidden / 8;
+  const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE;
+  for (epg_i64 r = epg_block(); r < recv_rows; r += epg_nblocks()) {
+    if (tid < k) {
+      const int g = pair_pos[r * k + tid];
+      pos[tid] = g;
+      wts[tid] = g >= 0 && apply ? w[g] : 1.0f;
+    }
+    epg_syncthreads();
+    for (int j = 0; j < k; ++j) {  // pair by pair: its x chunks come from the cache after the first pair's
+      const int g = pos[j];
+      if (g < 0) continue;  // block-uniform
+      const float wp = wts[j];
+      const char* xp = x + r * row_bytes;
+      const char* yp = y + (epg_i64)g * row_bytes;
+      char* outp = out + (epg_i64)g * row_bytes;
+      float d = 0.f;
+      for (epg_i64 c0 = tid; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * bdim) {
+        float xv[EPG_SCALE_U][8], yv[EPG_SCALE_U][8];
+#pragma unroll
+        for (int u = 0; u < EPG_SCALE_U; ++u) {
+          const epg_i64 c = c0 + (epg_i64)u * bdim;
+          if (c < n8) {
+            epg_load8(xp + 8 * c * B, xv[u]);
+            if (want) epg_load8(yp + 8 * c * B, yv[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < EPG_SCALE_U; ++u) {
+          const epg_i64 c = c0 + (epg_i64)u * bdim;
+          if (c >= n8) continue;
+          float o[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o[e] = epg_mul_rn(wp, xv[u][e]);
+          if (want)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d = epg_add_product(d, yv[u][e], xv[u][e]);
+          epg_store8(outp + 8 * c * B, o);
+        }
+      }
+      if (want) {
+        for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d += epg_shfl_xor(d, m);
+        if (tid % EPG_WAVE == 0) wave_dot[j][tid / EPG_WAVE] = d;
+      }
+    }
+    if (want) {
+      epg_syncthreads();
+      if (tid < k && pos[tid] >= 0) {
+        float s = 0.f;
+        for (int i = 0; i < waves; ++i) s += wave_dot[tid][i];
+        dot[pos[tid]] = s;
+      }
+    }
+    epg_syncthreads();  // pos / wts / wave_dot are the next row's
+  }
+  // padding rows: 0 in out and dot (their y and w never read)
+  const epg_i64 n16 = row_bytes / 16;
+  epg_vec16 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (epg_i64 p = epg_block(); p < rows; p += epg_nblocks()) {
+    if (src[p] >= 0) continue;  // block-uniform
+    for (epg_i64 b = tid; b < n16; b += bdim) epg_st16(out + p * row_bytes + 16 * b, z);
+    if (want && tid == 0) dot[p] = 0.f;
+  }
+}
+
 EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     const char* __restrict__ y,
     const float* __restrict__ w,
@@ -218,8 +299,15 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     epg_i64 hidden,
     epg_i64 apply_weights,
     epg_i64 want_dot,
-    epg_i64 k) {
+    epg_i64 k,
+    const int* __restrict__ pair_pos,
+    epg_i64 recv_rows) {
   constexpr int B = 2;
+  if (pair_pos != nullptr) {
+    epg_scale_tokens<B>(x, y, w, src, out, dot, pair_pos, recv_rows, rows, hidden, (int)k, apply_weights != 0,
+                        want_dot != 0);
+    return;
+  }
   __shared__ float wave_dot[2][1024 / EPG_WAVE];  // two rows' sets: a block's next row never waits for thread 0
   const epg_i64 row_bytes = hidden * B, n8 = hidden / 8;
   const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE;

@@ -698,20 +698,26 @@ class NativeBackend:
         return out, out_w
 
     def grouped_scale(self, x: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None = None,
-                      y: torch.Tensor | None = None, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      y: torch.Tensor | None = None, k: int = 0,
+                      pair_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Grouped rows row by row, one launch (templates/kernels/grouped_scale.j2), under the pair ids `src` [P]
         (-1: a padding row) -> (a fresh [P, H]: each filled row's x row times its weight w [P] float32 (one
         rounding), or copied without w; [P] float32 <y, x row> per filled row, or None without y), padding rows
         0 in both, their inputs never read. x row of grouped row p: x[p] (k = 0, x [P, H]) or x[src[p] // k]
         (k = experts per token, x the received rows [R, H] its pairs came from). combine_grouped's backward
-        (runtime/autograd.py): x the replayed gradient rows, y the expert rows, w their weights."""
+        (runtime/autograd.py): x the replayed gradient rows, y the expert rows, w their weights. pair_pos (k > 0:
+        the pair map [R * k] inverse to src, every entry defined, as a fresh layout's) takes the token-major form
+        where k allows (limits.max_topk): each x row read once for all its pairs, the same bits."""
         P, H = src.shape[0], x.shape[1]
         out = torch.empty((P, H), dtype=x.dtype, device=self.device)
         dot = torch.empty((P,), dtype=torch.float32, device=self.device) if y is not None else None
         kern = self.k["grouped_scale"]  # blocks of the threads its family is compiled for (specs max_threads)
-        kern.launch(max(1, min(P, 8 * self.num_sms)), kern.variant.family.max_threads, x=x, y=y, w=w, src=src,
-                    out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None), want_dot=int(y is not None),
-                    k=k)
+        if pair_pos is not None and not 0 < k <= kern.limits["max_topk"]:
+            pair_pos = None  # the row-major form: every k
+        recv_rows = pair_pos.numel() // k if pair_pos is not None else 0
+        kern.launch(max(1, min(max(P, recv_rows), 8 * self.num_sms)), kern.variant.family.max_threads, x=x, y=y, w=w,
+                    src=src, out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
+                    want_dot=int(y is not None), k=k, pair_pos=pair_pos, recv_rows=recv_rows)
         return out, dot
 
     def grouped_out_view(self) -> torch.Tensor | None:

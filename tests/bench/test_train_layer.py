@@ -184,6 +184,41 @@ def test_host_trace_outlines_the_last_step_thread_by_thread():
     assert lines[at + 1:at + 1 + len(trace)] == ["  " + ln for ln in trace]
 
 
+def scn_order(rank, world, argv):
+    """run() with its timers and profilers logging their calls, in order."""
+    m = _script()
+    seen = []
+    real = {n: getattr(m, n) for n in ("wall_us", "legs_us", "host_profile", "kernel_profile", "host_trace")}
+
+    def logged(name):
+        def call(*a, **kw):
+            seen.append(name)
+            return real[name](*a, **kw)
+        return call
+
+    for n in real:
+        setattr(m, n, logged(n))
+    try:
+        recs = m.run(m.parse_args(argv))
+    finally:
+        for n, f in real.items():
+            setattr(m, n, f)
+    return seen, recs
+
+
+def test_the_profilers_run_after_every_timing():
+    """cProfile and kineto slow the host for what follows them in the process: every profiler runs after the last
+    timing of every token count, and its fields still land in the epgen record of their token count."""
+    argv = TINY + ["--tokens", "2", "3", "--no-titan", "--host-profile", "--kernel-profile", "--host-trace"]
+    seen, recs = get_world(1).run(scn_order, argv, timeout=180)[0]
+    timers = [i for i, n in enumerate(seen) if n in ("wall_us", "legs_us")]
+    profilers = [i for i, n in enumerate(seen) if n not in ("wall_us", "legs_us")]
+    assert len(profilers) == 6 and len(timers) >= 6 and max(timers) < min(profilers), seen
+    epgen = [r for r in recs if r["path"] == "epgen"]
+    assert [r["tokens_per_rank"] for r in epgen] == [2, 3]
+    assert all(r["host_top"] and r["kernel_top"] is not None and r["host_trace"] for r in epgen), epgen
+
+
 def scn_titan_fails(rank, world, argv):
     """run() with torchtitan's all-to-all dispatcher failing to build."""
     m = _script()

@@ -133,7 +133,8 @@ def _kernel(family: str):
 def _grouped_reduce_args():
     return dict(expert_out=torch.zeros(4, dtype=torch.bfloat16), pair_pos=torch.zeros(4, dtype=torch.int32),
                 recv_w=torch.zeros(4), total_recv=torch.zeros(1, dtype=torch.int32),
-                out=torch.zeros(4, dtype=torch.bfloat16), k=8, hidden=7168, apply_weights=1)
+                out=torch.zeros(4, dtype=torch.bfloat16), k=8, hidden=7168, apply_weights=1, pair_w=None,
+                out_w=torch.zeros(4))
 
 
 def test_launch_builds_the_block_by_name(monkeypatch):
@@ -143,7 +144,9 @@ def test_launch_builds_the_block_by_name(monkeypatch):
     assert kern.launch(3, 256, **dict(reversed(args.items()))) == 7  # keyword order does not matter
     grid, block, values = kern.raw.calls[-1]
     order = [f.name for f in kern.signature.fields]
-    expect = [args[n].data_ptr() if isinstance(args[n], torch.Tensor) else args[n] for n in order]
+    expect = [args[n].data_ptr() if isinstance(args[n], torch.Tensor) else 0 if args[n] is None else args[n]
+              for n in order]
+    assert expect.count(0) == 1  # the optional pair_w left out: address 0
     assert (grid, block, values) == (3, 256, expect)
 
 
@@ -233,7 +236,8 @@ def test_bound_arguments_are_checked_once_and_the_rest_at_each_launch(monkeypatc
     rest = {n: v for n, v in args.items() if n not in fixed}
     assert bound.launch(4, 128, **rest) == 7
     order = [f.name for f in kern.signature.fields]
-    assert kern.raw.calls[-1][2] == [args[n].data_ptr() if isinstance(args[n], torch.Tensor) else args[n] for n in order]
+    assert kern.raw.calls[-1][2] == [args[n].data_ptr() if isinstance(args[n], torch.Tensor)
+                                     else 0 if args[n] is None else args[n] for n in order]
     other = torch.zeros(4, dtype=torch.bfloat16)
     bound.launch(4, 128, **{**rest, "out": other})  # what changes per call goes in at each launch
     assert kern.raw.calls[-1][2][order.index("out")] == other.data_ptr()

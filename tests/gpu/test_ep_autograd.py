@@ -90,13 +90,15 @@ def test_grouped_backward_matches_torch_backend(dtype, apply_weights, recv_cap, 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("apply_weights,want_dot", [(True, True), (True, False), (False, True), (False, False)])
-@pytest.mark.parametrize("k", [0, 3])
-def test_grouped_scale_kernel(dtype, apply_weights, want_dot, k):
+@pytest.mark.parametrize("k,form", [(0, "rows"), (3, "rows"), (3, "tokens")])
+def test_grouped_scale_kernel(dtype, apply_weights, want_dot, k, form):
     """combine_grouped's backward kernel on arbitrary values, not the exact ones above: out bit-exact against
     torch's w * x (float32, one rounding) or x, dot within float32 summation error of a float64 <y, x>, and 0 in
-    both on padding rows, whose x, y and weight hold NaN (a kernel that read them would show it). k = 0: x in the
-    grouped layout; k = 3: x the received rows, grouped row p taking row src[p] // 3 (pairs in shuffled order).
-    H = 136: 17 chunks of 8, fewer than a block's threads; 300 rows."""
+    both on padding rows, whose x, y and weight hold NaN (a kernel that read them would show it); out and its
+    padding rows start as NaN (torch.empty's memory, filled first). k = 0: x in the grouped layout; k = 3: x the
+    received rows, grouped row p taking row src[p] // 3 (pairs in shuffled order), row-major or token-major (the
+    pair map given: each x row read once for its pairs; the same bits as row-major, dot included). H = 136: 17
+    chunks of 8, fewer than a block's threads; 300 rows."""
     def check():
         dt = DTYPES[dtype]
         with EpDispatchCombineOp(_cfg("native", dt)) as op:
@@ -114,8 +116,17 @@ def test_grouped_scale_kernel(dtype, apply_weights, want_dot, k):
             if k == 0:
                 x[pad] = float("nan")
             xr = x[at]
-            out, dot = op._backend.grouped_scale(x.cuda(), src.cuda(), w.cuda() if apply_weights else None,
-                                                 y.cuda() if want_dot else None, k=k)
+            pair_pos = None
+            if form == "tokens":  # the inverse map: pair id -> grouped row, -1 for pairs without one
+                pair_pos = torch.full((rows * k,), -1, dtype=torch.int32)
+                pair_pos[src[~pad].long()] = torch.arange(P, dtype=torch.int32)[~pad]
+                pair_pos = pair_pos.cuda()
+            args = (x.cuda(), src.cuda(), w.cuda() if apply_weights else None, y.cuda() if want_dot else None)
+            torch.empty((P, Hh), dtype=dt, device="cuda").fill_(float("nan"))  # what the next allocation may hold
+            out, dot = op._backend.grouped_scale(*args, k=k, pair_pos=pair_pos)
+            if form == "tokens":
+                row_out, row_dot = op._backend.grouped_scale(*args, k=k)
+                assert torch.equal(out, row_out) and (dot is None or torch.equal(dot, row_dot)), "not the same bits"
             want = (xr.float() * w[:, None] if apply_weights else xr.float()).to(dt)
             want[pad] = 0
             assert torch.equal(out.cpu(), want), f"out differs by {(out.cpu().float() - want.float()).abs().max()}"
