@@ -230,6 +230,37 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 constexpr int EPG_SCALE_U = 4;
 constexpr int EPG_SCALE_MAX_TOPK = 16;
 
+// One row: out row = w x row (0 where not filled: x never read), d += <y row, x row> (with_dot), this thread's
+// chunks c0, c0 + bdim, ... in ascending element order, EPG_SCALE_U chunks' loads issued before any is used.
+template <int B>
+EPG_DEVICE void epg_scale_row(const char* xp, const char* yp, char* outp, epg_i64 n8, bool filled, bool with_dot,
+                              float wp, float& d) {
+  const int tid = epg_thread(), bdim = epg_block_dim();
+  for (epg_i64 c0 = tid; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * bdim) {
+    float xv[EPG_SCALE_U][8], yv[EPG_SCALE_U][8];
+#pragma unroll
+    for (int u = 0; u < EPG_SCALE_U; ++u) {
+      const epg_i64 c = c0 + (epg_i64)u * bdim;
+      if (filled && c < n8) {
+        epg_load8(xp + 8 * c * B, xv[u]);
+        if (with_dot) epg_load8(yp + 8 * c * B, yv[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < EPG_SCALE_U; ++u) {
+      const epg_i64 c = c0 + (epg_i64)u * bdim;
+      if (c >= n8) continue;
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = filled ? epg_mul_rn(wp, xv[u][e]) : 0.f;
+      if (with_dot)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d = epg_add_product(d, yv[u][e], xv[u][e]);
+      epg_store8(outp + 8 * c * B, o);
+    }
+  }
+}
+
 template <int B>
 EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, const int* src, char* out, float* dot,
                                  const int* pair_pos, epg_i64 recv_rows, epg_i64 rows, epg_i64 hidden, int k,
@@ -249,34 +280,9 @@ EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, c
     for (int j = 0; j < k; ++j) {  // pair by pair: its x chunks come from the cache after the first pair's
       const int g = pos[j];
       if (g < 0) continue;  // block-uniform
-      const float wp = wts[j];
-      const char* xp = x + r * row_bytes;
-      const char* yp = y + (epg_i64)g * row_bytes;
-      char* outp = out + (epg_i64)g * row_bytes;
       float d = 0.f;
-      for (epg_i64 c0 = tid; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * bdim) {
-        float xv[EPG_SCALE_U][8], yv[EPG_SCALE_U][8];
-#pragma unroll
-        for (int u = 0; u < EPG_SCALE_U; ++u) {
-          const epg_i64 c = c0 + (epg_i64)u * bdim;
-          if (c < n8) {
-            epg_load8(xp + 8 * c * B, xv[u]);
-            if (want) epg_load8(yp + 8 * c * B, yv[u]);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < EPG_SCALE_U; ++u) {
-          const epg_i64 c = c0 + (epg_i64)u * bdim;
-          if (c >= n8) continue;
-          float o[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) o[e] = epg_mul_rn(wp, xv[u][e]);
-          if (want)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) d = epg_add_product(d, yv[u][e], xv[u][e]);
-          epg_store8(outp + 8 * c * B, o);
-        }
-      }
+      epg_scale_row<B>(x + r * row_bytes, want ? y + (epg_i64)g * row_bytes : nullptr, out + (epg_i64)g * row_bytes,
+                       n8, true, want, wts[j], d);
       if (want) {
         for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d += epg_shfl_xor(d, m);
         if (tid % EPG_WAVE == 0) wave_dot[j][tid / EPG_WAVE] = d;
@@ -335,32 +341,8 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     const float wp = filled && apply_weights != 0 ? w[p] : 1.0f;
     const bool with_dot = filled && want_dot != 0;
     const char* xp = x + (k > 0 && filled ? pair / k : p) * row_bytes;
-    const char* yp = with_dot ? y + p * row_bytes : nullptr;
-    char* outp = out + p * row_bytes;
     float d = 0.f;
-    for (epg_i64 c0 = tid; c0 < n8; c0 += (epg_i64)EPG_SCALE_U * bdim) {
-      float xv[EPG_SCALE_U][8], yv[EPG_SCALE_U][8];
-#pragma unroll
-      for (int u = 0; u < EPG_SCALE_U; ++u) {
-        const epg_i64 c = c0 + (epg_i64)u * bdim;
-        if (filled && c < n8) {
-          epg_load8(xp + 8 * c * B, xv[u]);
-          if (with_dot) epg_load8(yp + 8 * c * B, yv[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < EPG_SCALE_U; ++u) {
-        const epg_i64 c = c0 + (epg_i64)u * bdim;
-        if (c >= n8) continue;
-        float o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = filled ? epg_mul_rn(wp, xv[u][e]) : 0.f;
-        if (with_dot)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) d = epg_add_product(d, yv[u][e], xv[u][e]);
-        epg_store8(outp + 8 * c * B, o);
-      }
-    }
+    epg_scale_row<B>(xp, with_dot ? y + p * row_bytes : nullptr, out + p * row_bytes, n8, filled, with_dot, wp, d);
     if (want_dot == 0) continue;
     for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d += epg_shfl_xor(d, m);
     if (tid % EPG_WAVE == 0) wave_dot[parity][tid / EPG_WAVE] = d;
