@@ -125,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
                    help="kineto with Python stacks over epgen's steps: the last step's outline per thread (host_trace)")
     p.add_argument("--host-ledger", action="store_true",
                    help="host µs of each piece of epgen's step, called alone (host_ledger): what the step is made of")
+    p.add_argument("--single-thread-engine", action="store_true",
+                   help="every path's backward on the calling thread (torch.autograd.set_multithreading_enabled(False)):"
+                        " no hand-off to the autograd engine's device thread; records say engine 'single-thread'")
     return p
 
 
@@ -417,6 +420,7 @@ def host_ledger(clock: Clock, op, inp: dict, iters: int, warmup: int) -> dict[st
         "torch_mul": lambda: g.mul(1),
         "engine_one_node_fwd_bwd": engine,
         "op_dispatch_grouped": lambda: op.dispatch_grouped(x.detach(), w.detach(), None, ids),
+        "op_dispatch_grouped_fresh": lambda: op.dispatch_grouped(x.detach(), w.detach(), None, ids, fresh=True),
         "op_combine_grouped": None,  # after a dispatch_grouped of its own (below)
         "ag_dispatch_grouped": lambda: ag.dispatch_grouped(op, x, w, ids),
         "ag_combine_grouped": None,
@@ -654,6 +658,18 @@ def finish(rec: dict, ref: dict) -> None:
             **{f"{n}_bwd_over_fwd": rec[f"{n}_bwd_over_fwd"] <= TARGETS["bwd_over_fwd"] for n in MIRRORS}}
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux /proc/cpuinfo), None where it cannot be read: the host's speed moves the
+    eager figures, so records name the machine they ran on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()[:80]
+    except OSError:
+        pass
+    return None
+
+
 def run(args, device: torch.device | None = None) -> list[dict]:
     """Every token count's records (on every rank; the process group is up). The script's core: the CPU test
     calls it on a gloo rank with --backend torch --device cpu."""
@@ -662,18 +678,22 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     meta = record_meta(device, torchtitan=titan_version())
     meta["host_cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     meta["host_threads"] = threading.active_count()
+    meta["host_cpu"] = cpu_model()
+    meta["engine"] = "single-thread" if args.single_thread_engine else "multithreaded"
     skip = "--no-titan" if args.no_titan else titan_missing()
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
     try:
-        records = [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
+        with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
+            records = [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
     finally:
         if titan is not None:
             titan.close()
     if args.host_profile or args.kernel_profile or args.host_trace:  # after every timing (profiles' docstring)
-        for rec in records:
-            if rec["path"] == "epgen":
-                rec.update(profiles(rec["tokens_per_rank"], args, device))
+        with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
+            for rec in records:
+                if rec["path"] == "epgen":
+                    rec.update(profiles(rec["tokens_per_rank"], args, device))
     return records
 
 
@@ -703,6 +723,7 @@ def table(records: list[dict]) -> list[str]:
             f"median of {r0['iters']} (slowest rank); ratio = epgen fwd+bwd / titan fwd+bwd")
     if r0.get("host_cpus") is not None:
         head += f"; host: {r0['host_cpus']} CPUs usable, {r0['host_threads']} Python threads"
+        head += f", {r0.get('host_cpu') or 'CPU model unknown'}, autograd engine {r0.get('engine', 'multithreaded')}"
     if r0["titan"] == "ran":
         notes = ["titan_epgen (EpgenTokenDispatcher) fwd+bwd: " + ", ".join(
             f"{T}: {_f(by[(T, 'titan_epgen')].get('fwd_bwd_us'))}" for T in sorted({t for t, _ in by}))]

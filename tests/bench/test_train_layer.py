@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import titan_check
 from tests.support.ep_dist import get_world
@@ -110,6 +111,41 @@ def test_without_titan_the_records_say_so():
     assert lines[3].startswith("| 3 |") and "| – | – |" in lines[3] and lines[-1] == "titan: --no-titan"
 
 
+def scn_engine(rank, world, argv):
+    """run(), and whether autograd's multithreading was on inside each epgen step and after the run."""
+    m = _script()
+    seen = []
+    real = m.fwd_bwd_step
+
+    def spy(fwd, inp):
+        step = real(fwd, inp)
+
+        def logged():
+            seen.append(torch.autograd.is_multithreading_enabled())
+            return step()
+        return logged
+    m.fwd_bwd_step = spy
+    try:
+        recs = m.run(m.parse_args(argv))
+    finally:
+        m.fwd_bwd_step = real
+    return seen, recs, torch.autograd.is_multithreading_enabled()
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_the_engine_setting_holds_for_every_step_and_is_recorded(single):
+    """--single-thread-engine: every timed backward with autograd's multithreading off, the setting restored after
+    the run, and the records (and the table's head) name the engine and the host's CPU model."""
+    m = _script()
+    argv = TINY + ["--tokens", "3", "--no-titan"] + (["--single-thread-engine"] if single else [])
+    seen, recs, after = get_world(1).run(scn_engine, argv, timeout=120)[0]
+    assert seen and set(seen) == {not single} and after is True
+    want = "single-thread" if single else "multithreaded"
+    assert all(r["engine"] == want for r in recs)
+    assert "host_cpu" in recs[0] and (recs[0]["host_cpu"] is None or recs[0]["host_cpu"])
+    assert m.table(recs)[0].endswith(f"autograd engine {want}")
+
+
 def test_profiles_by_own_time_and_the_kernel_table():
     """--host-profile --host-sort own: host_top in descending own time, said in the table; --kernel-profile on a CPU:
     kernel_top is empty (no device events there), and a record's kernel_top is printed as its table."""
@@ -135,7 +171,8 @@ def test_host_ledger_names_the_step_s_pieces():
     m = _script()
     recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-ledger"], timeout=120)[0]
     led = recs[0]["host_ledger_us"]
-    want = ["torch_empty", "torch_mul", "engine_one_node_fwd_bwd", "op_dispatch_grouped", "op_combine_grouped",
+    want = ["torch_empty", "torch_mul", "engine_one_node_fwd_bwd", "op_dispatch_grouped", "op_dispatch_grouped_fresh",
+            "op_combine_grouped",
             "ag_dispatch_grouped", "ag_combine_grouped", "replay_dispatch", "pair_weights", "combine_back",
             "combine_bwd_work_here", "combine_bwd_work_in_engine", "step_fwd", "step_fwd_bwd", "step_bwd"]
     assert list(led) == want and all(v > 0 for v in led.values()), led
