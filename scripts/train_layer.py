@@ -108,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=_at_least(1), default=8)
     p.add_argument("--iters", type=_at_least(1), default=100, help="timed iterations per figure")
     p.add_argument("--warmup", type=_at_least(0), default=10, help="untimed iterations before them")
+    p.add_argument("--warmup-steps", type=_at_least(0), default=200,
+                   help="untimed steps of the first token count (epgen's and torchtitan's) before any figure")
     p.add_argument("--out", type=Path, default=None, help="append the records (jsonl) to this file")
     p.add_argument("--no-titan", action="store_true", help="epgen alone (the titan records say so)")
     p.add_argument("--titan-spmd", choices=["spmd_types", "partial_dtensor"], default="spmd_types",
@@ -658,6 +660,30 @@ def finish(rec: dict, ref: dict) -> None:
             **{f"{n}_bwd_over_fwd": rec[f"{n}_bwd_over_fwd"] <= TARGETS["bwd_over_fwd"] for n in MIRRORS}}
 
 
+def warm_up(args, device: torch.device, titan: Titan | None) -> None:
+    """--warmup-steps untimed steps of the first token count, epgen's and torchtitan's all-to-all in turn, before any
+    figure: without them the first token count's figures ran up to 2x slow (host clocks, lazy initialisation), a
+    fixed count on every rank (the steps are collective)."""
+    if not args.warmup_steps:
+        return
+    T = args.tokens[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = op_config(rank, world, T, args)
+    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    clock = Clock(device)
+    with EpDispatchCombineOp(cfg) as op:
+        steps = [fwd_bwd_step(epgen_fwd(op, inp), inp)]
+        if titan is not None:
+            try:
+                steps.append(fwd_bwd_step(titan_fwd(titan.dispatcher("titan_a2a", args, T), inp, args.experts), inp))
+            except Exception:  # noqa: BLE001 - torchtitan's side failing: point() records why
+                pass
+        for _ in range(args.warmup_steps):
+            for step in steps:
+                step()
+        clock.sync()
+
+
 def cpu_model() -> str | None:
     """The host CPU's model name (Linux /proc/cpuinfo), None where it cannot be read: the host's speed moves the
     eager figures, so records name the machine they ran on."""
@@ -683,8 +709,10 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     skip = "--no-titan" if args.no_titan else titan_missing()
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
+    meta["warmup_steps"] = args.warmup_steps
     try:
         with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
+            warm_up(args, device, titan)
             records = [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
     finally:
         if titan is not None:

@@ -17,7 +17,7 @@ from tests.support.ep_dist import get_world
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_layer.py"
 TINY = ["--backend", "torch", "--device", "cpu", "--hidden", "32", "--experts", "8", "--topk", "2", "--iters", "3",
-        "--warmup", "1"]
+        "--warmup", "1", "--warmup-steps", "2"]
 _MOD = []
 
 
@@ -225,7 +225,8 @@ def scn_order(rank, world, argv):
     """run() with its timers and profilers logging their calls, in order."""
     m = _script()
     seen = []
-    real = {n: getattr(m, n) for n in ("wall_us", "legs_us", "host_profile", "kernel_profile", "host_trace")}
+    real = {n: getattr(m, n) for n in ("warm_up", "wall_us", "legs_us", "host_profile", "kernel_profile",
+                                       "host_trace")}
 
     def logged(name):
         def call(*a, **kw):
@@ -245,9 +246,12 @@ def scn_order(rank, world, argv):
 
 def test_the_profilers_run_after_every_timing():
     """cProfile and kineto slow the host for what follows them in the process: every profiler runs after the last
-    timing of every token count, and its fields still land in the epgen record of their token count."""
+    timing of every token count, and its fields still land in the epgen record of their token count; the warm-up
+    runs once, before any timing."""
     argv = TINY + ["--tokens", "2", "3", "--no-titan", "--host-profile", "--kernel-profile", "--host-trace"]
     seen, recs = get_world(1).run(scn_order, argv, timeout=180)[0]
+    assert seen[0] == "warm_up" and seen.count("warm_up") == 1, seen
+    seen = seen[1:]
     timers = [i for i, n in enumerate(seen) if n in ("wall_us", "legs_us")]
     profilers = [i for i, n in enumerate(seen) if n not in ("wall_us", "legs_us")]
     assert len(profilers) == 6 and len(timers) >= 6 and max(timers) < min(profilers), seen
