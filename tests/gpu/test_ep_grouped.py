@@ -283,19 +283,23 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
     run_collective(check)
 
 
-@pytest.mark.parametrize("mode,protocol,one_kernel,give_x", [
-    ("bf16", "bw", "never", True), ("bf16", "ll", "always", False), ("bf16", "bw", "always", True),
-    ("fp8_blockwise", "bw", "never", False), ("fp8", "ll", "always", True), ("fp32", "bw", "never", False),
+@pytest.mark.parametrize("mode,protocol,one_kernel,give_x,combine", [
+    ("bf16", "bw", "never", True, "reduce"), ("bf16", "ll", "always", False, "reduce"),
+    ("bf16", "bw", "always", True, "reduce"), ("fp8_blockwise", "bw", "never", False, "reduce"),
+    ("fp8", "ll", "always", True, "reduce"), ("fp32", "bw", "never", False, "reduce"),
+    ("bf16", "bw", "never", False, "fused"), ("bf16", "bw", "always", False, "fused"),
 ])
-def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x):
+def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x, combine):
     """dispatch_grouped(fresh=True) / (out_x=...) on both placements (the standalone grouped_place, the dispatch
     kernel's tail): every tensor of the layout is the call's own, written whole although each was filled with 0x7f
     bytes first (an int32 0x7f7f7f7f, a huge float): every kept row and every int32 bit-identical to the op's own
     buffers after a replay, every row without a pair zeroed, the pair map -1 past the received rows; the combine
     reads the fresh layout's pair map (the op's own is wiped first); a later grouped_layout() places into the op's
-    buffers again. Groups padded to 3 rows: padding inside the groups."""
+    buffers again. Groups padded to 3 rows: padding inside the groups. With the fused combine (its peers read the
+    pair map in the workspace) the kernels write the map there and the fresh layout holds a copy of it."""
     def check():
-        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, expert_alignment=3)) as op:
+        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, expert_alignment=3,
+                                      grouped_combine=combine)) as op:
             be = op._backend
             be.one_kernel = one_kernel
             made = be.fresh_grouped
@@ -321,7 +325,10 @@ def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x
             rows = int(be.total_recv)
             assert bool((lay.pair_pos[rows * op.config.num_experts_per_token:] == -1).all())
             y = expert_rows(lay, mode, op.config.combine_dtype, dist.get_rank() * EPR)
-            be._grp["pair_pos"].fill_(-1)  # the combine must take the fresh layout's map, not the op's buffer
+            if combine == "fused":  # the workspace's map is this layout's: the fused combine reads it there
+                assert torch.equal(be._grp["pair_pos"], lay.pair_pos)
+            else:
+                be._grp["pair_pos"].fill_(-1)  # the combine must take the fresh layout's map, not the op's buffer
             got = op.combine_grouped(y, h)[0].clone()
             op.dispatch(x, w, s, idx, routing=h)  # replay into the op's own buffers
             own = _snapshot(op.grouped_layout())
