@@ -125,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
                    help="kineto over epgen's eager forward + backward: device time per kernel name (kernel_top)")
     p.add_argument("--host-trace", action="store_true",
                    help="kineto with Python stacks over epgen's steps: the last step's outline per thread (host_trace)")
+    p.add_argument("--host-trace-depth", type=_at_least(1), default=9,
+                   help="--host-trace's deepest nesting level shown (the custom Functions' insides lie below 9)")
     p.add_argument("--host-ledger", action="store_true",
                    help="host µs of each piece of epgen's step, called alone (host_ledger): what the step is made of")
     p.add_argument("--single-thread-engine", action="store_true",
@@ -625,7 +627,7 @@ def profiles(T: int, args, device: torch.device) -> dict:
         if args.kernel_profile:
             out["kernel_top"] = kernel_profile(clock, step, args.iters)
         if args.host_trace:
-            out["host_trace"] = host_trace(clock, step)
+            out["host_trace"] = host_trace(clock, step, depth=args.host_trace_depth)
     return out
 
 

@@ -221,6 +221,14 @@ def test_host_trace_outlines_the_last_step_thread_by_thread():
     assert lines[at + 1:at + 1 + len(trace)] == ["  " + ln for ln in trace]
 
 
+def test_host_trace_depth_cuts_the_outline():
+    """--host-trace-depth 2: no line deeper than level 2, and lines at level 2 (the default shows deeper ones)."""
+    recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-trace", "--host-trace-depth", "2"],
+                            timeout=120)[0]
+    levels = [len(_TRACE_LINE.match(ln).group(4)) // 2 for ln in recs[0]["host_trace"]]
+    assert max(levels) == 2, levels
+
+
 def scn_order(rank, world, argv):
     """run() with its timers and profilers logging their calls, in order."""
     m = _script()
