@@ -426,7 +426,7 @@ class NativeBackend:
         layout = call.get("layout", False) and phase == PHASE_BOTH
         if layout:  # the tail writes the op's layout buffers, or a fresh layout's tensors (every row and pair then)
             out = call.get("layout_out")
-            self._aim_tail(self._grp["tail"] if out is None else out["ptrs"])
+            self._aim_tail(self._grp["tail"] if out is None else _layout_ptrs(*self._fresh_outputs(out)))
             a.grp_zero_padding = int(out is not None)
         else:
             a.grp_x = 0
@@ -621,7 +621,8 @@ class NativeBackend:
         scales, and one int32 block holding offs, counts, src, m_indices, dropped and the pair map
         (grouped.block_parts), weights float32 [P]: three or four allocations, written whole by the placing
         kernel (no stale entry: zero_padding), so nothing is copied out of the op's buffers afterwards. With the
-        fused combine the pair map stays in the workspace (its peers read it there) and is copied out."""
+        fused combine the pair map stays in the workspace (its peers read it there) and is copied out. Made before
+        the call's slot is selected: nothing here is a slot's (_fresh_outputs names the kernels' targets then)."""
         cfg, g = self.config, self._grp
         E, P = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity
         x = torch.empty_like(g["x_view"]) if out_x is None else out_x
@@ -629,11 +630,15 @@ class NativeBackend:
         block = torch.empty(grouped.block_size(E, P, cfg.max_recv_tokens * cfg.num_experts_per_token),
                             dtype=torch.int32, device=self.device)
         weights = torch.empty(P, dtype=torch.float32, device=self.device)
-        offs, counts, src, m_idx, dropped, pair_pos = grouped.block_parts(block, E, P)
-        kernel_pos = g["pair_pos"] if g.get("fused") else pair_pos
-        return {"x": x, "scales": scales, "block": block, "weights": weights, "pair_pos": pair_pos,
-                "parts": (offs, counts, src, m_idx, dropped, kernel_pos),
-                "ptrs": _layout_ptrs(x, scales, kernel_pos, offs, counts, src, m_idx, weights, dropped)}
+        return {"x": x, "scales": scales, "block": block, "weights": weights,
+                "parts": grouped.block_parts(block, E, P)}
+
+    def _fresh_outputs(self, out: dict) -> tuple:
+        """What the placing kernels write for fresh layout `out` on the selected slot, in _aim_tail's order: its
+        tensors, but the selected slot's workspace pair map with the fused combine."""
+        offs, counts, src, m_idx, dropped, pair_pos = out["parts"]
+        kernel_pos = self._grp["pair_pos"] if self._grp.get("fused") else pair_pos
+        return out["x"], out["scales"], kernel_pos, offs, counts, src, m_idx, out["weights"], dropped
 
     def grouped_layout(self, seq: int = 0, out: dict | None = None) -> grouped.GroupedLayout:
         """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
@@ -647,21 +652,21 @@ class NativeBackend:
                 g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=g["x"],
                                          zero_padding=0)
             else:
-                offs, counts, src, m_idx, dropped, kernel_pos = out["parts"]
-                g["place_fresh"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=out["x"],
-                                        out_scales=out["scales"], pair_pos=kernel_pos, offs=offs, kept_counts=counts,
-                                        src=src, m_indices=m_idx, weights=out["weights"], dropped=dropped)
+                x, scales, kernel_pos, offs, counts, src, m_idx, weights, dropped = self._fresh_outputs(out)
+                g["place_fresh"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=x,
+                                        out_scales=scales, pair_pos=kernel_pos, offs=offs, kept_counts=counts,
+                                        src=src, m_indices=m_idx, weights=weights, dropped=dropped)
         if out is None:
             return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
                                          src=g["src"], m_indices=g["m_indices"], weights=g["weights"],
                                          dropped=g["dropped_view"], pair_pos=g["pair_pos"], seq=seq)
         self._placed = False  # the op's buffers do not hold this layout: a later grouped_layout() places again
-        offs, counts, src, m_idx, dropped, kernel_pos = out["parts"]
-        if kernel_pos is not out["pair_pos"]:  # the fused combine's map, in the workspace: this layout's copy
-            out["pair_pos"].copy_(kernel_pos)
+        offs, counts, src, m_idx, dropped, pair_pos = out["parts"]
+        if g.get("fused"):  # the fused combine's map, in the workspace: this layout's copy
+            pair_pos.copy_(g["pair_pos"])
         return grouped.GroupedLayout(x=out["x"], scales=out["scales"], offs=offs, counts=counts, src=src,
                                      m_indices=m_idx, weights=out["weights"], dropped=dropped.view(()),
-                                     pair_pos=out["pair_pos"], seq=seq, block=out["block"])
+                                     pair_pos=pair_pos, seq=seq, block=out["block"])
 
     def grouped_reduce(self, expert_out, apply_weights: bool, pair_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Grouped expert outputs [P, H] -> combine input rows (see _combine_dst for where), one launch; pair_pos:
