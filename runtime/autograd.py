@@ -215,10 +215,11 @@ def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None 
     scalar: handle_t, the forward's own output, where it has one) goes into ctx.save_for_backward beside the
     other saved tensors, for _routing_of."""
     ctx.saved, ctx.handle_id = saved, handle_id
-    if handle_t is None:  # a combine: the scalar its dispatch made for this id, where it has it (no new tensor)
-        named = saved.named
-        handle_t = named[1] if named is not None and named[0] == handle_id else torch.tensor(handle_id,
-                                                                                             dtype=torch.int64)
+    if handle_t is None:  # a combine: the scalar its dispatch made for the routing it ran on (no new tensor). It
+        # may name that routing by another id than handle_id (a selective checkpoint's replay hands the first
+        # forward's routing to a new id): _routing_of then takes it by that id, the same routing. Never a new
+        # tensor here on one run and none on another: a checkpoint's replay must see the forward's torch ops.
+        handle_t = saved.named[1] if saved.named is not None else torch.tensor(handle_id, dtype=torch.int64)
     return handle_t
 
 
