@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -339,10 +340,16 @@ def kernel_profile(clock: Clock, step, iters: int, top: int = 20) -> list[dict]:
     return [{"kernel": n, "calls_per_step": len(d) / iters, "us_per_step": sum(d) / iters} for n, d in rows]
 
 
-def host_trace(clock: Clock, step, iters: int = 5, depth: int = 9, min_us: float = 3.0) -> list[str]:
-    """kineto (CPU activity, Python functions recorded) over `iters` steps: the last step's events as an outline,
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # kineto's Python event names carry the bound object's address
+
+
+def host_trace(clock: Clock, step, iters: int = 5, depth: int = 9, min_us: float = 3.0,
+               top: int = 25) -> tuple[list[str], list[str]]:
+    """kineto (CPU activity, Python functions recorded) over `iters` steps -> (the last step's events as an outline,
     thread by thread (the autograd engine runs the backward on a thread of its own, which cProfile does not see),
-    nesting up to `depth`, events of at least `min_us`: "thread +start µs  duration µs  name"."""
+    nesting up to `depth`, events of at least `min_us`: "thread +start µs  duration µs  name"; the `top` event
+    names by their own time in that step, every depth counted (an event's duration less its children's), summed
+    per thread and name: "thread  own µs  calls  name")."""
     import json
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -360,19 +367,27 @@ def host_trace(clock: Clock, step, iters: int = 5, depth: int = 9, min_us: float
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     last = [e for e in spans if e.get("name") == f"epgen_step_{iters - 1}"]
     if not last:
-        return ["(no step span in the trace)"]
+        return ["(no step span in the trace)"], []
     t0, t1 = last[0]["ts"], last[0]["ts"] + last[0]["dur"]
     mine = sorted((e for e in spans if t0 <= e["ts"] <= t1), key=lambda e: (e["tid"], e["ts"], -e["dur"]))
     lines, threads, stack = [], {}, []
+    own: dict[tuple[str, str], list[float]] = {}  # (thread, name) -> [own µs, calls]
     for e in mine:
         tid = threads.setdefault(e["tid"], f"T{len(threads)}")
         while stack and (stack[-1][0] != e["tid"] or e["ts"] >= stack[-1][1]):
             stack.pop()
         level = len(stack)
-        stack.append((e["tid"], e["ts"] + e["dur"]))
+        if stack:  # the parent's own time loses this child's
+            own[stack[-1][2]][0] -= e["dur"]
+        key = (tid, _ADDRESS.sub("", e["name"])[:110])  # one row per method, whichever object it was bound to
+        own.setdefault(key, [0.0, 0])
+        own[key][0] += e["dur"]
+        own[key][1] += 1
+        stack.append((e["tid"], e["ts"] + e["dur"], key))
         if level <= depth and e["dur"] >= min_us:
             lines.append(f"{tid} +{e['ts'] - t0:8.1f} {e['dur']:8.1f}  {'  ' * level}{e['name'][:110]}")
-    return lines
+    ranked = sorted(own.items(), key=lambda kv: -kv[1][0])[:top]
+    return lines, [f"{tid} {us:8.1f} {n:5d}  {name}" for (tid, name), (us, n) in ranked]
 
 
 def host_us(clock: Clock, call, iters: int, warmup: int, setup=None) -> float:
@@ -627,7 +642,7 @@ def profiles(T: int, args, device: torch.device) -> dict:
         if args.kernel_profile:
             out["kernel_top"] = kernel_profile(clock, step, args.iters)
         if args.host_trace:
-            out["host_trace"] = host_trace(clock, step, depth=args.host_trace_depth)
+            out["host_trace"], out["host_trace_own"] = host_trace(clock, step, depth=args.host_trace_depth)
     return out
 
 
@@ -772,6 +787,10 @@ def table(records: list[dict]) -> list[str]:
             host.append(f"epgen host trace at {r['tokens_per_rank']} tokens (kineto, one step: thread, +start µs, "
                         f"µs, event):")
             host += ["  " + line for line in r["host_trace"]]
+        if r.get("host_trace_own"):
+            host.append(f"epgen host trace at {r['tokens_per_rank']} tokens, by own time (thread, own µs, calls, "
+                        f"event):")
+            host += ["  " + line for line in r["host_trace_own"]]
     for r in records:
         if r.get("host_ledger_us"):
             host.append(f"epgen host ledger at {r['tokens_per_rank']} tokens (µs of host time, each piece alone):")

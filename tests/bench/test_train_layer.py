@@ -221,6 +221,28 @@ def test_host_trace_outlines_the_last_step_thread_by_thread():
     assert lines[at + 1:at + 1 + len(trace)] == ["  " + ln for ln in trace]
 
 
+_OWN_LINE = re.compile(r"^(T\d+) +(-?\d+\.\d) +(\d+)  (\S.*)$")  # "thread  own µs  calls  name"
+
+
+def test_host_trace_ranks_events_by_own_time():
+    """--host-trace's host_trace_own: at most 25 (thread, event) rows by own time, largest first, non-negative, the
+    step's own span counted once at most; the sum of all own times of the step's thread cannot exceed the step's
+    duration (children are subtracted from their parents); the table prints them under their heading."""
+    m = _script()
+    recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-trace"], timeout=120)[0]
+    rows = [_OWN_LINE.match(ln) for ln in recs[0]["host_trace_own"]]
+    assert rows and all(rows) and len(rows) <= 25, recs[0]["host_trace_own"]
+    own = [float(r.group(2)) for r in rows]
+    assert own == sorted(own, reverse=True) and min(own) >= -0.05, own
+    assert all(int(r.group(3)) >= 1 for r in rows)
+    step_us = float(_TRACE_LINE.match(recs[0]["host_trace"][0]).group(3))
+    main = _TRACE_LINE.match(recs[0]["host_trace"][0]).group(1)
+    assert sum(o for r, o in zip(rows, own) if r.group(1) == main) <= step_us + 0.5
+    lines = m.table(recs)
+    at = lines.index("epgen host trace at 3 tokens, by own time (thread, own µs, calls, event):")
+    assert lines[at + 1] == "  " + recs[0]["host_trace_own"][0]
+
+
 def test_host_trace_depth_cuts_the_outline():
     """--host-trace-depth 2: no line deeper than level 2, and lines at level 2 (the default shows deeper ones)."""
     recs = get_world(1).run(scn_run, TINY + ["--tokens", "3", "--no-titan", "--host-trace", "--host-trace-depth", "2"],
