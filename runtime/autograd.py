@@ -411,24 +411,11 @@ def _pair_weights(wg: torch.Tensor, pair_pos: torch.Tensor, rows: int, k: int) -
 
 
 # --- epgen::dispatch_grouped -----------------------------------------------------------------------
-_META_SPLITS: dict = {}  # op uid -> _meta_split of its config (computed once: config properties cost host time)
-
-
-def _meta_split(op) -> tuple[int, ...]:
-    """The parts of dispatch_grouped's int32 output `meta`, the head of the fresh layout's block
-    (grouped.block_parts): offs [E], counts [E], src [P], m_indices [P], dropped [1]."""
-    parts = _META_SPLITS.get(op.uid)
-    if parts is None:
-        E, P = op.config.num_experts_per_rank, op.config.resolved_grouped_capacity
-        parts = _META_SPLITS[op.uid] = (E, E, P, P, 1)
-    return parts
-
-
 def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                            handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                     torch.Tensor]:
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
-    without), meta int32 (_meta_split), the handle id)."""
+    without), meta int32 (the layout's block without its pair map: grouped.meta_parts), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
     # a layout of this forward's own (no copies: the placing kernel writes it whole, every row without a pair
     # zeroed, so a grouped GEMM over a group's padding gives finite, zero, weight gradients); the backward keeps
@@ -439,7 +426,8 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     _PENDING[handle_id] = saved = _Saved(op, routing, indices, pair_pos=layout.pair_pos, src=layout.src,
                                          guard=(indices, block))
     scales = layout.scales if layout.scales is not None else x.new_empty((layout.rows, 0))
-    return layout.x, layout.weights, scales, block[:sum(_meta_split(op))], _handle_tensor(handle_id, saved)
+    meta = block[:block.numel() - layout.pair_pos.numel()]
+    return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved)
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -455,7 +443,8 @@ def _(x, weights, indices, op_id, handle_id):
     sd = None if cfg.grouped_dequantize else op.dispatch_out_scales_dtype
     scales = x.new_empty((P, op.dispatch_out_scale_cols), dtype=sd) if sd is not None else x.new_empty((P, 0))
     return (x.new_empty(shape, dtype=dtype), x.new_empty((P,), dtype=torch.float32), scales,
-            x.new_empty((sum(_meta_split(op)),), dtype=torch.int32), torch.empty((), dtype=torch.int64))
+            x.new_empty((grouped.block_size(cfg.num_experts_per_rank, P, 0),), dtype=torch.int32),
+            torch.empty((), dtype=torch.int64))
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
@@ -496,7 +485,7 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
     (xg, wg, scales, meta, _), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
-    offs, counts, src, m_idx, dropped = torch.split_with_sizes(meta, _meta_split(op))
+    offs, counts, src, m_idx, dropped = grouped.meta_parts(meta, xg.shape[0])
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
                                    src=src, m_indices=m_idx, weights=wg, dropped=dropped.view(()),

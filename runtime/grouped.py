@@ -83,6 +83,12 @@ def block_parts(block: torch.Tensor, experts_per_rank: int, rows: int) -> tuple[
     return torch.split_with_sizes(block, (E, E, P, P, 1, block.numel() - 2 * E - 2 * P - 1))
 
 
+def meta_parts(meta: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """The head of a fresh layout's block, without the pair map (the training forward's int32 output) ->
+    (offs, counts, src, m_indices, dropped [1]) views; P = rows, E from its size."""
+    return block_parts(meta, (meta.numel() - 2 * rows - 1) // 2, rows)[:5]
+
+
 def grouped_rows(world: int, tokens: int, experts_per_rank: int, top_k: int, align: int) -> int:
     """Rows of the grouped layout that hold every local pair when a token names each expert at most once (top-k
     routing): a rank receives at most world * tokens rows, each with at most min(top_k, experts_per_rank) local

@@ -250,6 +250,14 @@ def op_config(rank: int, world: int, T: int, args) -> EpDispatchCombineConfig:
     return attrs.evolve(cfg, grouped_capacity=rows)
 
 
+def layer_setup(T: int, args, device: torch.device) -> tuple[EpDispatchCombineConfig, dict]:
+    """This rank's op config and layer inputs at T tokens (the same for every pass over T: timings, profiles,
+    warm-up)."""
+    rank = dist.get_rank()
+    cfg = op_config(rank, dist.get_world_size(), T, args)
+    return cfg, layer_inputs(cfg, device, args.seed + 7919 * rank)
+
+
 def layer_inputs(cfg: EpDispatchCombineConfig, device: torch.device, seed: int) -> dict:
     """x (bf16) and w (float32) leaves requiring grad, ids [T, k] int32 (k distinct experts), g [T, H]."""
     s = make_input_sets(cfg, 1, seed=seed, device=device)[0]
@@ -591,10 +599,8 @@ def timed(clock: Clock, fwd, inp: dict, args) -> dict:
 
 def point(T: int, args, device: torch.device, titan: Titan | None, skip_reason: str | None, meta: dict) -> list[dict]:
     """The records of one token count: epgen, then torchtitan's two dispatchers (or why they did not run)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     clock = Clock(device)
-    cfg = op_config(rank, world, T, args)
-    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    cfg, inp = layer_setup(T, args, device)
     base = {**meta, "kind": "train_layer", "tokens_per_rank": T, "hidden": args.hidden, "experts": args.experts,
             "topk": args.topk, "dtype": "bfloat16", "mode": "eager", "expert": EXPERT, "iters": args.iters,
             "warmup": args.warmup, "routing": "uniform, k distinct experts per token"}
@@ -629,10 +635,8 @@ def profiles(T: int, args, device: torch.device) -> dict:
     """The profilers' fields of epgen's record at T tokens (--host-profile, --kernel-profile, --host-trace), on an op
     of their own. run() takes them after every timing: cProfile and kineto leave the host slower afterwards in the
     same process (seen: timings after a kineto trace 1.2-2x their usual), which would skew every later figure."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     clock = Clock(device)
-    cfg = op_config(rank, world, T, args)
-    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    cfg, inp = layer_setup(T, args, device)
     out: dict = {}
     with EpDispatchCombineOp(cfg) as op:
         step = fwd_bwd_step(epgen_fwd(op, inp), inp)
@@ -684,9 +688,7 @@ def warm_up(args, device: torch.device, titan: Titan | None) -> None:
     if not args.warmup_steps:
         return
     T = args.tokens[0]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = op_config(rank, world, T, args)
-    inp = layer_inputs(cfg, device, args.seed + 7919 * rank)
+    cfg, inp = layer_setup(T, args, device)
     clock = Clock(device)
     with EpDispatchCombineOp(cfg) as op:
         steps = [fwd_bwd_step(epgen_fwd(op, inp), inp)]

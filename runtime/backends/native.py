@@ -567,25 +567,21 @@ class NativeBackend:
         only the arguments that change are checked and written), and the layout's drop-count view."""
         cfg, plan = self.config, self.plan
         k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
+        placing = dict(  # what every placement reads, and its sizes
+            recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
+            total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first,
+            num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
+            row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0, out_row_bytes=g["out_row"],
+            max_recv=cfg.max_recv_tokens)
         return {
             "count_launch": self.k["grouped_count"].bind(recv_idx=self.recv_idx, total_recv=self.total_recv,
                                                          pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k,
                                                          first_expert=first),
             "place_launch": self.k["grouped_place"].bind(
-                recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
-                total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], pair_pos=g["pair_pos"],
-                out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"], src=g["src"],
-                m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"], k=k, first_expert=first,
-                num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
-                row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
-                out_row_bytes=g["out_row"], max_recv=cfg.max_recv_tokens),
+                **placing, pair_pos=g["pair_pos"], out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"],
+                src=g["src"], m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"]),
             # a fresh layout's (fresh_grouped): the outputs named per launch
-            "place_fresh": self.k["grouped_place"].bind(
-                recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
-                total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first,
-                num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
-                row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0,
-                out_row_bytes=g["out_row"], max_recv=cfg.max_recv_tokens, zero_padding=1),
+            "place_fresh": self.k["grouped_place"].bind(**placing, zero_padding=1),
             "reduce_launch": self.k["grouped_reduce"].bind(pair_pos=g["pair_pos"], recv_w=self.recv_w,
                                                            total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim,
                                                            pair_w=None, out_w=None),
