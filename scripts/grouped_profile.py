@@ -3,9 +3,10 @@
 
   torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096] [--forms reduce fused]
                                                          [--legs auto one separate]
+                                                         [--launch-blocks 0 8] [--launch-threads 0 128]
                                                          [--hidden 7168] [--topk 8] [--experts 256] [--out F]
 
-Per (tokens, form): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
+Per (tokens, form, legs, launch geometry): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
 expert: bf16) -> combine_grouped, captured in one graph; --reps replays timed (per layer: replay / L), then
 profiled by kineto (bench/graphprof.py). The identity copy is the expert GEMMs' stand-in (what it costs is
 printed on its own row, "copy"); everything else is what the layer's communication runs on the device.
@@ -21,6 +22,7 @@ At one rank (W = 1) this is the glue with no link in the way, never a 2-GPU figu
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -49,12 +51,14 @@ def _name(kernel: str) -> str:
 LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the native backend's one_kernel
 
 
-def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -> dict:
+def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
+          threads: int = 0) -> dict:
     """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
     unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
     the profiler."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
+    geometry = {key: v for key, v in (("launch_blocks", blocks), ("launch_threads", threads)) if v}
+    base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16, geometry=geometry)
     cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
@@ -71,6 +75,7 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -
         op.combine_grouped(y, h)
 
     warm_on_side_stream(layer)
+    gate(op, x, w, idx, y)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(args.layers):
@@ -87,16 +92,30 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto") -
     torch.cuda.synchronize()
     eager_us = (time.perf_counter() - t0) / args.eager_iters * 1e6
     host_top = host_profile(layer, args.eager_iters) if args.host_profile else None
-    legs = eager_legs(op, x, w, idx, args.eager_iters)
+    alone = eager_legs(op, x, w, idx, args.eager_iters)
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "legs": legs,
-            "world_size": world,
+            "launch_blocks": blocks, "launch_threads": threads, "world_size": world,
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
-            "eager_iters": args.eager_iters, **legs, **({"host_top": host_top} if host_top else {})}
+            "eager_iters": args.eager_iters, **alone, **({"host_top": host_top} if host_top else {})}
+
+
+def gate(op, x, w, idx, y) -> None:
+    """The layer's output before anything is timed: with the identity expert every token comes back as the sum of
+    its kept pairs' weights times its row (float32 sums, one bf16 rounding: within 2 % of x * sum(w) where no pair
+    was dropped). A kernel that loses part of a row fails here, not silently in a fast table."""
+    layout, h = op.dispatch_grouped(x, w, None, idx)
+    y.copy_(layout.x)
+    out = op.combine_grouped(y, h)[0].float()
+    want = x.float() * w.float().sum(1, keepdim=True)
+    if dist.get_world_size() == 1 and int(layout.dropped) == 0 and not torch.allclose(out, want, rtol=2e-2, atol=1e-2):
+        bad = (out - want).abs().max().item()
+        raise SystemExit(f"grouped_profile: the layer's output is wrong at {x.shape[0]} tokens (largest error {bad:.3g} "
+                         f"against x * sum(w)): no timing taken")
 
 
 def eager_legs(op, x, w, idx, iters: int) -> dict:
@@ -169,7 +188,10 @@ def host_profile(layer, iters: int, top: int = 25) -> list[dict]:
 
 
 def table(rec: dict) -> list[str]:
-    out = [f"T={rec['tokens_per_rank']} {rec['grouped_combine']}: {rec['per_layer_us']:.1f} µs per layer "
+    geo = "".join(f", {name} {rec[key]}" for key, name in (("launch_blocks", "blocks"), ("launch_threads", "threads"))
+                  if rec.get(key))
+    legs = f", legs {rec['legs']}" if isinstance(rec.get("legs"), str) else ""
+    out = [f"T={rec['tokens_per_rank']} {rec['grouped_combine']}{legs}{geo}: {rec['per_layer_us']:.1f} µs per layer "
            f"(graph, W={rec['world_size']}); median gap between kernels {rec['gap_us'] or 0:.1f} µs",
            "| kernel | per layer | median µs | µs per layer |", "|---|---|---|---|"]
     ks = sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["per_layer"] * kv[1]["median_us"])
@@ -190,6 +212,10 @@ def main() -> int:
     p.add_argument("--forms", nargs="+", default=["reduce", "fused"], choices=["reduce", "fused"])
     p.add_argument("--legs", nargs="+", default=["auto"], choices=list(LEGS),
                    help="the grouped legs: the op's own choice, one kernel each, or the EP kernels and separate passes")
+    p.add_argument("--launch-blocks", type=int, nargs="+", default=[0],
+                   help="the EP kernels' grid (config launch_blocks; 0: the tuning table); several: each in turn")
+    p.add_argument("--launch-threads", type=int, nargs="+", default=[0],
+                   help="the EP kernels' threads per block (config launch_threads; 0: the tuning table)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
@@ -209,8 +235,9 @@ def main() -> int:
                                                               meta["host_primitives_us"].items()), flush=True)
     keep: list = []
     for T in args.tokens:
-        for form, legs in ((f, g) for f in args.forms for g in args.legs):
-            rec = point(T, form, args, meta, keep, legs)
+        for form, legs, blocks, threads in itertools.product(args.forms, args.legs, args.launch_blocks,
+                                                             args.launch_threads):
+            rec = point(T, form, args, meta, keep, legs, blocks, threads)
             if dist.get_rank() == 0:
                 print("\n".join(table(rec)), flush=True)
                 if args.out:

@@ -36,7 +36,12 @@ def row(rec: dict) -> str:
         us[name] += v["per_layer"] * v["median_us"]
         seen.add(name)
     cells = [f"{us[n]:.1f}" if n in seen else "–" for n, _ in COLUMNS]
-    form = rec["grouped_combine"] + (f" ({rec['legs']} legs)" if rec.get("legs", "auto") != "auto" else "")
+    legs = rec.get("legs", "auto")  # records before 2026-12-04's geometry options may hold a dict here (a bug)
+    form = rec["grouped_combine"] + ("" if legs == "auto" else f" ({legs} legs)" if isinstance(legs, str)
+                                     else " (legs not recorded)")
+    geo = ", ".join(f"{name} {rec[key]}" for key, name in (("launch_blocks", "blocks"), ("launch_threads", "threads"))
+                    if rec.get(key))
+    form += f" [{geo}]" if geo else ""
     return (f"| {rec['commit']} | {rec['tokens_per_rank']} | {form} | {rec['per_layer_us']:.1f} | "
             + " | ".join(cells) + " |")
 

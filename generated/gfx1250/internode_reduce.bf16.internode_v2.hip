@@ -67,6 +67,20 @@ EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w32(p);
 }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __builtin_popcountll(m); }
+// The lanes of the wave whose v equals this lane's (every lane of the wave calls it): no match instruction, so
+// one ballot per distinct value, lowest remaining lane first; the wave runs in lockstep, so its barrier only
+// keeps the compiler from moving shared-memory accesses across it
+EPG_DEVICE epg_u64 epg_match_any(int v) {
+  epg_u64 todo = epg_ballot(true), mine = 0;
+  while (todo) {
+    const int lead = (int)epg_shfl((epg_u32)v, __builtin_ctzll(todo));
+    const epg_u64 m = epg_ballot(v == lead);
+    if (v == lead) mine = m;
+    todo &= ~m;
+  }
+  return mine;
+}
+EPG_DEVICE void epg_syncwave() { __builtin_amdgcn_wave_barrier(); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
 EPG_DEVICE float epg_add_product(float acc, float w, float f) {
 #pragma clang fp contract(off)

@@ -67,6 +67,20 @@ EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w64(p);
 }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __builtin_popcountll(m); }
+// The lanes of the wave whose v equals this lane's (every lane of the wave calls it): no match instruction, so
+// one ballot per distinct value, lowest remaining lane first; the wave runs in lockstep, so its barrier only
+// keeps the compiler from moving shared-memory accesses across it
+EPG_DEVICE epg_u64 epg_match_any(int v) {
+  epg_u64 todo = epg_ballot(true), mine = 0;
+  while (todo) {
+    const int lead = (int)epg_shfl((epg_u32)v, __builtin_ctzll(todo));
+    const epg_u64 m = epg_ballot(v == lead);
+    if (v == lead) mine = m;
+    todo &= ~m;
+  }
+  return mine;
+}
+EPG_DEVICE void epg_syncwave() { __builtin_amdgcn_wave_barrier(); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
 EPG_DEVICE float epg_add_product(float acc, float w, float f) {
 #pragma clang fp contract(off)
@@ -502,6 +516,7 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
 constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
 constexpr int EPG_GROUPED_MAX_THREADS = 1024;
 constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+constexpr int EPG_GROUPED_SMALL_PAIRS = 256;  // pairs a block numbers on its own
 
 // The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
 struct EpgGrouped {
@@ -531,6 +546,12 @@ struct EpgGroupedShared {
   int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
   int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
   int base, over;
+};
+
+// A block's shared memory for numbering the pairs on its own (epg_grouped_count_here).
+struct EpgGroupedSmall {
+  short ex[EPG_GROUPED_SMALL_PAIRS];  // each pair's local expert, -1: another rank's
+  int rel[EPG_GROUPED_SMALL_PAIRS];   // each local pair's position in its group
 };
 
 // Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
@@ -573,6 +594,41 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
     epg_syncthreads();
   }
   if (tid == 0) g.counts[e] = sh.base;
+}
+
+// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
+// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
+// pairs' experts into shared memory, then its first wave takes them a wave-wide chunk at a time in ascending pair
+// id: a pair's position is its expert's running count plus the lanes below it with the same expert (a match),
+// and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
+// group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
+// positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
+  const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
+  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
+  for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    const int local = g.recv_idx[p] - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
+  epg_syncthreads();
+  if (tid < EPG_WAVE) {
+    const int lane = tid;
+    const epg_u64 below = (1ull << lane) - 1ull;
+    for (int p0 = 0; p0 < pairs; p0 += EPG_WAVE) {  // uniform over the wave
+      const int p = p0 + lane;
+      const int e = p < pairs ? sm.ex[p] : -1;
+      const epg_u64 same = epg_match_any(e);
+      const int rel = e >= 0 ? sh.kept[e] + epg_popc(same & below) : -1;
+      epg_syncwave();  // every lane has read its count before any is raised
+      if (e >= 0 && (same >> lane) == 1ull) sh.kept[e] += epg_popc(same);  // the group's highest lane
+      if (p < pairs) sm.rel[p] = rel;
+      epg_syncwave();
+    }
+  }
+  epg_syncthreads();
+  g.counts = sh.kept;
+  g.pair_rel = sm.rel;
 }
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
@@ -633,9 +689,12 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   return E > 0 ? sh.end[E - 1] : 0;
 }
 
-// Place, one wave per real (received row, k) pair over the grid: a kept local pair copies its row (16-byte
-// vectors) and scales to grouped row start_e + position and records it (src, m_indices, weights, pair_pos);
-// every other pair gets pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+// Place, one wave per (real (received row, k) pair, chunk of its row) over the grid: a kept local pair copies its
+// row (16-byte vectors; with fewer pairs than the grid has waves in chunks of up to EPG_PLACE_CHUNK per lane, so a
+// small batch's rows are spread over as many waves as they have chunks: one round of loads in flight per wave) and scales to grouped row start_e +
+// position, and its first chunk's wave records it (src, m_indices, weights, pair_pos); every other pair gets
+// pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+constexpr int EPG_PLACE_CHUNK = 8;  // 16-byte vectors per lane of one placing wave's chunk
 EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
   const int local = g.recv_idx[p] - (int)g.first_expert;
   if (local < 0 || local >= g.num_local) return -1;
@@ -651,15 +710,23 @@ EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
 EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
   const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
-  const int n16 = (int)(g.row_bytes / 16);
-  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < pairs; p += (epg_i64)epg_nblocks() * waves) {
+  const int n16 = (int)(g.row_bytes / 16), per = EPG_PLACE_CHUNK * EPG_WAVE;
+  // rows split in chunks only while the pairs leave waves idle (a large batch: one wave per pair, as many loads in flight)
+  const int chunks = n16 > per && pairs < (epg_i64)epg_nblocks() * waves ? (n16 + per - 1) / per : 1;
+  const int span = chunks > 1 ? per : n16;  // vectors of one chunk (the last may be shorter)
+  const epg_i64 units = pairs * chunks;
+  for (epg_i64 u = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; u < units; u += (epg_i64)epg_nblocks() * waves) {
+    const epg_i64 p = u / chunks;
+    const int c = (int)(u % chunks), lo = c * span;
     const int row = epg_grouped_row(g, sh, p);  // wave-uniform
     if (row < 0) {
-      if (lane == 0) g.pair_pos[p] = -1;
+      if (c == 0 && lane == 0) g.pair_pos[p] = -1;
       continue;
     }
     const epg_i64 from = p / g.k;
-    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes, g.recv_x + from * g.row_bytes, n16, lane);
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes + 16 * (epg_i64)lo, g.recv_x + from * g.row_bytes + 16 * (epg_i64)lo,
+                  n16 - lo < span ? n16 - lo : span, lane);
+    if (c != 0) continue;
     for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
       g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
     if (lane == 0) epg_grouped_note(g, p, row);
@@ -768,20 +835,26 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 }
 
 // A dispatch's tail with a.grp_x: once every block of the grid is past its receive (total_recv published), the
-// layout's two passes with a grid barrier between them, the grid standing in for the standalone kernels'
-// grids: blocks take the local experts in turn to count, then every block works out the groups and the grid
-// places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
+// layout's two passes, the grid standing in for the standalone kernels' grids: a small batch (at most
+// EPG_GROUPED_SMALL_PAIRS pairs) is numbered by every block on its own (no second barrier), a larger one by the
+// blocks taking the local experts in turn, behind a second grid barrier; then every block works out the groups
+// and the grid places the pairs. Only the rows up to the larger of this layout's end and the last one's are re-marked
 // (state grouped_end, which tracks the op's own buffers: rows past both are padding already); with
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   __shared__ EpgGroupedShared sh;
-  if (!epg_grid_sync(a)) return;
-  const EpgGrouped g = epg_grouped_of(a);
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
-  for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
   if (!epg_grid_sync(a)) return;
+  EpgGrouped g = epg_grouped_of(a);
+  if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
+    __shared__ EpgGroupedSmall sm;
+    epg_grouped_count_here(g, sh, sm);
+  } else {
+    for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
+    if (!epg_grid_sync(a)) return;
+  }
   const int end = epg_grouped_bounds(g, sh);
   epg_grouped_place(g, sh);
   if (a.grp_zero_padding != 0) {  // fresh outputs: every row marked, every payload without a pair zeroed, the whole map

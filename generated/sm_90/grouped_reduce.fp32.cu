@@ -55,6 +55,10 @@ EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { asm volatile("st.r
 EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { epg_u64 v; asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
+// The lanes of the wave whose v equals this lane's (every lane of the wave calls it), and a wave barrier that
+// orders the lanes' shared-memory accesses (independent thread scheduling: lanes may diverge between them)
+EPG_DEVICE epg_u64 epg_match_any(int v) { return __match_any_sync(0xffffffffu, v); }
+EPG_DEVICE void epg_syncwave() { __syncwarp(); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
 EPG_DEVICE float epg_add_product(float acc, float w, float f) { return __fadd_rn(acc, __fmul_rn(w, f)); }
 // a * b rounded on its own: never fused into a later add (a decoded element is the same number in every sum)
@@ -195,6 +199,11 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // per (received row, 8 elements), rows < total_recv; the rest of `out` is left as it is. (A combine_grouped
 // call runs this as its combine kernel's staging instead.) With out_w (dispatch's backward), the thread of a row's
 // first elements also writes the row's k pair values: out_w[row, j] = pair_w[pair_pos[row, j]], 0 without a pair.
+// A small batch (at most EPG_REDUCE_ITEMS (row, 8 elements) items per block of the grid, blocks of
+// EPG_REDUCE_SLOTS x EPG_REDUCE_ITEMS threads) is spread over the pairs too: thread (slot j, item) loads pair j's
+// 8 elements and forms its rounded product, and the slot-0 thread adds the k products in ascending j from shared
+// memory (a missing pair adds +0.0, which leaves a sum that starts at +0.0 as it is: the same bits as the
+// per-row loop), so every thread waits for one row load instead of k in a row.
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
 // standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
 // place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
@@ -202,6 +211,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
 constexpr int EPG_GROUPED_MAX_THREADS = 1024;
 constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+constexpr int EPG_GROUPED_SMALL_PAIRS = 256;  // pairs a block numbers on its own
 
 // The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
 struct EpgGrouped {
@@ -231,6 +241,12 @@ struct EpgGroupedShared {
   int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
   int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
   int base, over;
+};
+
+// A block's shared memory for numbering the pairs on its own (epg_grouped_count_here).
+struct EpgGroupedSmall {
+  short ex[EPG_GROUPED_SMALL_PAIRS];  // each pair's local expert, -1: another rank's
+  int rel[EPG_GROUPED_SMALL_PAIRS];   // each local pair's position in its group
 };
 
 // Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
@@ -273,6 +289,41 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
     epg_syncthreads();
   }
   if (tid == 0) g.counts[e] = sh.base;
+}
+
+// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
+// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
+// pairs' experts into shared memory, then its first wave takes them a wave-wide chunk at a time in ascending pair
+// id: a pair's position is its expert's running count plus the lanes below it with the same expert (a match),
+// and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
+// group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
+// positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
+  const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
+  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
+  for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    const int local = g.recv_idx[p] - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
+  epg_syncthreads();
+  if (tid < EPG_WAVE) {
+    const int lane = tid;
+    const epg_u64 below = (1ull << lane) - 1ull;
+    for (int p0 = 0; p0 < pairs; p0 += EPG_WAVE) {  // uniform over the wave
+      const int p = p0 + lane;
+      const int e = p < pairs ? sm.ex[p] : -1;
+      const epg_u64 same = epg_match_any(e);
+      const int rel = e >= 0 ? sh.kept[e] + epg_popc(same & below) : -1;
+      epg_syncwave();  // every lane has read its count before any is raised
+      if (e >= 0 && (same >> lane) == 1ull) sh.kept[e] += epg_popc(same);  // the group's highest lane
+      if (p < pairs) sm.rel[p] = rel;
+      epg_syncwave();
+    }
+  }
+  epg_syncthreads();
+  g.counts = sh.kept;
+  g.pair_rel = sm.rel;
 }
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
@@ -333,9 +384,12 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   return E > 0 ? sh.end[E - 1] : 0;
 }
 
-// Place, one wave per real (received row, k) pair over the grid: a kept local pair copies its row (16-byte
-// vectors) and scales to grouped row start_e + position and records it (src, m_indices, weights, pair_pos);
-// every other pair gets pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+// Place, one wave per (real (received row, k) pair, chunk of its row) over the grid: a kept local pair copies its
+// row (16-byte vectors; with fewer pairs than the grid has waves in chunks of up to EPG_PLACE_CHUNK per lane, so a
+// small batch's rows are spread over as many waves as they have chunks: one round of loads in flight per wave) and scales to grouped row start_e +
+// position, and its first chunk's wave records it (src, m_indices, weights, pair_pos); every other pair gets
+// pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+constexpr int EPG_PLACE_CHUNK = 8;  // 16-byte vectors per lane of one placing wave's chunk
 EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
   const int local = g.recv_idx[p] - (int)g.first_expert;
   if (local < 0 || local >= g.num_local) return -1;
@@ -351,15 +405,23 @@ EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
 EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
   const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
-  const int n16 = (int)(g.row_bytes / 16);
-  for (epg_i64 p = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; p < pairs; p += (epg_i64)epg_nblocks() * waves) {
+  const int n16 = (int)(g.row_bytes / 16), per = EPG_PLACE_CHUNK * EPG_WAVE;
+  // rows split in chunks only while the pairs leave waves idle (a large batch: one wave per pair, as many loads in flight)
+  const int chunks = n16 > per && pairs < (epg_i64)epg_nblocks() * waves ? (n16 + per - 1) / per : 1;
+  const int span = chunks > 1 ? per : n16;  // vectors of one chunk (the last may be shorter)
+  const epg_i64 units = pairs * chunks;
+  for (epg_i64 u = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; u < units; u += (epg_i64)epg_nblocks() * waves) {
+    const epg_i64 p = u / chunks;
+    const int c = (int)(u % chunks), lo = c * span;
     const int row = epg_grouped_row(g, sh, p);  // wave-uniform
     if (row < 0) {
-      if (lane == 0) g.pair_pos[p] = -1;
+      if (c == 0 && lane == 0) g.pair_pos[p] = -1;
       continue;
     }
     const epg_i64 from = p / g.k;
-    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes, g.recv_x + from * g.row_bytes, n16, lane);
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes + 16 * (epg_i64)lo, g.recv_x + from * g.row_bytes + 16 * (epg_i64)lo,
+                  n16 - lo < span ? n16 - lo : span, lane);
+    if (c != 0) continue;
     for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
       g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
     if (lane == 0) epg_grouped_note(g, p, row);
@@ -438,6 +500,14 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
     }
   }
 }
+constexpr int EPG_REDUCE_SLOTS = 8;   // pairs of a row loaded at once in the small-batch form
+constexpr int EPG_REDUCE_ITEMS = 64;  // (row, 8 elements) items per block in the small-batch form
+EPG_DEVICE void epg_reduce_pair_values(const int* pair_pos, const float* pair_w, float* out_w, epg_i64 row, int k) {
+  for (int j = 0; j < k; ++j) {
+    const int g = pair_pos[row * k + j];
+    out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
+  }
+}
 EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
     const int* __restrict__ pair_pos,
     const float* __restrict__ recv_w,
@@ -451,17 +521,45 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 items = (epg_i64)*total_recv * n8;
+  const bool apply = apply_weights != 0;
+  if (epg_block_dim() == EPG_REDUCE_SLOTS * EPG_REDUCE_ITEMS && items <= (epg_i64)epg_nblocks() * EPG_REDUCE_ITEMS) {
+    __shared__ float prod[EPG_REDUCE_SLOTS][8][EPG_REDUCE_ITEMS];
+    const int slot = epg_thread() / EPG_REDUCE_ITEMS, li = epg_thread() % EPG_REDUCE_ITEMS;
+    const epg_i64 i = (epg_i64)epg_block() * EPG_REDUCE_ITEMS + li;  // one item per thread column: no loop
+    const bool have = i < items;
+    const epg_i64 row = have ? i / n8 : 0, elem = have ? 8 * (i % n8) : 0;
+    float acc[8];
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int j0 = 0; j0 < (int)k; j0 += EPG_REDUCE_SLOTS) {  // uniform over the block
+      const int j = j0 + slot;
+      const int g = have && j < (int)k ? pair_pos[row * k + j] : -1;
+      float f[8];
+      if (g >= 0) {
+        epg_load8(expert_out + (epg_i64)g * row_bytes + elem * 4, f);
+        const float w = apply ? recv_w[row * k + j] : 1.0f;
+        for (int e = 0; e < 8; ++e) f[e] = epg_mul_rn(w, f[e]);
+      } else {
+        for (int e = 0; e < 8; ++e) f[e] = 0.f;
+      }
+      for (int e = 0; e < 8; ++e) prod[slot][e][li] = f[e];
+      epg_syncthreads();
+      if (slot == 0)
+        for (int s = 0; s < EPG_REDUCE_SLOTS && j0 + s < (int)k; ++s)
+          for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], 1.0f, prod[s][e][li]);
+      epg_syncthreads();
+    }
+    if (slot == 0 && have) {
+      epg_store8(out + row * row_bytes + elem * 4, acc);
+      if (out_w != nullptr && elem == 0) epg_reduce_pair_values(pair_pos, pair_w, out_w, row, (int)k);
+    }
+    return;
+  }
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
   for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < items; i += step) {
     const epg_i64 row = i / n8, elem = 8 * (i % n8);
     float acc[8];
-    epg_grouped_reduce8<1>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply_weights != 0, acc);
+    epg_grouped_reduce8<1>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
     epg_store8(out + row * row_bytes + elem * 4, acc);
-    if (out_w != nullptr && elem == 0) {
-      for (int j = 0; j < (int)k; ++j) {
-        const int g = pair_pos[row * k + j];
-        out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
-      }
-    }
+    if (out_w != nullptr && elem == 0) epg_reduce_pair_values(pair_pos, pair_w, out_w, row, (int)k);
   }
 }

@@ -55,6 +55,10 @@ EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { asm volatile("st.r
 EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { epg_u64 v; asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
+// The lanes of the wave whose v equals this lane's (every lane of the wave calls it), and a wave barrier that
+// orders the lanes' shared-memory accesses (independent thread scheduling: lanes may diverge between them)
+EPG_DEVICE epg_u64 epg_match_any(int v) { return __match_any_sync(0xffffffffu, v); }
+EPG_DEVICE void epg_syncwave() { __syncwarp(); }
 // acc + w * f rounded twice (no fused multiply-add), as the torch reference computes it
 EPG_DEVICE float epg_add_product(float acc, float w, float f) { return __fadd_rn(acc, __fmul_rn(w, f)); }
 // a * b rounded on its own: never fused into a later add (a decoded element is the same number in every sum)

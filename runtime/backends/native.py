@@ -510,6 +510,16 @@ class NativeBackend:
         items = self.config.max_recv_tokens * self.config.hidden_dim // 8
         return max(1, min(8 * self.num_sms, -(-items // BLOCK)))
 
+    def _reduce_grid(self) -> int:
+        """Blocks of a grouped_reduce launch: enough for its small-batch form (specs/kernels.toml [args.grouped_reduce]
+        limits: small_items (row, 8 elements) items per block, one pair per thread of an item's column) to cover
+        every receivable row, up to the blocks the device keeps resident at once (past them its blocks would run in
+        turns, each turn a row load's latency: the kernel takes the row loop when its rows need more)."""
+        items = self.config.max_recv_tokens * self.config.hidden_dim // 8
+        kern = self.k["grouped_reduce"]
+        resident = self.num_sms * kern.blocks_per_sm(BLOCK)
+        return max(self._rows_grid(), min(resident, -(-items // kern.limits["small_items"])))
+
     def convert_combine_input(self, expert_out, routing):
         """Weighted expert outputs [E, C, H] -> combine input rows (see _combine_dst for where)."""
         st, cfg = self._std, self.config
@@ -567,12 +577,14 @@ class NativeBackend:
         only the arguments that change are checked and written), and the layout's drop-count view."""
         cfg, plan = self.config, self.plan
         k, first = cfg.num_experts_per_token, cfg.rank * cfg.num_experts_per_rank
+        # a small batch's pairs are numbered by every placing block itself (no grouped_count launch before it)
+        g["count_here"] = cfg.max_recv_tokens * k <= self.k["grouped_place"].limits["small_pairs"]
         placing = dict(  # what every placement reads, and its sizes
             recv_x=self.recv_x, recv_scales=self.recv_scales, recv_w=self.recv_w, recv_idx=self.recv_idx,
             total_recv=self.total_recv, pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k, first_expert=first,
             num_local=cfg.num_experts_per_rank, align=cfg.expert_alignment, capacity=cfg.resolved_grouped_capacity,
             row_bytes=plan.wire_row, scale_bytes=plan.scale_row if plan.scales_dtype else 0, out_row_bytes=g["out_row"],
-            max_recv=cfg.max_recv_tokens)
+            max_recv=cfg.max_recv_tokens, count_here=int(g["count_here"]))
         return {
             "count_launch": self.k["grouped_count"].bind(recv_idx=self.recv_idx, total_recv=self.total_recv,
                                                          pair_rel=g["pair_rel"], counts=g["raw_counts"], k=k,
@@ -643,7 +655,8 @@ class NativeBackend:
         them in its kernel was given the same one: op.dispatch_grouped(fresh=True))."""
         g = self._grp
         if not self._placed:
-            g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
+            if not g["count_here"]:
+                g["count_launch"].launch(self.config.num_experts_per_rank, BLOCK)
             if out is None:
                 g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=g["x"],
                                          zero_padding=0)
@@ -671,10 +684,10 @@ class NativeBackend:
         dst = self._combine_dst(g)
         apply = int(apply_weights and self._had_weights)
         if pair_pos is None or pair_pos.data_ptr() == g["pair_pos"].data_ptr():
-            g["reduce_launch"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, out=dst, apply_weights=apply)
+            g["reduce_launch"].launch(self._reduce_grid(), BLOCK, expert_out=expert_out, out=dst, apply_weights=apply)
         else:
             cfg = self.config
-            self.k["grouped_reduce"].launch(self._rows_grid(), BLOCK, expert_out=expert_out, pair_pos=pair_pos,
+            self.k["grouped_reduce"].launch(self._reduce_grid(), BLOCK, expert_out=expert_out, pair_pos=pair_pos,
                                             recv_w=self.recv_w, total_recv=self.total_recv, out=dst,
                                             k=cfg.num_experts_per_token, hidden=cfg.hidden_dim, apply_weights=apply,
                                             pair_w=None, out_w=None)
@@ -693,7 +706,7 @@ class NativeBackend:
             g["all_rows"] = torch.full((1,), R, dtype=torch.int32, device=self.device)
         out = torch.empty((R, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((R, k), dtype=torch.float32, device=self.device) if pair_w is not None else None
-        self.k["grouped_reduce"].launch(self._rows_grid(), BLOCK, expert_out=grouped_rows, pair_pos=pair_pos,
+        self.k["grouped_reduce"].launch(self._reduce_grid(), BLOCK, expert_out=grouped_rows, pair_pos=pair_pos,
                                         recv_w=self.recv_w, total_recv=g["all_rows"], out=out, k=k,
                                         hidden=cfg.hidden_dim, apply_weights=0, pair_w=pair_w, out_w=out_w)
         return out, out_w

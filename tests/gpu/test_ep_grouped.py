@@ -26,6 +26,13 @@ if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
 
 T, K, EPR = 64, 8, 8
 MODES = {mode: (256, MODE_FIELDS[mode]) for mode in ("bf16", "fp32", "fp8", "fp8_blockwise")}  # (hidden, fields)
+# rows of 544 16-byte vectors: past one placing wave's chunk (grouped_common.j2 EPG_PLACE_CHUNK x 32 lanes)
+MODES["bf16_wide"] = (4352, MODE_FIELDS["bf16"])
+
+
+def _payload(mode):
+    """The oracle's payload mode of a test mode."""
+    return mode.removesuffix("_wide")
 
 
 def _cfg(backend, mode, tokens=T, **kw):
@@ -76,7 +83,7 @@ def _torch_ids(handle, tokens=T):
 
 def _round(op, x, w, s, idx, mode, routing=None):
     layout, h = op.dispatch_grouped(x, w, s, idx, routing=routing)
-    y = expert_rows(layout, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+    y = expert_rows(layout, _payload(mode), op.config.combine_dtype, dist.get_rank() * EPR)
     return layout, h, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
 
 
@@ -86,6 +93,9 @@ def _round(op, x, w, s, idx, mode, routing=None):
     ("bf16", "bw", 120, 128, T),        # receive cap: (source rank, token) order; a small buffer: drops
     ("fp8_blockwise", "bw", 100, 0, T),
     ("bf16", "bw", 2000, 0, 1024),      # 16000 pairs: the counting kernel's blocks take several steps
+    # rows longer than a placing wave's chunk: a small batch copies each in chunks over several waves, a large
+    # one (more pairs than the placing grid has waves) a whole row per wave
+    ("bf16_wide", "ll", 0, 0, T), ("bf16_wide", "bw", 0, 0, 1024),
 ])
 def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     def check():
@@ -115,14 +125,15 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     run_collective(check)  # its all-gather is the closing barrier
 
 
-@pytest.mark.parametrize("epr,align,gcap", [
-    (700, 16, 0),     # more experts than the placement block has threads: two per thread in its prefix
-    (700, 3, 0),      # an alignment that is no power of two
-    (300, 16, 2048),  # groups past a small buffer: the serial recurrence, with drops
+@pytest.mark.parametrize("epr,align,gcap,tokens", [
+    (700, 16, 0, 256),     # more experts than the placement block has threads: two per thread in its prefix
+    (700, 3, 0, 256),      # an alignment that is no power of two
+    (300, 16, 2048, 256),  # groups past a small buffer: the serial recurrence, with drops
+    (700, 3, 0, 64),       # a small batch: every placing block numbers the pairs itself (count_here)
 ])
-def test_grouped_many_experts_match_torch_backend(epr, align, gcap):
+def test_grouped_many_experts_match_torch_backend(epr, align, gcap, tokens):
     def check():
-        tokens, W = 256, dist.get_world_size()
+        W = dist.get_world_size()
         kw = dict(rank=dist.get_rank(), world_size=W, hidden_dim=256, max_num_inp_token_per_rank=tokens,
                   num_experts_per_rank=epr, num_experts_per_token=K, enable_grouped_layout=True,
                   expert_alignment=align, grouped_capacity=gcap, data_type=torch.bfloat16)
@@ -247,20 +258,25 @@ def _snapshot(lay):
             "pair_pos": lay.pair_pos.clone()}
 
 
-@pytest.mark.parametrize("mode,protocol,gcap", [
-    ("bf16", "bw", 0), ("bf16", "ll", 0), ("fp32", "bw", 0), ("fp32", "ll", 0), ("fp8_blockwise", "bw", 0),
-    ("fp8", "ll", 0),  # a pre-quantized payload: its scales placed beside it
-    ("bf16", "bw", 128),  # a small buffer: drops, the serial recurrence
+@pytest.mark.parametrize("mode,protocol,gcap,tokens", [
+    ("bf16", "bw", 0, T), ("bf16", "ll", 0, T), ("fp32", "bw", 0, T), ("fp32", "ll", 0, T), ("fp8_blockwise", "bw", 0, T),
+    ("fp8", "ll", 0, T),  # a pre-quantized payload: its scales placed beside it
+    ("bf16", "bw", 128, T),  # a small buffer: drops, the serial recurrence
+    # past limits.small_pairs: the tail counts behind a second grid barrier and the standalone passes launch
+    # grouped_count; the smaller batch after it is numbered in-block by the tail, by grouped_count standalone
+    ("bf16", "bw", 0, 512), ("bf16", "ll", 0, 512), ("bf16_wide", "ll", 0, T),
 ])
-def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
+def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, tokens):
     def check():
-        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
+        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
             assert op._backend.fuses_layout
+            small_pairs = op._backend.k["grouped_place"].limits["small_pairs"]
+            assert op._backend._grp["count_here"] == (op.config.max_recv_tokens * K <= small_pairs)
             op._backend.one_kernel = "always"  # auto takes it for eager low-latency calls only
-            x, w, s, idx = _inputs(3, mode, "cuda")
+            x, w, s, idx = _inputs(3, mode, "cuda", tokens)
             lay, h = op.dispatch_grouped(x, w, s, idx)  # the dispatch kernel's tail
             one = _snapshot(lay)
-            y = expert_rows(lay, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+            y = expert_rows(lay, _payload(mode), op.config.combine_dtype, dist.get_rank() * EPR)
             staged = op.combine_grouped(y, h)[0].clone()  # one combine kernel
             staged_u = op.combine_grouped(y, h, apply_weights=False)[0].clone()
             op.dispatch(x, w, s, idx, routing=h)  # replay: the same rows in the same slots
@@ -275,11 +291,17 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap):
             if gcap:
                 assert int(lay.dropped) > 0
             # a smaller batch after a larger one: the rows past its groups are padding again
-            small = tuple(None if t is None else t[: T // 4] for t in (x, w, s, idx))
-            lay2, _ = op.dispatch_grouped(*small)
+            small = tuple(None if t is None else t[: tokens // 8] for t in (x, w, s, idx))
+            lay2, h2 = op.dispatch_grouped(*small)
             end = int(lay2.offs[-1])
             assert bool((lay2.src[end:] == -1).all()) and bool((lay2.m_indices[end:] == -1).all())
             assert bool((lay2.weights[end:] == 0).all())
+            one2 = _snapshot(lay2)
+            op.dispatch(*small, routing=h2)
+            two2 = _snapshot(op.grouped_layout())
+            for name, got in one2.items():
+                want = two2[name]
+                assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), name
     run_collective(check)
 
 
