@@ -510,7 +510,7 @@ EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh
 // (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 // U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
-// grouped_reduce takes 1 (its wide grid keeps the loads in flight: more registers would halve its resident
+// grouped_reduce takes 2 (64 registers on sm_90: still two 512-thread blocks per SM; 4 would halve its resident
 // blocks), an EP kernel's staging 4 (its grid is one block per SM).
 template <int U>
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
@@ -590,7 +590,7 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
   for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < items; i += step) {
     const epg_i64 row = i / n8, elem = 8 * (i % n8);
     float acc[8];
-    epg_grouped_reduce8<1>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
+    epg_grouped_reduce8<2>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
     epg_store8(out + row * row_bytes + elem * 4, acc);
     if (out_w != nullptr && elem == 0) epg_reduce_pair_values(pair_pos, pair_w, out_w, row, (int)k);
   }

@@ -731,7 +731,7 @@ EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh
 // (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
 // U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
-// grouped_reduce takes 1 (its wide grid keeps the loads in flight: more registers would halve its resident
+// grouped_reduce takes 2 (64 registers on sm_90: still two 512-thread blocks per SM; 4 would halve its resident
 // blocks), an EP kernel's staging 4 (its grid is one block per SM).
 template <int U>
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
