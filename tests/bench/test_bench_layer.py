@@ -351,3 +351,18 @@ def test_grouped_profile_table_orders_kernels_by_their_time_per_layer():
     assert lines[0].startswith("T=1 reduce: 20.0 µs per layer (graph, W=1)")
     assert [ln.split(" | ")[0].lstrip("| ") for ln in lines[3:]] == ["copy", "b", "a"]
     assert lines[4] == "| b | 2 | 3.0 | 6.0 |"
+
+
+def test_grouped_profile_table_names_legs_and_geometry():
+    """scripts/grouped_profile_table.py: a record's forced legs and launch overrides are named in its row; a record
+    whose legs field was overwritten by the eager timings (grouped_profile.py before 2c5ebc0) says so."""
+    spec = importlib.util.spec_from_file_location("gpt", ROOT / "scripts" / "grouped_profile_table.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    base = {"commit": "abc1234", "tokens_per_rank": 1, "grouped_combine": "reduce", "per_layer_us": 20.0,
+            "kernels": {"epg_dispatch_ll": {"per_layer": 1, "median_us": 7.5}}}
+    assert "| reduce |" in gpt.row({**base, "legs": "auto"})
+    assert "| reduce (one legs) [blocks 8, threads 128] |" in gpt.row({**base, "legs": "one", "launch_blocks": 8,
+                                                                        "launch_threads": 128})
+    assert "| reduce (legs not recorded) |" in gpt.row({**base, "legs": {"eager_legs_us": 100.0}})
+    assert gpt.row(base).endswith("| 7.5 | – | – | – | – | – | – | – |")

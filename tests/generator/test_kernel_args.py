@@ -95,6 +95,20 @@ def test_shared_limits_are_rendered_from_the_spec(every_variant):
         assert f"constexpr int EPG_GROUPED_MAX_EXPERTS = {limits.limit('max_experts')};" in src
         assert f"constexpr int EPG_GROUPED_MAX_THREADS = {limits.limit('max_threads')};" in src
         assert "int t_sum[EPG_GROUPED_MAX_THREADS];" in src
+        assert f"constexpr int EPG_GROUPED_SMALL_PAIRS = {limits.limit('small_pairs')};" in src
+
+
+def test_grouped_reduce_small_form_fits_the_runtime_block(every_variant):
+    """grouped_reduce takes its small-batch form only in blocks of pair_slots x small_items threads: the runtime's
+    block (runtime/backends/native.py BLOCK) must be that, or the form would never run (and say nothing)."""
+    from runtime.backends.native import BLOCK
+
+    specs, variants = every_variant
+    red = specs.arglists["grouped_reduce"]
+    assert red.limit("pair_slots") * red.limit("small_items") == BLOCK
+    src = R.render(next(v for v in variants if v.family.name == "grouped_reduce"))
+    assert f"constexpr int EPG_REDUCE_SLOTS = {red.limit('pair_slots')};" in src
+    assert f"constexpr int EPG_REDUCE_ITEMS = {red.limit('small_items')};" in src
 
 
 def test_struct_mirror_follows_the_declaration():
