@@ -78,3 +78,14 @@ def write_records(path, records: list[dict]) -> None:
     with open(path, "a") as f:
         for r in records:
             f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def emit_point(rec: dict, lines: list[str], out) -> None:
+    """A profiling script's point on rank 0: its table printed, its record appended to `out` (jsonl; None: not
+    kept). Other ranks print and write nothing."""
+    if dist.get_rank() != 0:
+        return
+    print("\n".join(lines), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")

@@ -31,7 +31,9 @@
 # index; pip download --no-deps -d .titan-wheels torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard typing_extensions
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
 # GPU 0, W = 1: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
-# "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import).
+# "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
+# PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, records of kind
+# "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -146,6 +148,10 @@ if [ -n "${OVERLAP:-}" ]; then  # split-phase legs around a GEMM at one rank (W 
   CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/overlap_profile.py ${OVERLAP_ARGS:-} \
     --out "$OUT/overlap.jsonl" 2>&1 | tee "$OUT/overlap.log" | grep -vE "^(W|\*)" | tail -12; status[overlap]=${PIPESTATUS[0]}
 fi
+if [ -n "${PHASE:-}" ]; then  # where a low-latency leg's time goes inside its kernels (phase stamps), W = 1
+  CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/phase_trace.py ${PHASE_ARGS:-} \
+    --out "$OUT/phase_trace.jsonl" 2>&1 | tee "$OUT/phase_trace.log" | grep -vE "^(W|\*)" | tail -60; status[phase]=${PIPESTATUS[0]}
+fi
 if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goes, kernel by kernel
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
@@ -167,4 +173,4 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof phase train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import graphprof, hostprof  # noqa: E402
 from bench.inputs import make_input_sets, point_config  # noqa: E402
 from bench.measure import warm_on_side_stream  # noqa: E402
-from bench.records import meta as record_meta  # noqa: E402
+from bench.records import emit_point, meta as record_meta  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 
 
@@ -238,11 +237,7 @@ def main() -> int:
         for form, legs, blocks, threads in itertools.product(args.forms, args.legs, args.launch_blocks,
                                                              args.launch_threads):
             rec = point(T, form, args, meta, keep, legs, blocks, threads)
-            if dist.get_rank() == 0:
-                print("\n".join(table(rec)), flush=True)
-                if args.out:
-                    with args.out.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
+            emit_point(rec, table(rec), args.out)
     for op in keep:
         op.close()
     dist.destroy_process_group()

@@ -54,6 +54,8 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_min(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -295,6 +297,7 @@ struct EpArgs {
   epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
+  epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_PHASES][min, max] u64 ns, per block's thread 0 (dispatch_ll / combine_ll; 0: none)
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -352,6 +355,19 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // Epochs and counters compare in modular order (a - b as a signed 32-bit difference), so a long-lived
 // op's epochs may wrap around 2^32 (about 2^31 barriers, a day of back-to-back calls) without a wait
 // passing early: values that matter are never 2^31 apart.
+// Diagnostics (a.trace != 0: scripts/phase_trace.py): at phase `ph` every block waits for its threads, then its
+// thread 0 stamps the device's global timer into trace[ph] = {earliest block, latest block} (ns). Every thread of
+// the block calls it (a.trace is the same for all: the barrier is uniform); with a.trace == 0 it is one test.
+constexpr int EPG_TRACE_PHASES = 8;
+EPG_DEVICE void epg_trace(const EpArgs& a, int ph) {
+  if (a.trace == 0) return;
+  epg_syncthreads();
+  if (epg_thread() != 0) return;
+  epg_u64* t = (epg_u64*)a.trace + 2 * ph;
+  const epg_u64 now = epg_clock_ns();
+  epg_atomic_min_u64(t, now);
+  epg_atomic_max_u64(t + 1, now);
+}
 EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
 EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
 // One bounded wait: construct it before the first poll, call more() after each poll that did not find
@@ -952,6 +968,7 @@ EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) { acc[0] += epg_bits_f32(w); }
 EPG_DEVICE epg_u32 epg_packw(const float acc[2]) { return epg_f32_bits(acc[0]); }
 
 EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
+  epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
   const bool send = a.phase != EPG_PHASE_RECV;
   if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
@@ -971,6 +988,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     ok = 1;
   }
   epg_syncthreads();
+  epg_trace(a, 1);  // past the entry barrier, the row counts read
   const epg_i64 N = base[W];
   const epg_i64 keep_rows = a.max_recv < a.expert_rows ? a.max_recv : a.expert_rows;
   const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
@@ -978,6 +996,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     epg_combine_grouped_stage(a, keep_rows < N ? keep_rows : N);
     if (!epg_grid_sync(a)) return;
   }
+  epg_trace(a, 2);  // the grouped rows staged (phase 1's time without a layout)
 
   // push: one wave per (received row, chunk)
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
@@ -1009,6 +1028,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     }
   }
 
+  epg_trace(a, 3);  // every row pushed
   if (a.phase == EPG_PHASE_SEND) return;  // the receive half is a later launch
   // reduce at the origin: one wave per (token, chunk of EPG_WAVE vectors), a lane per vector; cells in k order
   // (one per destination rank); a chunk of payload alone goes out as 16-byte stores (epg_ll_store_chunk16)
@@ -1060,5 +1080,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   }
   epg_syncthreads();
   if (!ok) return;  // out is left unfinished; the host raises
+  epg_trace(a, 4);  // every token reduced
   epg_ll_finish(a, EPG_ST_LL_COMBINES, calls, EPG_LAST_COMBINE_LL);
+  epg_trace(a, 5);  // the call counter advanced
 }

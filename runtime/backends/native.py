@@ -119,6 +119,7 @@ class NativeBackend:
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
         peer_bases = self._setup_workspace()
+        self._trace = None  # trace_phases()'s buffer (diagnostics)
         self._slots: list[dict] = []  # per workspace slot (config max_inflight): the values of SLOT_ATTRS
         for slot in range(cfg.max_inflight):
             self._setup_slot(slot, peer_bases)
@@ -158,6 +159,26 @@ class NativeBackend:
     def _load_slot(self, slot: int) -> None:
         for name, value in self._slots[slot].items():
             setattr(self, name, value)
+
+    def trace_phases(self, buf: torch.Tensor | None) -> None:
+        """Diagnostics (scripts/phase_trace.py): from now on the low-latency kernels stamp their phases into `buf`,
+        an int64 tensor [2, trace_phases, 2] on this op's device (dispatch_ll's, then combine_ll's: per phase the
+        device's global timer in ns when the earliest and the latest block reached it; the caller fills each call's
+        entries with (2^63 - 1, 0) first), or stop (None). Every workspace slot's argument blocks."""
+        phases = self.k["dispatch"].limits["trace_phases"]
+        if buf is not None:
+            want = (2, phases, 2)
+            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int64 or tuple(buf.shape) != want \
+                    or not buf.is_contiguous() or buf.device != self.device:
+                raise InputError(f"trace_phases: buf must be a contiguous int64 tensor {list(want)} on {self.device}")
+        half = 0 if buf is None else buf.data_ptr()
+        for store in self._slots:
+            store["dargs"].trace = half
+            store["cargs"].trace = 0 if buf is None else half + 8 * 2 * phases
+            fused = (store["_grp"] or {}).get("fargs")
+            if fused is not None:
+                fused.trace = store["cargs"].trace
+        self._trace = buf  # kept alive while the kernels may write it
 
     def select_slot(self, slot: int) -> None:
         """Work on workspace slot `slot` from now on (the op selects the slot of each call's operation)."""

@@ -366,3 +366,30 @@ def test_grouped_profile_table_names_legs_and_geometry():
                                                                         "launch_threads": 128})
     assert "| reduce (legs not recorded) |" in gpt.row({**base, "legs": {"eager_legs_us": 100.0}})
     assert gpt.row(base).endswith("| 7.5 | – | – | – | – | – | – | – |")
+
+
+def test_phase_trace_reads_stamps_relative_to_the_first_entry():
+    """scripts/phase_trace.py: raw stamps [kernel][phase][earliest, latest] (ns) -> µs since the kernel's earliest
+    entry, None where no block reached a phase or the kernel did not run; medians over calls; the timer's step."""
+    spec = importlib.util.spec_from_file_location("phase_trace", ROOT / "scripts" / "phase_trace.py")
+    pt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pt)
+    U = pt.UNSET
+    disp = [[1000, 1500], [2000, 2600], [4000, 4200], [U, 0], [U, 0], [U, 0], [U, 0], [U, 0]]
+    comb = [[U, 0]] * 8  # combine_ll did not run
+    one = pt.relative([disp, comb])
+    assert one["dispatch_ll"][:3] == [(0.0, 0.5), (1.0, 1.6), (3.0, 3.2)]
+    assert one["dispatch_ll"][3] is None and len(one["dispatch_ll"]) == len(pt.PHASES["dispatch_ll"])
+    assert one["combine_ll"] == [None] * len(pt.PHASES["combine_ll"])
+    later = [[[t + 7 if t != U else U for t in pair] if pair[0] != U else pair for pair in disp], comb]
+    later[0][2] = [1000 + 5000, 1000 + 5100]  # a slower third phase in the second call
+    rows = pt.summarize([one, pt.relative(later)])["dispatch_ll"]
+    # the second call entered at 1007 ns: its third phase at (6000 - 1007, 6100 - 1007) ns; medians of two
+    assert rows[2] == {"phase": "counts posted, rows sent", "calls": 2,
+                       "earliest_us": pytest.approx((3.0 + 4.993) / 2), "latest_us": pytest.approx((3.2 + 5.093) / 2)}
+    assert rows[3] is None
+    assert pt.timer_step([disp, comb]) == 200
+    rec = {"tokens_per_rank": 1, "form": "plain", "iters": 2, "timer_step_ns": 200,
+           "phases": pt.summarize([one, pt.relative(later)])}
+    lines = pt.table(rec)
+    assert lines[3] == "| dispatch_ll | entry | 0.00 | 0.50 |" and len(lines) == 6
