@@ -144,7 +144,8 @@ def op_matrix_case(rank: int, world: int, env: dict, dev: str = "cpu") -> list[s
                 op.reset()
                 comm.barrier()
             sc_in = scales[:ct] if scale_dim else None
-            recv_x, _w, out_s, _i, total_t, routing = op.dispatch(inp[:ct], wts[:ct], sc_in, idx[:ct],
+            sent = inp[:ct]  # the rows the combine below brings back: the last dispatch's
+            recv_x, _w, out_s, _i, total_t, routing = op.dispatch(sent, wts[:ct], sc_in, idx[:ct],
                                                                   return_routing=True)
             total = int(total_t.cpu().item())
             _sync(dev)
@@ -167,6 +168,9 @@ def op_matrix_case(rank: int, world: int, env: dict, dev: str = "cpu") -> list[s
                 res.check(f"OP-REPLAY ct={ct}", len(again) == 5 and int(again[4].cpu()) == total
                           and torch.equal(again[0][:total].cpu().view(torch.uint8), want)
                           and not torch.equal(want, first) if total else True)
+                # the combine takes the replay's rows: the first dispatch's out may be the op's buffer, which the
+                # replay rewrote (the native backend's; the torch backend returns tensors of each call's own)
+                recv_x, sent = again[0], replay_rows(rank)[:ct].to(dev)
             if scale_dim:
                 tis = routing.disp_tok_id_to_src_tok_id_local[:total].cpu()
                 exp = ((tis // M) * 100003 + (tis % M)).view(total, 1)
@@ -178,7 +182,7 @@ def op_matrix_case(rank: int, world: int, env: dict, dev: str = "cpu") -> list[s
                 comm.barrier()
                 res.check(f"OP-CAP ct={ct}", total <= cap)
                 continue
-            ref_in = inp[:ct].float().cpu() if not fp4 else None
+            ref_in = sent.float().cpu() if not fp4 else None
             if stdmoe:
                 op.convert_dispatch_output()  # identity GEMM: packed_x = token
                 op.convert_combine_input(routing)
@@ -198,7 +202,7 @@ def op_matrix_case(rank: int, world: int, env: dict, dev: str = "cpu") -> list[s
                 exp_w = U * wts[:ct].float().cpu()
                 if fp4:  # U copies of an e2m1 row, summed and rounded once to e2m1 (saturating at 6): within
                     # half a step of the exact sum (steps 0.5 below 2, 1 below 4, 2 up to 6)
-                    got, exact = decode_fp4(out.cpu()), (U * decode_fp4(inp[:ct].cpu())).clamp(-6, 6)
+                    got, exact = decode_fp4(out.cpu()), (U * decode_fp4(sent.cpu())).clamp(-6, 6)
                     ok = bool(((got - exact).abs() <= torch.where(exact.abs() < 2, 0.25, torch.where(
                         exact.abs() < 4, 0.5, 1.0))).all())
                 else:
