@@ -171,13 +171,13 @@ class NativeBackend:
             if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int64 or tuple(buf.shape) != want \
                     or not buf.is_contiguous() or buf.device != self.device:
                 raise InputError(f"trace_phases: buf must be a contiguous int64 tensor {list(want)} on {self.device}")
-        half = 0 if buf is None else buf.data_ptr()
+        at_dispatch, at_combine = (0, 0) if buf is None else (buf[0].data_ptr(), buf[1].data_ptr())
         for store in self._slots:
-            store["dargs"].trace = half
-            store["cargs"].trace = 0 if buf is None else half + 8 * 2 * phases
+            store["dargs"].trace = at_dispatch
+            store["cargs"].trace = at_combine
             fused = (store["_grp"] or {}).get("fargs")
             if fused is not None:
-                fused.trace = store["cargs"].trace
+                fused.trace = at_combine
         self._trace = buf  # kept alive while the kernels may write it
 
     def select_slot(self, slot: int) -> None:
