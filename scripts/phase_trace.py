@@ -37,7 +37,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
                     "grouped layout placed", "finished"),
-    "combine_ll": ("entry", "row counts read", "grouped rows staged", "rows pushed", "tokens reduced", "finished"),
+    "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
 }
 KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves
 FORMS = ("plain", "grouped", "one")

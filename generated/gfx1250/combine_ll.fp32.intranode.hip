@@ -58,6 +58,9 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_m
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+// this GPU's blocks only (a flag between the blocks of one kernel)
+EPG_DEVICE void epg_st_release_dev(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE int epg_ld_acquire_dev(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
@@ -539,8 +542,9 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last`.
-EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`, and with
+// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end).
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -550,6 +554,7 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
     state[EPG_ST_DONE] = 0;
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
+    if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
@@ -874,6 +879,17 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   return g_ok != 0;
 }
 
+// The layout passes' shared memory: one of each per kernel, whichever of its paths takes it (the tail, or
+// dispatch_ll's receive into the groups).
+EPG_DEVICE EpgGroupedShared& epg_grouped_sh() {
+  __shared__ EpgGroupedShared sh;
+  return sh;
+}
+EPG_DEVICE EpgGroupedSmall& epg_grouped_sm() {
+  __shared__ EpgGroupedSmall sm;
+  return sm;
+}
+
 // The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
 EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
   char* mine = epg_peer(a, a.rank);
@@ -914,14 +930,13 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  __shared__ EpgGroupedShared sh;
+  EpgGroupedShared& sh = epg_grouped_sh();
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
-    __shared__ EpgGroupedSmall sm;
-    epg_grouped_count_here(g, sh, sm);
+    epg_grouped_count_here(g, sh, epg_grouped_sm());
   } else {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
@@ -938,7 +953,8 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
-// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// The gather combine's staging with a.grp_pair_pos (combine_ll forms its rows as it pushes them instead): each
+// received row (< rows) of this rank's combine buffer (comb_x) =
 // the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
@@ -954,8 +970,8 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 }
 
 // Low-latency combine (fp32, intranode): every received row of the last (low-latency)
-// dispatch (with a.grp_pair_pos: first formed in this rank's comb_x as the weighted sum of its pairs' grouped rows,
-// by the whole grid, behind a grid barrier) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
+// dispatch (with a.grp_pair_pos: formed by the wave that pushes it, as the weighted sum of its pairs' grouped rows,
+// epg_ll_grouped_words) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
 // [token][this rank] of ll_c, flagged 16-byte vectors with this call's epoch; rows past the receive cap
 // (or past expert_out's rows) send zeros, which add nothing. The origin polls the cells its slots name,
 // one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
@@ -966,11 +982,62 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 constexpr int EPG_PER_WORD = 1;
 EPG_DEVICE void epg_accw(float acc[2], epg_u32 w) { acc[0] += epg_bits_f32(w); }
 EPG_DEVICE epg_u32 epg_packw(const float acc[2]) { return epg_f32_bits(acc[0]); }
+EPG_DEVICE void epg_acc_product(float acc[2], float wt, epg_u32 w) { acc[0] = epg_add_product(acc[0], wt, epg_bits_f32(w)); }
+
+// With a.grp_pair_pos (expert_out holds the grouped layout's rows [P, H]): the words of received row `row`'s message
+// in the lane's vectors of unit c (vector c * EPG_LL_UNIT * EPG_WAVE + q * EPG_WAVE + lane), payload words as the
+// sum over the row's kept pairs, in ascending j, of w_j * expert_out[pair_pos] in fp32 (the product rounded, then
+// added; w_j the dispatch's weight with a.grp_apply_weights, else 1.0), rounded once: epg_grouped_reduce8's numbers,
+// so the same bits as a reduce pass into the combine buffer. Lane j of the wave loads pair j's row and weight, the
+// wave takes the pairs one by one (a pair's words for all of the lane's vectors in flight together). The weight
+// words (and padding) as the plain push sends them. A row past the cap (keep false) sends zeros.
+EPG_DEVICE void epg_ll_grouped_words(const EpArgs& a, epg_i64 row, bool keep, int c, int nv, int P, int K,
+                                     epg_u32 w[EPG_LL_UNIT][3]) {
+  const int lane = epg_lane(), per_unit = EPG_LL_UNIT * EPG_WAVE;
+  const int* pos = (const int*)a.grp_pair_pos + row * K;
+  const float* rw = (const float*)(epg_peer(a, a.rank) + a.off_recv_w) + row * K;
+  float acc[EPG_LL_UNIT][3][2];
+#pragma unroll
+  for (int q = 0; q < EPG_LL_UNIT; ++q)
+    for (int e = 0; e < 3; ++e) acc[q][e][0] = acc[q][e][1] = 0.f;
+  for (int j0 = 0; keep && j0 < K; j0 += EPG_WAVE) {  // uniform over the wave
+    const int mine = j0 + lane < K ? pos[j0 + lane] : -1;  // -1: not local, or dropped past the grouped buffer
+    const float wt = mine >= 0 && a.grp_apply_weights ? rw[j0 + lane] : 1.0f;
+    const int n = K - j0 < EPG_WAVE ? K - j0 : EPG_WAVE;
+    for (int j = 0; j < n; ++j) {
+      const int g = (int)epg_shfl((epg_u32)mine, j);
+      const float wj = epg_bits_f32(epg_shfl(epg_f32_bits(wt), j));
+      if (g < 0) continue;  // uniform over the wave
+      const epg_u32* ys = (const epg_u32*)((const char*)a.expert_out + (epg_i64)g * a.row_bytes);
+      epg_u32 f[EPG_LL_UNIT][3];
+#pragma unroll
+      for (int q = 0; q < EPG_LL_UNIT; ++q) {
+        const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
+        for (int e = 0; e < 3; ++e) f[q][e] = vv < nv && 3 * vv + e < P ? ys[3 * vv + e] : 0u;
+      }
+#pragma unroll
+      for (int q = 0; q < EPG_LL_UNIT; ++q)
+        for (int e = 0; e < 3; ++e) epg_acc_product(acc[q][e], wj, f[q][e]);
+    }
+  }
+  const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
+#pragma unroll
+  for (int q = 0; q < EPG_LL_UNIT; ++q) {
+    const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
+    for (int e = 0; e < 3; ++e) {
+      const epg_i64 word = 3 * vv + e;
+      w[q][e] = !keep || vv >= nv ? 0u : word < P ? epg_packw(acc[q][e]) : (word < P + K && a.has_weights ? ws[word - P] : 0u);
+    }
+  }
+}
 
 EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
   const bool send = a.phase != EPG_PHASE_RECV;
+  const int* ll_t = (const int*)(epg_peer(a, a.rank) + a.off_ll_map);
+  // the rows each source sent (the last dispatch's): loaded here, alongside the state word the entry reads
+  const int rows_from = epg_thread() < (int)a.world ? ll_t[a.world * a.ll_tokens + epg_thread()] : 0;
   if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
       epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 3) == EPG_BAR_FAIL) return;
   const int calls = state[EPG_ST_LL_COMBINES];
@@ -979,12 +1046,13 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   const int P = (int)(a.row_bytes / 4);
   const int nv = epg_ll_vectors(P + K);
   char* mine = epg_peer(a, a.rank);
-  const int* ll_t = (const int*)(mine + a.off_ll_map);
   __shared__ int base[65];
   __shared__ int ok;
+  if (tid < W) base[tid + 1] = rows_from;
+  epg_syncthreads();
   if (tid == 0) {
     base[0] = 0;
-    for (int s = 0; s < W; ++s) base[s + 1] = base[s] + ll_t[W * a.ll_tokens + s];
+    for (int s = 0; s < W; ++s) base[s + 1] += base[s];
     ok = 1;
   }
   epg_syncthreads();
@@ -992,11 +1060,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   const epg_i64 N = base[W];
   const epg_i64 keep_rows = a.max_recv < a.expert_rows ? a.max_recv : a.expert_rows;
   const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
-  if (grouped) {  // the rows first formed from their pairs into comb_x by the whole grid (grouped_tail.j2)
-    epg_combine_grouped_stage(a, keep_rows < N ? keep_rows : N);
-    if (!epg_grid_sync(a)) return;
-  }
-  epg_trace(a, 2);  // the grouped rows staged (phase 1's time without a layout)
+  epg_trace(a, 2);  // (no staging pass: a grouped row is formed as it is pushed)
 
   // push: one wave per (received row, chunk)
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
@@ -1010,15 +1074,19 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
     const bool keep = row < keep_rows;
     char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
-    const epg_u32* xs = (const epg_u32*)((grouped ? mine + a.off_comb_x : (const char*)a.expert_out) + row * a.row_bytes);
-    const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
     epg_u32 w[EPG_LL_UNIT][3];
+    if (grouped) {
+      epg_ll_grouped_words(a, row, keep, c, nv, P, K, w);
+    } else {
+      const epg_u32* xs = (const epg_u32*)((const char*)a.expert_out + row * a.row_bytes);
+      const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
 #pragma unroll
-    for (int q = 0; q < EPG_LL_UNIT; ++q) {
+      for (int q = 0; q < EPG_LL_UNIT; ++q) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
       for (int e = 0; e < 3; ++e) {
         const epg_i64 word = 3 * vv + e;
-        w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
+          w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
+        }
       }
     }
 #pragma unroll

@@ -58,6 +58,9 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_m
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+// this GPU's blocks only (a flag between the blocks of one kernel)
+EPG_DEVICE void epg_st_release_dev(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE int epg_ld_acquire_dev(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
@@ -543,8 +546,9 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last`.
-EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`, and with
+// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end).
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -554,6 +558,7 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
     state[EPG_ST_DONE] = 0;
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
+    if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
@@ -878,6 +883,17 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   return g_ok != 0;
 }
 
+// The layout passes' shared memory: one of each per kernel, whichever of its paths takes it (the tail, or
+// dispatch_ll's receive into the groups).
+EPG_DEVICE EpgGroupedShared& epg_grouped_sh() {
+  __shared__ EpgGroupedShared sh;
+  return sh;
+}
+EPG_DEVICE EpgGroupedSmall& epg_grouped_sm() {
+  __shared__ EpgGroupedSmall sm;
+  return sm;
+}
+
 // The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
 EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
   char* mine = epg_peer(a, a.rank);
@@ -918,14 +934,13 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  __shared__ EpgGroupedShared sh;
+  EpgGroupedShared& sh = epg_grouped_sh();
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
-    __shared__ EpgGroupedSmall sm;
-    epg_grouped_count_here(g, sh, sm);
+    epg_grouped_count_here(g, sh, epg_grouped_sm());
   } else {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
@@ -942,7 +957,8 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
-// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
+// The gather combine's staging with a.grp_pair_pos (combine_ll forms its rows as it pushes them instead): each
+// received row (< rows) of this rank's combine buffer (comb_x) =
 // the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
@@ -1020,6 +1036,139 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
   }
 }
 
+// The receive of a grouped dispatch (a.grp_x, one launch) whose pairs a block numbers on its own (at most
+// EPG_GROUPED_SMALL_PAIRS kept pairs): the rows go from the slots straight into their groups, with no receive pass
+// before the placement and no grid barrier (grouped_tail.j2's tail does both).
+//  A. one wave per received row takes the row's tail (the vectors from the one holding word P on: the last payload
+//     words, scales, ids, weights, source token) into the receive buffers, then marks the row ready (its ready word
+//     in ll_map = this call's epoch, a release at device scope);
+//  B. every block waits for every row's ready word, numbers the pairs and works out the groups (the tail's
+//     count_here and bounds: the same layout);
+//  C. one wave per (row, chunk of a wave's width of payload-only vectors) polls the chunk and stores it to the
+//     row's receive buffer row and to the grouped row of each of its kept local pairs;
+//  D. one wave per pair records it (pair_pos, src, m_indices, weights) and copies the row's tail (last payload
+//     words, scales) from the receive buffers to its grouped row; the rows without a pair are marked as the tail
+//     marks them.
+// Returns the end of the last group (-1 after a timeout: ok cleared, the host raises).
+EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 N, int parity, epg_u32 epoch, int* ll_t,
+                                      int P, int S, int nv, int& ok) {
+  EpgGroupedShared& sh = epg_grouped_sh();
+  EpgGroupedSmall& sm = epg_grouped_sm();
+  __shared__ int total_sh;
+  const int W = (int)a.world, K = (int)a.k, tid = epg_thread(), lane = epg_lane();
+  const int waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 gwave = (epg_i64)epg_block() * waves + tid / EPG_WAVE, nwaves = (epg_i64)epg_nblocks() * waves;
+  char* mine = epg_peer(a, a.rank);
+  int* ready = ll_t + W * a.ll_tokens + W;  // [source rank][position], as ll_t
+  const int before = ((const int*)a.state)[EPG_ST_GROUPED_END];  // the finisher rewrites it once every block is out
+  const int tv0 = P / 3;  // vectors [0, tv0) hold payload words only
+  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
+  // A. the rows' tails
+  for (epg_i64 row = gwave; row < N; row += nwaves) {
+    const int s = epg_ll_source(base, W, row), i = (int)(row - base[s]);
+    const char* slot = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + i) * a.ll_row_bytes;
+    const bool keep = row < a.max_recv;
+    bool good = true;
+    for (int vv = tv0 + lane; good && vv < nv; vv += EPG_WAVE) {
+      epg_vec16 v = epg_ld16_sys(slot + 16 * vv);
+      if (!epg_ll_poll(a, slot + 16 * vv, epoch, v, 6, s == a.rank ? -1 : s)) { good = false; break; }
+      for (int e = 0; e < 3; ++e) epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v, e), P, S, s, i, ll_t);
+      epg_st16((char*)slot + 16 * vv, zero);  // consumed
+    }
+    if (epg_ballot(!good)) { ok = 0; break; }
+    epg_syncwave();  // every lane's words written before lane 0 marks the row ready
+    if (lane == 0) epg_st_release_dev(ready + (epg_i64)s * a.ll_tokens + i, (int)epoch);
+  }
+  // B. every row's tail in, then the groups
+  const int total = (int)(N < a.max_recv ? N : a.max_recv);
+  for (epg_i64 row = tid; ok && row < N; row += epg_block_dim()) {
+    const int s = epg_ll_source(base, W, row);
+    const int* r = ready + (epg_i64)s * a.ll_tokens + (row - base[s]);
+    EpgSpin spin(a, -1);
+    while (epg_ld_acquire_dev(r) != (int)epoch)
+      if (!spin.more(a, 6, -1)) { ok = 0; break; }
+  }
+  if (tid == 0) total_sh = total;
+  epg_syncthreads();
+  if (!ok) return -1;
+  EpgGrouped g = epg_grouped_of(a);
+  g.total_recv = &total_sh;  // the block's own copy: block 0 publishes total_recv, unordered with this block
+  epg_grouped_count_here(g, sh, sm);
+  const int end = epg_grouped_bounds(g, sh);
+  // C. the payload-only vectors, to the receive row and every kept local pair's grouped row
+  const epg_i64 nch = (tv0 + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;
+  const bool wide = (a.row_bytes & 15) == 0;
+  constexpr int U = 4;  // chunks per wave polled at once
+  for (epg_i64 u0 = gwave; u0 < chunks_in; u0 += U * nwaves) {
+    epg_vec16 v[U];
+    const char* src[U];
+#pragma unroll
+    for (int q = 0; q < U; ++q) {
+      const epg_i64 u = u0 + q * nwaves, row = u / nch, vv = (u % nch) * EPG_WAVE + lane;
+      src[q] = nullptr;
+      if (u >= chunks_in || vv >= tv0) continue;
+      const int s = epg_ll_source(base, W, row);
+      src[q] = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes + 16 * vv;
+      v[q] = epg_ld16_sys(src[q]);
+    }
+    bool good = true;
+#pragma unroll
+    for (int q = 0; q < U; ++q) {
+      const epg_i64 u = u0 + q * nwaves;
+      if (u >= chunks_in) break;  // uniform over the wave
+      const epg_i64 row = u / nch, ch = u % nch, vv = ch * EPG_WAVE + lane;
+      const int s = epg_ll_source(base, W, row);
+      if (src[q] && !epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) good = false;
+      if (epg_ballot(!good)) break;  // a timeout in the wave: every lane leaves together
+      const bool keep = row < a.max_recv;
+      if (keep) {
+        for (int j0 = 0; j0 <= K; j0 += EPG_WAVE) {  // the receive row (j = -1), then the pairs' grouped rows
+          const int j = j0 + lane - 1;
+          const int mine_row = j < 0 ? -2 : (j < K && row < total ? epg_grouped_row(g, sh, row * K + j) : -1);
+          const int n = K + 1 - j0 < EPG_WAVE ? K + 1 - j0 : EPG_WAVE;
+          for (int d = 0; d < n; ++d) {
+            const int to = (int)epg_shfl((epg_u32)mine_row, d);
+            if (to == -1) continue;  // uniform over the wave
+            char* dst = to == -2 ? mine + a.off_recv_x + row * a.row_bytes : g.out_x + (epg_i64)to * g.row_bytes;
+            if (epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
+              epg_ll_store_chunk16(dst + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
+            } else if (src[q]) {
+              epg_u32* dx = (epg_u32*)dst + 3 * vv;
+              dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
+            }
+          }
+        }
+      }
+      if (src[q]) epg_st16((char*)src[q], zero);  // consumed
+    }
+    if (!good) ok = 0;
+    if (epg_ballot(!ok)) break;
+  }
+  // D. the pairs' records and their rows' tails; the rows without a pair
+  const epg_i64 pairs = (epg_i64)total * K;
+  for (epg_i64 p = gwave; p < pairs; p += nwaves) {
+    const int to = epg_grouped_row(g, sh, p);  // wave-uniform
+    if (to < 0) {
+      if (lane == 0) g.pair_pos[p] = -1;
+      continue;
+    }
+    const epg_i64 from = p / K;
+    if (lane == 0) epg_grouped_note(g, p, to);
+    for (epg_i64 w = 3 * tv0 + lane; w < P; w += EPG_WAVE)
+      ((epg_u32*)(g.out_x + (epg_i64)to * g.row_bytes))[w] = ((const epg_u32*)(g.recv_x + from * g.row_bytes))[w];
+    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
+      g.out_scales[(epg_i64)to * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+  }
+  if (a.grp_zero_padding != 0) {  // fresh outputs: as the tail writes them (every row marked, payloads zeroed, the whole map)
+    epg_grouped_mark(g, sh, g.capacity);
+    epg_grouped_zero(g, sh, g.row_bytes);
+    epg_grouped_unpaired(g, a.max_recv);
+    return -1;  // grouped_end tracks the op's own buffers, which this call did not write
+  }
+  epg_grouped_mark(g, sh, end > before ? end : before);
+  return end;
+}
+
 EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
@@ -1040,9 +1189,13 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
 
   for (epg_i64 t = tid; send && t < T; t += epg_block_dim()) {
     epg_u64 m = 0;
-    for (int j = 0; j < K; ++j) {
-      const int e = idx[t * K + j];
-      if (e >= 0 && e < a.num_experts) m |= 1ull << (e / (int)a.experts_per_rank);
+    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids' loads in flight (not a chain of dependent round trips)
+      int e[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        if (e[q] >= 0 && e[q] < a.num_experts) m |= 1ull << (e[q] / (int)a.experts_per_rank);
     }
     masks[t] = m;
   }
@@ -1123,6 +1276,16 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   }
   if (epg_block() == 0)
     for (int s = tid; s < W; s += epg_block_dim()) ll_t[W * a.ll_tokens + s] = base[s + 1] - base[s];
+  if (a.grp_x && a.phase == EPG_PHASE_BOTH && (N < a.max_recv ? N : a.max_recv) * K <= EPG_GROUPED_SMALL_PAIRS) {
+    const int end = epg_ll_receive_grouped(a, base, N, parity, epoch, ll_t, P, S, nv, ok);  // uniform over the grid
+    epg_syncthreads();
+    if (!ok) return;
+    epg_trace(a, 4);  // every row received
+    epg_trace(a, 5);  // and placed
+    epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, end);
+    epg_trace(a, 6);
+    return;
+  }
   // one wave per (received row, chunk of EPG_WAVE vectors), U chunks per wave polled at once: a chunk of
   // payload alone goes to recv_x as 16-byte stores (epg_ll_store_chunk16), the others word by word
   const epg_i64 nch = (nv + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;

@@ -42,6 +42,9 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned 
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+// this GPU's blocks only (a flag between the blocks of one kernel)
+EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
 // 16-byte access each, L1 bypassed), and 64-bit count words (release / acquire).
@@ -719,6 +722,17 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   return g_ok != 0;
 }
 
+// The layout passes' shared memory: one of each per kernel, whichever of its paths takes it (the tail, or
+// dispatch_ll's receive into the groups).
+EPG_DEVICE EpgGroupedShared& epg_grouped_sh() {
+  __shared__ EpgGroupedShared sh;
+  return sh;
+}
+EPG_DEVICE EpgGroupedSmall& epg_grouped_sm() {
+  __shared__ EpgGroupedSmall sm;
+  return sm;
+}
+
 // The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
 EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
   char* mine = epg_peer(a, a.rank);
@@ -759,14 +773,13 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  __shared__ EpgGroupedShared sh;
+  EpgGroupedShared& sh = epg_grouped_sh();
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
-    __shared__ EpgGroupedSmall sm;
-    epg_grouped_count_here(g, sh, sm);
+    epg_grouped_count_here(g, sh, epg_grouped_sm());
   } else {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;

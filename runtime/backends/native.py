@@ -871,8 +871,9 @@ class NativeBackend:
         T = slots.shape[0]
         a.slots, a.num_tokens = slots.data_ptr(), T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R, and the
-        # combine runs on every resident block (its staging sums pairs)
+        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R; the gather
+        # combine runs on every resident block (its staging pass sums pairs), the low-latency one on its own grid
+        # (each pushing wave sums its row's pairs)
         stage, apply = call.get("stage", (0, 0))
         a.grp_pair_pos, a.grp_apply_weights = stage, apply
         a.expert_out, a.expert_rows = expert_out.data_ptr(), self.config.max_recv_tokens if stage else expert_out.shape[0]
@@ -880,7 +881,8 @@ class NativeBackend:
         a.phase = phase
         role = "combine_ll" if call["protocol"] == "ll" else "combine"
         blocks, threads, _ = self._launch_geometry(role, T, T)
-        self._stream = self.k.launch(role, self._resident(role, threads) if stage else blocks, threads, a)
+        self._stream = self.k.launch(role, self._resident(role, threads) if stage and role == "combine" else blocks,
+                                     threads, a)
         if phase != PHASE_SEND:
             self._last, self.last_protocol = "combine", call["protocol"]
         self.check(ids="skip")

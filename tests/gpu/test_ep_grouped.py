@@ -265,6 +265,9 @@ def _snapshot(lay):
     # past limits.small_pairs: the tail counts behind a second grid barrier and the standalone passes launch
     # grouped_count; the smaller batch after it is numbered in-block by the tail, by grouped_count standalone
     ("bf16", "bw", 0, 512), ("bf16", "ll", 0, 512), ("bf16_wide", "ll", 0, T),
+    # few pairs (total_recv * k <= limits.small_pairs): the low-latency dispatch places rows straight from its slots
+    # into the groups (no receive pass, no grid barrier); the combine forms each row as it pushes it
+    ("bf16", "ll", 0, 8), ("fp32", "ll", 0, 4), ("fp8", "ll", 0, 8), ("bf16_wide", "ll", 0, 8), ("bf16", "ll", 32, 8),
 ])
 def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, tokens):
     def check():
@@ -305,13 +308,15 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, to
     run_collective(check)
 
 
-@pytest.mark.parametrize("mode,protocol,one_kernel,give_x,combine", [
-    ("bf16", "bw", "never", True, "reduce"), ("bf16", "ll", "always", False, "reduce"),
-    ("bf16", "bw", "always", True, "reduce"), ("fp8_blockwise", "bw", "never", False, "reduce"),
-    ("fp8", "ll", "always", True, "reduce"), ("fp32", "bw", "never", False, "reduce"),
-    ("bf16", "bw", "never", False, "fused"), ("bf16", "bw", "always", False, "fused"),
+@pytest.mark.parametrize("mode,protocol,one_kernel,give_x,combine,tokens", [
+    ("bf16", "bw", "never", True, "reduce", T), ("bf16", "ll", "always", False, "reduce", T),
+    ("bf16", "bw", "always", True, "reduce", T), ("fp8_blockwise", "bw", "never", False, "reduce", T),
+    ("fp8", "ll", "always", True, "reduce", T), ("fp32", "bw", "never", False, "reduce", T),
+    ("bf16", "bw", "never", False, "fused", T), ("bf16", "bw", "always", False, "fused", T),
+    # few pairs: the low-latency dispatch's receive straight into the groups
+    ("bf16", "ll", "always", False, "reduce", 8), ("fp8", "ll", "always", True, "reduce", 8),
 ])
-def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x, combine):
+def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x, combine, tokens):
     """dispatch_grouped(fresh=True) / (out_x=...) on both placements (the standalone grouped_place, the dispatch
     kernel's tail): every tensor of the layout is the call's own, written whole although each was filled with 0x7f
     bytes first (an int32 0x7f7f7f7f, a huge float): every kept row and every int32 bit-identical to the op's own
@@ -320,7 +325,7 @@ def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x
     buffers again. Groups padded to 3 rows: padding inside the groups. With the fused combine (its peers read the
     pair map in the workspace) the kernels write the map there and the fresh layout holds a copy of it."""
     def check():
-        with EpDispatchCombineOp(_cfg("native", mode, intranode_protocol=protocol, expert_alignment=3,
+        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol, expert_alignment=3,
                                       grouped_combine=combine)) as op:
             be = op._backend
             be.one_kernel = one_kernel
@@ -333,7 +338,7 @@ def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x
                         part.view(torch.uint8).fill_(0x7F)
                 return t
             be.fresh_grouped = dirty
-            x, w, s, idx = _inputs(5, mode, "cuda")
+            x, w, s, idx = _inputs(5, mode, "cuda", tokens)
             shape, dtype = op.grouped_x_spec()
             out = torch.empty(shape, dtype=dtype, device="cuda") if give_x else None
             lay, h = op.dispatch_grouped(x, w, s, idx, out_x=out, fresh=True)
