@@ -40,13 +40,11 @@ def cell_bytes(combine_row_bytes: int, k: int) -> int:
 def regions(world: int, tokens: int, ll_row: int, ll_cell: int) -> list[tuple[str, int]]:
     """Symmetric workspace regions of the protocol for calls of at most `tokens` tokens per rank (none for 0):
     ll_cnt [2 parities][world] 64-bit count words, ll_x [2][world sources][tokens] dispatch slots,
-    ll_c [tokens][world] combine cells, ll_map (local) [world][tokens] source tokens + [world] row counts +
-    [world][tokens] rows' ready words (the epoch of the dispatch that unpacked the row's ids: a grouped dispatch's
-    blocks wait for them before they place pairs)."""
+    ll_c [tokens][world] combine cells, ll_map (local) [world][tokens] source tokens + [world] row counts."""
     if not tokens:
         return []
     return [("ll_cnt", 2 * world * 8), ("ll_x", 2 * world * tokens * ll_row), ("ll_c", tokens * world * ll_cell),
-            ("ll_map", 4 * (2 * world * tokens + world))]
+            ("ll_map", 4 * (world * tokens + world))]
 
 
 def resolve(asked: str, available: bool, max_tokens: int, threshold: int) -> str:

@@ -66,8 +66,8 @@ EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
 EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) { *(volatile epg_vec16*)p = v; }
 EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) { return *(const volatile epg_vec16*)p; }
-EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
-EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE void epg_st64_sys(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE epg_u64 epg_ld64_sys(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w32(p);
 }

@@ -66,8 +66,8 @@ EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
 EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) { *(volatile epg_vec16*)p = v; }
 EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) { return *(const volatile epg_vec16*)p; }
-EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
-EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE void epg_st64_sys(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE epg_u64 epg_ld64_sys(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w64(p);
 }
@@ -539,8 +539,9 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   return s;
 }
 // Last block out (every block has read the state words by then) advances the call counter and `last`, and with
-// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end).
-EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
+// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end). True in that block
+// (every thread): every other block is done with this call's buffers.
+EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -552,6 +553,7 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last,
     state[EPG_ST_LAST] = last;
     if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
+  return finisher != 0;
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
@@ -648,6 +650,7 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -657,6 +660,12 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
+  epg_grouped_number(g, sh, sm, pairs);
+}
+// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
+// counts sh.kept zeroed, behind a block barrier.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
+  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;
@@ -967,7 +976,7 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 
 // Low-latency combine (bf16, intranode): every received row of the last (low-latency)
 // dispatch (with a.grp_pair_pos: formed by the wave that pushes it, as the weighted sum of its pairs' grouped rows,
-// epg_ll_grouped_words) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
+// epg_ll_grouped_vec) goes back to its origin as a message (expert row, then its k weights) in the origin's cell
 // [token][this rank] of ll_c, flagged 16-byte vectors with this call's epoch; rows past the receive cap
 // (or past expert_out's rows) send zeros, which add nothing. The origin polls the cells its slots name,
 // one wave per (token, chunk of a wave's width of vectors), and sums them in fp32 in k order, as the gather
@@ -988,50 +997,41 @@ EPG_DEVICE void epg_acc_product(float acc[2], float wt, epg_u32 w) {  // acc += 
   acc[1] = epg_add_product(acc[1], wt, epg_bf16_to_f32((epg_u16)(w >> 16)));
 }
 
-// With a.grp_pair_pos (expert_out holds the grouped layout's rows [P, H]): the words of received row `row`'s message
-// in the lane's vectors of unit c (vector c * EPG_LL_UNIT * EPG_WAVE + q * EPG_WAVE + lane), payload words as the
-// sum over the row's kept pairs, in ascending j, of w_j * expert_out[pair_pos] in fp32 (the product rounded, then
-// added; w_j the dispatch's weight with a.grp_apply_weights, else 1.0), rounded once: epg_grouped_reduce8's numbers,
-// so the same bits as a reduce pass into the combine buffer. Lane j of the wave loads pair j's row and weight, the
-// wave takes the pairs one by one (a pair's words for all of the lane's vectors in flight together). The weight
-// words (and padding) as the plain push sends them. A row past the cap (keep false) sends zeros.
-EPG_DEVICE void epg_ll_grouped_words(const EpArgs& a, epg_i64 row, bool keep, int c, int nv, int P, int K,
-                                     epg_u32 w[EPG_LL_UNIT][3]) {
-  const int lane = epg_lane(), per_unit = EPG_LL_UNIT * EPG_WAVE;
+// With a.grp_pair_pos (expert_out holds the grouped layout's rows [P, H]): the three words of vector vv of received
+// row `row`'s message, payload words as the sum over the row's kept pairs, in ascending j, of w_j *
+// expert_out[pair_pos] in fp32 (the product rounded, then added; w_j the dispatch's weight with a.grp_apply_weights,
+// else 1.0), rounded once: epg_grouped_reduce8's numbers, so the same bits as a reduce pass into the combine buffer.
+// Eight pairs' positions, then their words, in flight at once (two round trips per eight pairs). The weight words
+// (and padding) as the plain push sends them; a row past the cap (keep false) sends zeros.
+EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, epg_i64 row, bool keep, epg_i64 vv, int nv, int P, int K,
+                                   epg_u32 w[3]) {
   const int* pos = (const int*)a.grp_pair_pos + row * K;
   const float* rw = (const float*)(epg_peer(a, a.rank) + a.off_recv_w) + row * K;
-  float acc[EPG_LL_UNIT][3][2];
+  float acc[3][2];
+  for (int e = 0; e < 3; ++e) acc[e][0] = acc[e][1] = 0.f;
+  for (int j0 = 0; keep && vv < nv && 3 * vv < P && j0 < K; j0 += 8) {
+    int g[8];
+    float wt[8];
+    epg_u32 f[8][3];
 #pragma unroll
-  for (int q = 0; q < EPG_LL_UNIT; ++q)
-    for (int e = 0; e < 3; ++e) acc[q][e][0] = acc[q][e][1] = 0.f;
-  for (int j0 = 0; keep && j0 < K; j0 += EPG_WAVE) {  // uniform over the wave
-    const int mine = j0 + lane < K ? pos[j0 + lane] : -1;  // -1: not local, or dropped past the grouped buffer
-    const float wt = mine >= 0 && a.grp_apply_weights ? rw[j0 + lane] : 1.0f;
-    const int n = K - j0 < EPG_WAVE ? K - j0 : EPG_WAVE;
-    for (int j = 0; j < n; ++j) {
-      const int g = (int)epg_shfl((epg_u32)mine, j);
-      const float wj = epg_bits_f32(epg_shfl(epg_f32_bits(wt), j));
-      if (g < 0) continue;  // uniform over the wave
-      const epg_u32* ys = (const epg_u32*)((const char*)a.expert_out + (epg_i64)g * a.row_bytes);
-      epg_u32 f[EPG_LL_UNIT][3];
-#pragma unroll
-      for (int q = 0; q < EPG_LL_UNIT; ++q) {
-        const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
-        for (int e = 0; e < 3; ++e) f[q][e] = vv < nv && 3 * vv + e < P ? ys[3 * vv + e] : 0u;
-      }
-#pragma unroll
-      for (int q = 0; q < EPG_LL_UNIT; ++q)
-        for (int e = 0; e < 3; ++e) epg_acc_product(acc[q][e], wj, f[q][e]);
+    for (int q = 0; q < 8; ++q) {
+      g[q] = j0 + q < K ? pos[j0 + q] : -1;  // -1: not local, or dropped past the grouped buffer
+      wt[q] = j0 + q < K && a.grp_apply_weights ? rw[j0 + q] : 1.0f;
     }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const epg_u32* ys = (const epg_u32*)((const char*)a.expert_out + (epg_i64)(g[q] < 0 ? 0 : g[q]) * a.row_bytes);
+      for (int e = 0; e < 3; ++e) f[q][e] = g[q] >= 0 && 3 * vv + e < P ? ys[3 * vv + e] : 0u;
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+      if (g[q] >= 0)
+        for (int e = 0; e < 3; ++e) epg_acc_product(acc[e], wt[q], f[q][e]);
   }
   const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
-#pragma unroll
-  for (int q = 0; q < EPG_LL_UNIT; ++q) {
-    const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
-    for (int e = 0; e < 3; ++e) {
-      const epg_i64 word = 3 * vv + e;
-      w[q][e] = !keep || vv >= nv ? 0u : word < P ? epg_packw(acc[q][e]) : (word < P + K && a.has_weights ? ws[word - P] : 0u);
-    }
+  for (int e = 0; e < 3; ++e) {
+    const epg_i64 word = 3 * vv + e;
+    w[e] = !keep || vv >= nv ? 0u : word < P ? epg_packw(acc[e]) : (word < P + K && a.has_weights ? ws[word - P] : 0u);
   }
 }
 
@@ -1066,9 +1066,10 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
   const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
   epg_trace(a, 2);  // (no staging pass: a grouped row is formed as it is pushed)
 
-  // push: one wave per (received row, chunk)
+  // push: one wave per (received row, chunk); a grouped row's chunk is one vector per lane (its words are sums over
+  // the pairs: the loads in flight are the pairs')
   const int lane = epg_lane(), wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
-  const int per_unit = EPG_LL_UNIT * EPG_WAVE;
+  const int per_unit = grouped ? EPG_WAVE : EPG_LL_UNIT * EPG_WAVE;
   const int chunks = (nv + per_unit - 1) / per_unit;
   const epg_i64 nwaves = (epg_i64)epg_nblocks() * waves;
   for (epg_i64 u = (epg_i64)epg_block() * waves + wave; send && u < N * chunks; u += nwaves) {
@@ -1078,19 +1079,22 @@ EPG_KERNEL void epg_combine_ll__bf16__intranode(EpArgs a) {
     const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
     const bool keep = row < keep_rows;
     char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
-    epg_u32 w[EPG_LL_UNIT][3];
     if (grouped) {
-      epg_ll_grouped_words(a, row, keep, c, nv, P, K, w);
-    } else {
-      const epg_u32* xs = (const epg_u32*)((const char*)a.expert_out + row * a.row_bytes);
-      const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
+      const epg_i64 vv = (epg_i64)c * per_unit + lane;
+      epg_u32 g3[3];
+      epg_ll_grouped_vec(a, row, keep, vv, nv, P, K, g3);
+      if (vv < nv) epg_st16_sys(dst + 16 * vv, epg_ll_vec(g3[0], g3[1], g3[2], epoch));
+      continue;
+    }
+    const epg_u32* xs = (const epg_u32*)((const char*)a.expert_out + row * a.row_bytes);
+    const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
+    epg_u32 w[EPG_LL_UNIT][3];
 #pragma unroll
-      for (int q = 0; q < EPG_LL_UNIT; ++q) {
+    for (int q = 0; q < EPG_LL_UNIT; ++q) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
       for (int e = 0; e < 3; ++e) {
         const epg_i64 word = 3 * vv + e;
-          w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
-        }
+        w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
       }
     }
 #pragma unroll

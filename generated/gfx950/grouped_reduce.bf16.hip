@@ -66,8 +66,8 @@ EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
 EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) { *(volatile epg_vec16*)p = v; }
 EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) { return *(const volatile epg_vec16*)p; }
-EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
-EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE void epg_st64_sys(epg_u64* p, epg_u64 v) { __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+EPG_DEVICE epg_u64 epg_ld64_sys(const epg_u64* p) { return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE epg_u64 epg_ballot(bool p) {
   return __builtin_amdgcn_ballot_w64(p);
 }
@@ -349,6 +349,7 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -358,6 +359,12 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
+  epg_grouped_number(g, sh, sm, pairs);
+}
+// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
+// counts sh.kept zeroed, behind a block barrier.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
+  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;

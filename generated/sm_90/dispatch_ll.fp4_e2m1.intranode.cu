@@ -47,7 +47,7 @@ EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu
 EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
-// 16-byte access each, L1 bypassed), and 64-bit count words (release / acquire).
+// 16-byte access each, L1 bypassed), and 64-bit count words (relaxed, system scope: no fence).
 EPG_DEVICE void epg_st16_sys(void* p, epg_vec16 v) {
   asm volatile("st.volatile.global.v4.u32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
@@ -56,8 +56,8 @@ EPG_DEVICE epg_vec16 epg_ld16_sys(const void* p) {
   asm volatile("ld.volatile.global.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-EPG_DEVICE void epg_st_release_sys64(epg_u64* p, epg_u64 v) { asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
-EPG_DEVICE epg_u64 epg_ld_acquire_sys64(const epg_u64* p) { epg_u64 v; asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+EPG_DEVICE void epg_st64_sys(epg_u64* p, epg_u64 v) { asm volatile("st.relaxed.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+EPG_DEVICE epg_u64 epg_ld64_sys(const epg_u64* p) { epg_u64 v; asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE epg_u64 epg_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 EPG_DEVICE int epg_popc(epg_u64 m) { return __popcll(m); }
 // The lanes of the wave whose v equals this lane's (every lane of the wave calls it), and a wave barrier that
@@ -491,8 +491,9 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   return s;
 }
 // Last block out (every block has read the state words by then) advances the call counter and `last`, and with
-// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end).
-EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
+// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end). True in that block
+// (every thread): every other block is done with this call's buffers.
+EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -504,6 +505,7 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last,
     state[EPG_ST_LAST] = last;
     if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
+  return finisher != 0;
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
@@ -600,6 +602,7 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -609,6 +612,12 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
+  epg_grouped_number(g, sh, sm, pairs);
+}
+// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
+// counts sh.kept zeroed, behind a block barrier.
+EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
+  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;
@@ -879,16 +888,19 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 //  1. Every block builds the destination mask of every token (shared memory). A row (token t, rank r) goes
 //     to slot [parity][this rank][position] of r's ll_x region, position = rows this rank sends r before
 //     t: fixed by the ids, no claim. Block 0 first posts each rank's row count with this call's epoch in
-//     one 64-bit release store (count word [parity][this rank] of that rank).
+//     one 64-bit store (count word [parity][this rank] of that rank; relaxed, system scope: the rows carry their
+//     own flags, so nothing has to be ordered before it).
 //  2. One wave per (row, chunk of EPG_LL_UNIT vectors per lane) stores the row's message (payload,
 //     scales, ids, weights, source token) as flagged 16-byte vectors (ll_common.j2).
-//  3. Every block reads every source's count word (acquire), then one wave per (received row, chunk of a
-//     wave's width of vectors) polls the flags, unpacks the chunk into row base[s] + position of the receive
-//     buffers ((source rank, token) order; rows past max_recv are dropped and counted; payload chunks as
-//     16-byte stores) and zeroes it.
+//  3. Every block reads every source's count word (polled for this call's epoch), then one wave per (received
+//     row, chunk of a wave's width of vectors) polls the flags, unpacks the chunk into row base[s] + position of
+//     the receive buffers ((source rank, token) order; rows past max_recv are dropped and counted; payload chunks
+//     as 16-byte stores) and zeroes it. A grouped dispatch of few pairs receives into the groups instead
+//     (epg_ll_receive_grouped); a larger one places them in the tail (grouped_tail.j2).
 // The count words are the handshake that makes reuse safe: a rank finishes call n only after every peer
 // posted its count of call n, i.e. finished call n - 1 (its reads and zeroing of the parity buffers this
-// rank writes again in call n + 1). With a.replay the positions come from the routing handle's slots.
+// rank writes again in call n + 1: done in an earlier kernel on the peer's stream, complete before its count of
+// call n is stored). With a.replay the positions come from the routing handle's slots.
 // Split phase (a.phase): the send half is 1 and 2, the receive half 3 (a later launch, same call counter).
 // Word w of token t's message: payload words, scale bytes (the last word zero-padded), ids, weights (0
 // without), the source token, zero padding.
@@ -939,77 +951,90 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
 
 // The receive of a grouped dispatch (a.grp_x, one launch) whose pairs a block numbers on its own (at most
 // EPG_GROUPED_SMALL_PAIRS kept pairs): the rows go from the slots straight into their groups, with no receive pass
-// before the placement and no grid barrier (grouped_tail.j2's tail does both).
-//  A. one wave per received row takes the row's tail (the vectors from the one holding word P on: the last payload
-//     words, scales, ids, weights, source token) into the receive buffers, then marks the row ready (its ready word
-//     in ll_map = this call's epoch, a release at device scope);
-//  B. every block waits for every row's ready word, numbers the pairs and works out the groups (the tail's
-//     count_here and bounds: the same layout);
-//  C. one wave per (row, chunk of a wave's width of payload-only vectors) polls the chunk and stores it to the
-//     row's receive buffer row and to the grouped row of each of its kept local pairs;
-//  D. one wave per pair records it (pair_pos, src, m_indices, weights) and copies the row's tail (last payload
-//     words, scales) from the receive buffers to its grouped row; the rows without a pair are marked as the tail
-//     marks them.
-// Returns the end of the last group (-1 after a timeout: ok cleared, the host raises).
+// before the placement and no grid barrier (grouped_tail.j2's tail has both).
+//  1. every block polls every kept pair's id word in its row's slot, numbers the pairs and works out the groups
+//     (count_here's numbering and the bounds, in shared memory: the tail's layout);
+//  2. one wave per received row takes the row's tail (the vectors from the one holding word P on: last payload
+//     words, scales, ids, weights, source token) into the receive buffers;
+//  3. one wave per (row, chunk of a wave's width of payload-only vectors) polls the chunk and stores it to the row's
+//     receive buffer row and to the grouped row of each of its kept local pairs;
+//  4. one wave per pair records it (pair_pos, src, m_indices, weights) and copies the row's last payload words and
+//     scales from the slot to its grouped row; the rows without a pair are marked as the tail marks them.
+// Every block reads the ids in the slots, so the rows' tail vectors stay there until the last block out zeroes them
+// (epg_ll_zero_tails; payload vectors are zeroed as they are consumed). Nothing here reads what another block
+// writes. Returns the end of the last group (-1: a fresh layout's, or after a timeout: ok cleared, the host raises).
+EPG_DEVICE const char* epg_ll_slot(const EpArgs& a, const int* base, int parity, epg_i64 row, int& s) {
+  s = epg_ll_source(base, (int)a.world, row);
+  return epg_peer(a, a.rank) + a.off_ll_x + ((epg_i64)(parity * a.world + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes;
+}
+EPG_DEVICE void epg_ll_zero_tails(const EpArgs& a, const int* base, epg_i64 N, int parity, int tv0, int nv) {
+  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
+  const int n = nv - tv0;
+  for (epg_i64 i = epg_thread(); i < N * n; i += epg_block_dim()) {
+    int s;
+    epg_st16((char*)epg_ll_slot(a, base, parity, i / n, s) + 16 * (tv0 + i % n), zero);
+  }
+}
 EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 N, int parity, epg_u32 epoch, int* ll_t,
                                       int P, int S, int nv, int& ok) {
   EpgGroupedShared& sh = epg_grouped_sh();
   EpgGroupedSmall& sm = epg_grouped_sm();
-  __shared__ int total_sh;
-  const int W = (int)a.world, K = (int)a.k, tid = epg_thread(), lane = epg_lane();
-  const int waves = epg_block_dim() / EPG_WAVE;
+  const int K = (int)a.k, tid = epg_thread(), lane = epg_lane(), nt = epg_block_dim();
+  const int waves = nt / EPG_WAVE;
   const epg_i64 gwave = (epg_i64)epg_block() * waves + tid / EPG_WAVE, nwaves = (epg_i64)epg_nblocks() * waves;
   char* mine = epg_peer(a, a.rank);
-  int* ready = ll_t + W * a.ll_tokens + W;  // [source rank][position], as ll_t
   const int before = ((const int*)a.state)[EPG_ST_GROUPED_END];  // the finisher rewrites it once every block is out
   const int tv0 = P / 3;  // vectors [0, tv0) hold payload words only
-  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
-  // A. the rows' tails
+  const int total = (int)(N < a.max_recv ? N : a.max_recv), pairs = total * K;
+  const int id0 = P + S;  // the message's first id word (then k weights, the source token)
+  __shared__ int total_sh;
+  EpgGrouped g = epg_grouped_of(a);
+  g.total_recv = &total_sh;  // the block's own copy: block 0 publishes total_recv, unordered with this block
+  const int E = (int)g.num_local;
+  // 1. the ids, from the slots; the groups
+  if (tid == 0) total_sh = total;
+  for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    int s;
+    const char* at = epg_ll_slot(a, base, parity, p / K, s) + 16 * ((id0 + p % K) / 3);
+    epg_vec16 v = epg_ld16_sys(at);
+    if (!epg_ll_poll(a, at, epoch, v, 6, s == a.rank ? -1 : s)) { ok = 0; break; }
+    const int local = (int)epg_ll_word(v, (id0 + p % K) % 3) - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
+  epg_syncthreads();
+  if (!ok) return -1;
+  epg_grouped_number(g, sh, sm, pairs);
+  const int end = epg_grouped_bounds(g, sh);
+  // 2. the rows' tails, to the receive buffers
   for (epg_i64 row = gwave; row < N; row += nwaves) {
-    const int s = epg_ll_source(base, W, row), i = (int)(row - base[s]);
-    const char* slot = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + i) * a.ll_row_bytes;
+    int s;
+    const char* slot = epg_ll_slot(a, base, parity, row, s);
     const bool keep = row < a.max_recv;
     bool good = true;
     for (int vv = tv0 + lane; good && vv < nv; vv += EPG_WAVE) {
       epg_vec16 v = epg_ld16_sys(slot + 16 * vv);
       if (!epg_ll_poll(a, slot + 16 * vv, epoch, v, 6, s == a.rank ? -1 : s)) { good = false; break; }
-      for (int e = 0; e < 3; ++e) epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v, e), P, S, s, i, ll_t);
-      epg_st16((char*)slot + 16 * vv, zero);  // consumed
+      for (int e = 0; e < 3; ++e)
+        epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v, e), P, S, s, (int)(row - base[s]), ll_t);
     }
     if (epg_ballot(!good)) { ok = 0; break; }
-    epg_syncwave();  // every lane's words written before lane 0 marks the row ready
-    if (lane == 0) epg_st_release_dev(ready + (epg_i64)s * a.ll_tokens + i, (int)epoch);
   }
-  // B. every row's tail in, then the groups
-  const int total = (int)(N < a.max_recv ? N : a.max_recv);
-  for (epg_i64 row = tid; ok && row < N; row += epg_block_dim()) {
-    const int s = epg_ll_source(base, W, row);
-    const int* r = ready + (epg_i64)s * a.ll_tokens + (row - base[s]);
-    EpgSpin spin(a, -1);
-    while (epg_ld_acquire_dev(r) != (int)epoch)
-      if (!spin.more(a, 6, -1)) { ok = 0; break; }
-  }
-  if (tid == 0) total_sh = total;
-  epg_syncthreads();
-  if (!ok) return -1;
-  EpgGrouped g = epg_grouped_of(a);
-  g.total_recv = &total_sh;  // the block's own copy: block 0 publishes total_recv, unordered with this block
-  epg_grouped_count_here(g, sh, sm);
-  const int end = epg_grouped_bounds(g, sh);
-  // C. the payload-only vectors, to the receive row and every kept local pair's grouped row
+  // 3. the payload-only vectors, to the receive row and every kept local pair's grouped row
   const epg_i64 nch = (tv0 + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;
   const bool wide = (a.row_bytes & 15) == 0;
+  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
   constexpr int U = 4;  // chunks per wave polled at once
-  for (epg_i64 u0 = gwave; u0 < chunks_in; u0 += U * nwaves) {
+  for (epg_i64 u0 = gwave; ok && u0 < chunks_in; u0 += U * nwaves) {
     epg_vec16 v[U];
     const char* src[U];
 #pragma unroll
     for (int q = 0; q < U; ++q) {
-      const epg_i64 u = u0 + q * nwaves, row = u / nch, vv = (u % nch) * EPG_WAVE + lane;
+      const epg_i64 u = u0 + q * nwaves, vv = (u % nch) * EPG_WAVE + lane;
       src[q] = nullptr;
       if (u >= chunks_in || vv >= tv0) continue;
-      const int s = epg_ll_source(base, W, row);
-      src[q] = mine + a.off_ll_x + ((epg_i64)(parity * W + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes + 16 * vv;
+      int s;
+      src[q] = epg_ll_slot(a, base, parity, u / nch, s) + 16 * vv;
       v[q] = epg_ld16_sys(src[q]);
     }
     bool good = true;
@@ -1018,25 +1043,28 @@ EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 
       const epg_i64 u = u0 + q * nwaves;
       if (u >= chunks_in) break;  // uniform over the wave
       const epg_i64 row = u / nch, ch = u % nch, vv = ch * EPG_WAVE + lane;
-      const int s = epg_ll_source(base, W, row);
+      const int s = epg_ll_source(base, (int)a.world, row);
       if (src[q] && !epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) good = false;
       if (epg_ballot(!good)) break;  // a timeout in the wave: every lane leaves together
-      const bool keep = row < a.max_recv;
-      if (keep) {
-        for (int j0 = 0; j0 <= K; j0 += EPG_WAVE) {  // the receive row (j = -1), then the pairs' grouped rows
-          const int j = j0 + lane - 1;
-          const int mine_row = j < 0 ? -2 : (j < K && row < total ? epg_grouped_row(g, sh, row * K + j) : -1);
-          const int n = K + 1 - j0 < EPG_WAVE ? K + 1 - j0 : EPG_WAVE;
-          for (int d = 0; d < n; ++d) {
-            const int to = (int)epg_shfl((epg_u32)mine_row, d);
-            if (to == -1) continue;  // uniform over the wave
-            char* dst = to == -2 ? mine + a.off_recv_x + row * a.row_bytes : g.out_x + (epg_i64)to * g.row_bytes;
-            if (epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
-              epg_ll_store_chunk16(dst + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
-            } else if (src[q]) {
-              epg_u32* dx = (epg_u32*)dst + 3 * vv;
-              dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
-            }
+      for (int j0 = 0; row < total && j0 <= K; j0 += EPG_WAVE) {  // the receive row (j = -1), then the pairs' rows
+        const int j = j0 + lane - 1;
+        int to = -1;
+        if (j < 0) {
+          to = -2;
+        } else if (j < K) {
+          const int p = (int)row * K + j, local = sm.ex[p], rel = sm.rel[p];
+          to = local >= 0 && rel < sh.kept[local] ? sh.start[local] + rel : -1;
+        }
+        const int n = K + 1 - j0 < EPG_WAVE ? K + 1 - j0 : EPG_WAVE;
+        for (int d = 0; d < n; ++d) {
+          const int at = (int)epg_shfl((epg_u32)to, d);
+          if (at == -1) continue;  // uniform over the wave
+          char* dst = at == -2 ? mine + a.off_recv_x + row * a.row_bytes : g.out_x + (epg_i64)at * g.row_bytes;
+          if (epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
+            epg_ll_store_chunk16(dst + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
+          } else if (src[q]) {
+            epg_u32* dx = (epg_u32*)dst + 3 * vv;
+            dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
           }
         }
       }
@@ -1045,20 +1073,41 @@ EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 
     if (!good) ok = 0;
     if (epg_ballot(!ok)) break;
   }
-  // D. the pairs' records and their rows' tails; the rows without a pair
-  const epg_i64 pairs = (epg_i64)total * K;
-  for (epg_i64 p = gwave; p < pairs; p += nwaves) {
-    const int to = epg_grouped_row(g, sh, p);  // wave-uniform
+  // 4. the pairs' records and their rows' last payload words and scales, from the slots
+  for (epg_i64 p = gwave; ok && p < pairs; p += nwaves) {
+    const int local = sm.ex[p], rel = sm.rel[p];  // wave-uniform
+    const int to = local >= 0 && rel < sh.kept[local] ? sh.start[local] + rel : -1;
     if (to < 0) {
       if (lane == 0) g.pair_pos[p] = -1;
       continue;
     }
-    const epg_i64 from = p / K;
-    if (lane == 0) epg_grouped_note(g, p, to);
-    for (epg_i64 w = 3 * tv0 + lane; w < P; w += EPG_WAVE)
-      ((epg_u32*)(g.out_x + (epg_i64)to * g.row_bytes))[w] = ((const epg_u32*)(g.recv_x + from * g.row_bytes))[w];
-    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
-      g.out_scales[(epg_i64)to * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+    int s;
+    const char* slot = epg_ll_slot(a, base, parity, p / K, s);
+    const int peer = s == a.rank ? -1 : s, wword = id0 + K + (int)(p % K);
+    bool good = true;
+    for (int vv = tv0 + lane; vv * 3 < id0; vv += EPG_WAVE) {  // the vectors holding words [3 tv0, P + S)
+      epg_vec16 v = epg_ld16_sys(slot + 16 * vv);
+      if (!epg_ll_poll(a, slot + 16 * vv, epoch, v, 6, peer)) { good = false; break; }
+      for (int e = 0; e < 3; ++e) {
+        const int w = 3 * vv + e;
+        const epg_u32 x = epg_ll_word(v, e);
+        if (w < P) {
+          ((epg_u32*)(g.out_x + (epg_i64)to * g.row_bytes))[w] = x;
+        } else if (w < id0) {
+          for (int b = 0; b < 4 && 4 * (w - P) + b < g.scale_bytes; ++b)
+            g.out_scales[(epg_i64)to * g.scale_bytes + 4 * (w - P) + b] = (char)(x >> (8 * b));
+        }
+      }
+    }
+    if (lane == 0) {
+      epg_vec16 v = epg_ld16_sys(slot + 16 * (wword / 3));
+      good = good && epg_ll_poll(a, slot + 16 * (wword / 3), epoch, v, 6, peer);
+      g.pair_pos[p] = to;
+      g.src[to] = (int)p;
+      g.m_indices[to] = local;
+      g.weights[to] = g.has_weights ? epg_bits_f32(epg_ll_word(v, wword % 3)) : 1.0f;
+    }
+    if (epg_ballot(!good)) { ok = 0; break; }
   }
   if (a.grp_zero_padding != 0) {  // fresh outputs: as the tail writes them (every row marked, payloads zeroed, the whole map)
     epg_grouped_mark(g, sh, g.capacity);
@@ -1108,7 +1157,7 @@ EPG_KERNEL void epg_dispatch_ll__fp4_e2m1__intranode(EpArgs a) {
     for (int r = wave; r < W; r += waves) {
       const int n = epg_ll_before(masks, T, r);
       if (lane == 0)
-        epg_st_release_sys64((epg_u64*)(epg_peer(a, r) + a.off_ll_cnt) + parity * W + (int)a.rank,
+        epg_st64_sys((epg_u64*)(epg_peer(a, r) + a.off_ll_cnt) + parity * W + (int)a.rank,
                              ((epg_u64)epoch << 32) | (epg_u32)n);
     }
   }
@@ -1151,11 +1200,11 @@ EPG_KERNEL void epg_dispatch_ll__fp4_e2m1__intranode(EpArgs a) {
   // receive: every source's count, then its rows
   for (int s = tid; s < W; s += epg_block_dim()) {
     const epg_u64* p = (const epg_u64*)(mine + a.off_ll_cnt) + parity * W + s;
-    epg_u64 cw = epg_ld_acquire_sys64(p);
+    epg_u64 cw = epg_ld64_sys(p);
     EpgSpin spin(a, s == a.rank ? -1 : s);
     while ((epg_u32)(cw >> 32) != epoch) {
       if (!spin.more(a, 5, s == a.rank ? -1 : s)) { ok = 0; break; }
-      cw = epg_ld_acquire_sys64(p);
+      cw = epg_ld64_sys(p);
     }
     base[s + 1] = (int)(epg_u32)cw;  // this source's rows, summed below
   }
@@ -1183,7 +1232,7 @@ EPG_KERNEL void epg_dispatch_ll__fp4_e2m1__intranode(EpArgs a) {
     if (!ok) return;
     epg_trace(a, 4);  // every row received
     epg_trace(a, 5);  // and placed
-    epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, end);
+    if (epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, end)) epg_ll_zero_tails(a, base, N, parity, P / 3, nv);
     epg_trace(a, 6);
     return;
   }

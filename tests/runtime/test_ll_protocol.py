@@ -32,7 +32,7 @@ def test_row_and_cell_sizes():
     assert ll.cell_bytes(14336, 8) == 16 * ll.vectors(3584 + 8)
     assert ll.regions(2, 0, 100, 100) == []
     assert dict(ll.regions(2, 4, 32, 48)) == {"ll_cnt": 32, "ll_x": 2 * 2 * 4 * 32, "ll_c": 4 * 2 * 48,
-                                              "ll_map": 4 * (16 + 2)}
+                                              "ll_map": 4 * (8 + 2)}
 
 
 def test_model_message_matches_the_layout():
