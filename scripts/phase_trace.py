@@ -36,7 +36,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 # the phases each kernel stamps, in order (templates/kernels/dispatch_ll.j2, combine_ll.j2: epg_trace(a, N))
 PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
-                    "grouped layout placed", "finished"),
+                    "grouped layout placed", "finished", "ids read, groups worked out (a receive into the groups)"),
     "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
 }
 KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves

@@ -1073,6 +1073,7 @@ EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 
   if (!ok) return -1;
   epg_grouped_number(g, sh, sm, pairs);
   const int end = epg_grouped_bounds(g, sh);
+  epg_trace(a, 7);  // diagnostics: the ids read, the groups worked out
   // 2. the rows' tails, to the receive buffers
   for (epg_i64 row = gwave; row < N; row += nwaves) {
     int s;
@@ -1140,6 +1141,7 @@ EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 
     if (!good) ok = 0;
     if (epg_ballot(!ok)) break;
   }
+  epg_trace(a, 4);  // every row received (into the groups)
   // 4. the pairs' records and their rows' last payload words and scales, from the slots
   for (epg_i64 p = gwave; ok && p < pairs; p += nwaves) {
     const int local = sm.ex[p], rel = sm.rel[p];  // wave-uniform
@@ -1297,8 +1299,7 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
     const int end = epg_ll_receive_grouped(a, base, N, parity, epoch, ll_t, P, S, nv, ok);  // uniform over the grid
     epg_syncthreads();
     if (!ok) return;
-    epg_trace(a, 4);  // every row received
-    epg_trace(a, 5);  // and placed
+    epg_trace(a, 5);  // the pairs recorded, the rows without one marked
     if (epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, end)) epg_ll_zero_tails(a, base, N, parity, P / 3, nv);
     epg_trace(a, 6);
     return;
