@@ -477,12 +477,11 @@ struct EpgGrouped {
   int* dropped;      // pairs past the capacity [1]
   epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
 };
-// A block's shared memory for the passes: the group bounds, the threads' prefix, the count's wave sums.
+// A block's shared memory for the passes: the group bounds, the count's wave sums.
 struct EpgGroupedShared {
   int start[EPG_GROUPED_MAX_EXPERTS];
   int kept[EPG_GROUPED_MAX_EXPERTS];
   int end[EPG_GROUPED_MAX_EXPERTS];
-  int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
   int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
   int base, over;
 };
@@ -579,36 +578,38 @@ EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroup
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
-// kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
-// the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
-// default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
-// Returns the end of the last group.
+// kept counts and drops. One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
+// padded sums (shuffles: no block barrier per step) gives every group's start. Exact while no group reaches past
+// the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the recurrence
+// serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
-  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
-  int mine = 0;
-  for (int e = lo; e < hi; ++e) {
-    const int c = g.counts[e];
-    sh.kept[e] = c;
-    mine += (c + A - 1) / A * A;
-  }
-  if (tid == 0) sh.over = 0;
-  sh.t_sum[tid] = mine;
-  epg_syncthreads();
-  for (int d = 1; d < nt; d <<= 1) {
-    const int add = tid >= d ? sh.t_sum[tid - d] : 0;
-    epg_syncthreads();
-    sh.t_sum[tid] += add;
-    epg_syncthreads();
-  }
-  int here = sh.t_sum[tid] - mine;
-  for (int e = lo; e < hi; ++e) {
-    const int c = sh.kept[e];
-    if ((epg_i64)here + c > g.capacity) sh.over = 1;
-    sh.start[e] = here;
-    here += (c + A - 1) / A * A;
-    sh.end[e] = here;
+  if (tid < EPG_WAVE) {
+    const int lane = tid, per = (E + EPG_WAVE - 1) / EPG_WAVE;
+    const int lo = lane * per < E ? lane * per : E, hi = lo + per < E ? lo + per : E;
+    int mine = 0;
+    for (int e = lo; e < hi; ++e) {
+      const int c = g.counts[e];
+      sh.kept[e] = c;
+      mine += (c + A - 1) / A * A;
+    }
+    int incl = mine;  // inclusive prefix over the lanes
+    for (int d = 1; d < EPG_WAVE; d <<= 1) {
+      const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
+      if (lane >= d) incl += below;
+    }
+    int here = incl - mine;
+    bool over = false;
+    for (int e = lo; e < hi; ++e) {
+      const int c = sh.kept[e];
+      if ((epg_i64)here + c > g.capacity) over = true;
+      sh.start[e] = here;
+      here += (c + A - 1) / A * A;
+      sh.end[e] = here;
+    }
+    const bool any = epg_ballot(over) != 0ull;
+    if (lane == 0) sh.over = any ? 1 : 0;
   }
   epg_syncthreads();
   if (sh.over && tid == 0) {
