@@ -36,8 +36,8 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 # the phases each kernel stamps, in order (templates/kernels/dispatch_ll.j2, combine_ll.j2: epg_trace(a, N))
 PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
-                    "grouped layout placed", "finished", "ids read, groups worked out (a receive into the groups)"),
-    "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
+                    "grouped layout placed", "finished"),
+    "combine_ll": ("entry", "row counts read", "grouped rows staged", "rows pushed", "tokens reduced", "finished"),
 }
 KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves
 FORMS = ("plain", "grouped", "one")

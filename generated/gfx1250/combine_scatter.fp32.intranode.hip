@@ -58,9 +58,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_m
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.

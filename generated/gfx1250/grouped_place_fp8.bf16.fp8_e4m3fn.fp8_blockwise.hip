@@ -58,9 +58,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_m
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (volatile: one dwordx4 /
 // b128 access each with the system-coherence bits, sc0 sc1 / scope:SCOPE_SYS), and 64-bit count words.
@@ -304,12 +301,11 @@ struct EpgGrouped {
   int* dropped;      // pairs past the capacity [1]
   epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
 };
-// A block's shared memory for the passes: the group bounds, the threads' prefix, the count's wave sums.
+// A block's shared memory for the passes: the group bounds, the count's wave sums.
 struct EpgGroupedShared {
   int start[EPG_GROUPED_MAX_EXPERTS];
   int kept[EPG_GROUPED_MAX_EXPERTS];
   int end[EPG_GROUPED_MAX_EXPERTS];
-  int t_sum[EPG_GROUPED_MAX_THREADS];  // one per thread: its experts' padded rows, then their inclusive prefix
   int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
   int base, over;
 };
@@ -369,7 +365,6 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -379,12 +374,6 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
-  epg_grouped_number(g, sh, sm, pairs);
-}
-// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
-// counts sh.kept zeroed, behind a block barrier.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
-  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;
@@ -406,36 +395,38 @@ EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroup
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
-// kept counts and drops. In parallel: each thread takes `per` consecutive experts and a block-wide prefix over
-// the threads' padded sums gives every group's start. Exact while no group reaches past the capacity (the
-// default capacity, the worst case, never does); when one does, thread 0 runs the recurrence serially.
-// Returns the end of the last group.
+// kept counts and drops. One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
+// padded sums (shuffles: no block barrier per step) gives every group's start. Exact while no group reaches past
+// the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the recurrence
+// serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
-  const int per = (E + nt - 1) / nt, lo = tid * per, hi = lo + per < E ? lo + per : E;
-  int mine = 0;
-  for (int e = lo; e < hi; ++e) {
-    const int c = g.counts[e];
-    sh.kept[e] = c;
-    mine += (c + A - 1) / A * A;
-  }
-  if (tid == 0) sh.over = 0;
-  sh.t_sum[tid] = mine;
-  epg_syncthreads();
-  for (int d = 1; d < nt; d <<= 1) {
-    const int add = tid >= d ? sh.t_sum[tid - d] : 0;
-    epg_syncthreads();
-    sh.t_sum[tid] += add;
-    epg_syncthreads();
-  }
-  int here = sh.t_sum[tid] - mine;
-  for (int e = lo; e < hi; ++e) {
-    const int c = sh.kept[e];
-    if ((epg_i64)here + c > g.capacity) sh.over = 1;
-    sh.start[e] = here;
-    here += (c + A - 1) / A * A;
-    sh.end[e] = here;
+  if (tid < EPG_WAVE) {
+    const int lane = tid, per = (E + EPG_WAVE - 1) / EPG_WAVE;
+    const int lo = lane * per < E ? lane * per : E, hi = lo + per < E ? lo + per : E;
+    int mine = 0;
+    for (int e = lo; e < hi; ++e) {
+      const int c = g.counts[e];
+      sh.kept[e] = c;
+      mine += (c + A - 1) / A * A;
+    }
+    int incl = mine;  // inclusive prefix over the lanes
+    for (int d = 1; d < EPG_WAVE; d <<= 1) {
+      const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
+      if (lane >= d) incl += below;
+    }
+    int here = incl - mine;
+    bool over = false;
+    for (int e = lo; e < hi; ++e) {
+      const int c = sh.kept[e];
+      if ((epg_i64)here + c > g.capacity) over = true;
+      sh.start[e] = here;
+      here += (c + A - 1) / A * A;
+      sh.end[e] = here;
+    }
+    const bool any = epg_ballot(over) != 0ull;
+    if (lane == 0) sh.over = any ? 1 : 0;
   }
   epg_syncthreads();
   if (sh.over && tid == 0) {

@@ -42,9 +42,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned 
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
 // 16-byte access each, L1 bypassed), and 64-bit count words (relaxed, system scope: no fence).
@@ -541,7 +538,6 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -551,12 +547,6 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
-  epg_grouped_number(g, sh, sm, pairs);
-}
-// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
-// counts sh.kept zeroed, behind a block barrier.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
-  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;
@@ -777,17 +767,6 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   return g_ok != 0;
 }
 
-// The layout passes' shared memory: one of each per kernel, whichever of its paths takes it (the tail, or
-// dispatch_ll's receive into the groups).
-EPG_DEVICE EpgGroupedShared& epg_grouped_sh() {
-  __shared__ EpgGroupedShared sh;
-  return sh;
-}
-EPG_DEVICE EpgGroupedSmall& epg_grouped_sm() {
-  __shared__ EpgGroupedSmall sm;
-  return sm;
-}
-
 // The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
 EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
   char* mine = epg_peer(a, a.rank);
@@ -828,13 +807,14 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  EpgGroupedShared& sh = epg_grouped_sh();
+  __shared__ EpgGroupedShared sh;
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
-    epg_grouped_count_here(g, sh, epg_grouped_sm());
+    __shared__ EpgGroupedSmall sm;
+    epg_grouped_count_here(g, sh, sm);
   } else {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
@@ -851,8 +831,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
-// The gather combine's staging with a.grp_pair_pos (combine_ll forms its rows as it pushes them instead): each
-// received row (< rows) of this rank's combine buffer (comb_x) =
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
 // the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);

@@ -42,9 +42,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned 
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
 // 16-byte access each, L1 bypassed), and 64-bit count words (relaxed, system scope: no fence).
@@ -514,10 +511,8 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last`, and with
-// grouped_end >= 0 records the end of the grouped layout this call placed (state grouped_end). True in that block
-// (every thread): every other block is done with this call's buffers.
-EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last, int grouped_end = -1) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`.
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -527,9 +522,7 @@ EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last,
     state[EPG_ST_DONE] = 0;
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
-    if (grouped_end >= 0) state[EPG_ST_GROUPED_END] = grouped_end;
   }
-  return finisher != 0;
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
@@ -625,7 +618,6 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -635,12 +627,6 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
-  epg_grouped_number(g, sh, sm, pairs);
-}
-// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
-// counts sh.kept zeroed, behind a block barrier.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
-  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;
@@ -861,17 +847,6 @@ EPG_DEVICE bool epg_grid_sync(const EpArgs& a) {
   return g_ok != 0;
 }
 
-// The layout passes' shared memory: one of each per kernel, whichever of its paths takes it (the tail, or
-// dispatch_ll's receive into the groups).
-EPG_DEVICE EpgGroupedShared& epg_grouped_sh() {
-  __shared__ EpgGroupedShared sh;
-  return sh;
-}
-EPG_DEVICE EpgGroupedSmall& epg_grouped_sm() {
-  __shared__ EpgGroupedSmall sm;
-  return sm;
-}
-
 // The layout's buffers as a dispatch names them: the receive buffers of this rank's workspace, the grp_* fields.
 EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
   char* mine = epg_peer(a, a.rank);
@@ -912,13 +887,14 @@ EPG_DEVICE EpgGrouped epg_grouped_of(const EpArgs& a) {
 // grp_zero_padding (every grp_* output a fresh tensor of the call's own) every row is marked, every row without a
 // pair has its payload zeroed, and the pair map is written whole (epg_grouped_unpaired).
 EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
-  EpgGroupedShared& sh = epg_grouped_sh();
+  __shared__ EpgGroupedShared sh;
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
-    epg_grouped_count_here(g, sh, epg_grouped_sm());
+    __shared__ EpgGroupedSmall sm;
+    epg_grouped_count_here(g, sh, sm);
   } else {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
@@ -935,8 +911,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   if (epg_block() == 0 && epg_thread() == 0) state[EPG_ST_GROUPED_END] = end;
 }
 
-// The gather combine's staging with a.grp_pair_pos (combine_ll forms its rows as it pushes them instead): each
-// received row (< rows) of this rank's combine buffer (comb_x) =
+// A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
 // the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
@@ -963,8 +938,7 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 //  3. Every block reads every source's count word (polled for this call's epoch), then one wave per (received
 //     row, chunk of a wave's width of vectors) polls the flags, unpacks the chunk into row base[s] + position of
 //     the receive buffers ((source rank, token) order; rows past max_recv are dropped and counted; payload chunks
-//     as 16-byte stores) and zeroes it. A grouped dispatch of few pairs receives into the groups instead
-//     (epg_ll_receive_grouped); a larger one places them in the tail (grouped_tail.j2).
+//     as 16-byte stores) and zeroes it.
 // The count words are the handshake that makes reuse safe: a rank finishes call n only after every peer
 // posted its count of call n, i.e. finished call n - 1 (its reads and zeroing of the parity buffers this
 // rank writes again in call n + 1: done in an earlier kernel on the peer's stream, complete before its count of
@@ -1017,178 +991,6 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
   }
 }
 
-// The receive of a grouped dispatch (a.grp_x, one launch) whose pairs a block numbers on its own (at most
-// EPG_GROUPED_SMALL_PAIRS kept pairs): the rows go from the slots straight into their groups, with no receive pass
-// before the placement and no grid barrier (grouped_tail.j2's tail has both).
-//  1. every block polls every kept pair's id word in its row's slot, numbers the pairs and works out the groups
-//     (count_here's numbering and the bounds, in shared memory: the tail's layout);
-//  2. one wave per received row takes the row's tail (the vectors from the one holding word P on: last payload
-//     words, scales, ids, weights, source token) into the receive buffers;
-//  3. one wave per (row, chunk of a wave's width of payload-only vectors) polls the chunk and stores it to the row's
-//     receive buffer row and to the grouped row of each of its kept local pairs;
-//  4. one wave per pair records it (pair_pos, src, m_indices, weights) and copies the row's last payload words and
-//     scales from the slot to its grouped row; the rows without a pair are marked as the tail marks them.
-// Every block reads the ids in the slots, so the rows' tail vectors stay there until the last block out zeroes them
-// (epg_ll_zero_tails; payload vectors are zeroed as they are consumed). Nothing here reads what another block
-// writes. Returns the end of the last group (-1: a fresh layout's, or after a timeout: ok cleared, the host raises).
-EPG_DEVICE const char* epg_ll_slot(const EpArgs& a, const int* base, int parity, epg_i64 row, int& s) {
-  s = epg_ll_source(base, (int)a.world, row);
-  return epg_peer(a, a.rank) + a.off_ll_x + ((epg_i64)(parity * a.world + s) * a.ll_tokens + (row - base[s])) * a.ll_row_bytes;
-}
-EPG_DEVICE void epg_ll_zero_tails(const EpArgs& a, const int* base, epg_i64 N, int parity, int tv0, int nv) {
-  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
-  const int n = nv - tv0;
-  for (epg_i64 i = epg_thread(); i < N * n; i += epg_block_dim()) {
-    int s;
-    epg_st16((char*)epg_ll_slot(a, base, parity, i / n, s) + 16 * (tv0 + i % n), zero);
-  }
-}
-EPG_DEVICE int epg_ll_receive_grouped(const EpArgs& a, const int* base, epg_i64 N, int parity, epg_u32 epoch, int* ll_t,
-                                      int P, int S, int nv, int& ok) {
-  EpgGroupedShared& sh = epg_grouped_sh();
-  EpgGroupedSmall& sm = epg_grouped_sm();
-  const int K = (int)a.k, tid = epg_thread(), lane = epg_lane(), nt = epg_block_dim();
-  const int waves = nt / EPG_WAVE;
-  const epg_i64 gwave = (epg_i64)epg_block() * waves + tid / EPG_WAVE, nwaves = (epg_i64)epg_nblocks() * waves;
-  char* mine = epg_peer(a, a.rank);
-  const int before = ((const int*)a.state)[EPG_ST_GROUPED_END];  // the finisher rewrites it once every block is out
-  const int tv0 = P / 3;  // vectors [0, tv0) hold payload words only
-  const int total = (int)(N < a.max_recv ? N : a.max_recv), pairs = total * K;
-  const int id0 = P + S;  // the message's first id word (then k weights, the source token)
-  __shared__ int total_sh;
-  EpgGrouped g = epg_grouped_of(a);
-  g.total_recv = &total_sh;  // the block's own copy: block 0 publishes total_recv, unordered with this block
-  const int E = (int)g.num_local;
-  // 1. the ids, from the slots; the groups
-  if (tid == 0) total_sh = total;
-  for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
-  for (int p = tid; p < pairs; p += nt) {
-    int s;
-    const char* at = epg_ll_slot(a, base, parity, p / K, s) + 16 * ((id0 + p % K) / 3);
-    epg_vec16 v = epg_ld16_sys(at);
-    if (!epg_ll_poll(a, at, epoch, v, 6, s == a.rank ? -1 : s)) { ok = 0; break; }
-    const int local = (int)epg_ll_word(v, (id0 + p % K) % 3) - (int)g.first_expert;
-    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
-  }
-  epg_syncthreads();
-  if (!ok) return -1;
-  epg_grouped_number(g, sh, sm, pairs);
-  const int end = epg_grouped_bounds(g, sh);
-  epg_trace(a, 7);  // diagnostics: the ids read, the groups worked out
-  // 2. the rows' tails, to the receive buffers
-  for (epg_i64 row = gwave; row < N; row += nwaves) {
-    int s;
-    const char* slot = epg_ll_slot(a, base, parity, row, s);
-    const bool keep = row < a.max_recv;
-    bool good = true;
-    for (int vv = tv0 + lane; good && vv < nv; vv += EPG_WAVE) {
-      epg_vec16 v = epg_ld16_sys(slot + 16 * vv);
-      if (!epg_ll_poll(a, slot + 16 * vv, epoch, v, 6, s == a.rank ? -1 : s)) { good = false; break; }
-      for (int e = 0; e < 3; ++e)
-        epg_ll_row_put(a, mine, row, keep, 3 * vv + e, epg_ll_word(v, e), P, S, s, (int)(row - base[s]), ll_t);
-    }
-    if (epg_ballot(!good)) { ok = 0; break; }
-  }
-  // 3. the payload-only vectors, to the receive row and every kept local pair's grouped row
-  const epg_i64 nch = (tv0 + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;
-  const bool wide = (a.row_bytes & 15) == 0;
-  const epg_vec16 zero = epg_ll_vec(0u, 0u, 0u, 0u);
-  constexpr int U = 4;  // chunks per wave polled at once
-  for (epg_i64 u0 = gwave; ok && u0 < chunks_in; u0 += U * nwaves) {
-    epg_vec16 v[U];
-    const char* src[U];
-#pragma unroll
-    for (int q = 0; q < U; ++q) {
-      const epg_i64 u = u0 + q * nwaves, vv = (u % nch) * EPG_WAVE + lane;
-      src[q] = nullptr;
-      if (u >= chunks_in || vv >= tv0) continue;
-      int s;
-      src[q] = epg_ll_slot(a, base, parity, u / nch, s) + 16 * vv;
-      v[q] = epg_ld16_sys(src[q]);
-    }
-    bool good = true;
-#pragma unroll
-    for (int q = 0; q < U; ++q) {
-      const epg_i64 u = u0 + q * nwaves;
-      if (u >= chunks_in) break;  // uniform over the wave
-      const epg_i64 row = u / nch, ch = u % nch, vv = ch * EPG_WAVE + lane;
-      const int s = epg_ll_source(base, (int)a.world, row);
-      if (src[q] && !epg_ll_poll(a, src[q], epoch, v[q], 6, s == a.rank ? -1 : s)) good = false;
-      if (epg_ballot(!good)) break;  // a timeout in the wave: every lane leaves together
-      for (int j0 = 0; row < total && j0 <= K; j0 += EPG_WAVE) {  // the receive row (j = -1), then the pairs' rows
-        const int j = j0 + lane - 1;
-        int to = -1;
-        if (j < 0) {
-          to = -2;
-        } else if (j < K) {
-          const int p = (int)row * K + j, local = sm.ex[p], rel = sm.rel[p];
-          to = local >= 0 && rel < sh.kept[local] ? sh.start[local] + rel : -1;
-        }
-        const int n = K + 1 - j0 < EPG_WAVE ? K + 1 - j0 : EPG_WAVE;
-        for (int d = 0; d < n; ++d) {
-          const int at = (int)epg_shfl((epg_u32)to, d);
-          if (at == -1) continue;  // uniform over the wave
-          char* dst = at == -2 ? mine + a.off_recv_x + row * a.row_bytes : g.out_x + (epg_i64)at * g.row_bytes;
-          if (epg_ll_payload_chunk(ch, P, wide)) {  // uniform: every lane of the wave holds payload
-            epg_ll_store_chunk16(dst + 12 * EPG_WAVE * ch, v[q].x, v[q].y, v[q].z);
-          } else if (src[q]) {
-            epg_u32* dx = (epg_u32*)dst + 3 * vv;
-            dx[0] = v[q].x; dx[1] = v[q].y; dx[2] = v[q].z;
-          }
-        }
-      }
-      if (src[q]) epg_st16((char*)src[q], zero);  // consumed
-    }
-    if (!good) ok = 0;
-    if (epg_ballot(!ok)) break;
-  }
-  epg_trace(a, 4);  // every row received (into the groups)
-  // 4. the pairs' records and their rows' last payload words and scales, from the slots
-  for (epg_i64 p = gwave; ok && p < pairs; p += nwaves) {
-    const int local = sm.ex[p], rel = sm.rel[p];  // wave-uniform
-    const int to = local >= 0 && rel < sh.kept[local] ? sh.start[local] + rel : -1;
-    if (to < 0) {
-      if (lane == 0) g.pair_pos[p] = -1;
-      continue;
-    }
-    int s;
-    const char* slot = epg_ll_slot(a, base, parity, p / K, s);
-    const int peer = s == a.rank ? -1 : s, wword = id0 + K + (int)(p % K);
-    bool good = true;
-    for (int vv = tv0 + lane; vv * 3 < id0; vv += EPG_WAVE) {  // the vectors holding words [3 tv0, P + S)
-      epg_vec16 v = epg_ld16_sys(slot + 16 * vv);
-      if (!epg_ll_poll(a, slot + 16 * vv, epoch, v, 6, peer)) { good = false; break; }
-      for (int e = 0; e < 3; ++e) {
-        const int w = 3 * vv + e;
-        const epg_u32 x = epg_ll_word(v, e);
-        if (w < P) {
-          ((epg_u32*)(g.out_x + (epg_i64)to * g.row_bytes))[w] = x;
-        } else if (w < id0) {
-          for (int b = 0; b < 4 && 4 * (w - P) + b < g.scale_bytes; ++b)
-            g.out_scales[(epg_i64)to * g.scale_bytes + 4 * (w - P) + b] = (char)(x >> (8 * b));
-        }
-      }
-    }
-    if (lane == 0) {
-      epg_vec16 v = epg_ld16_sys(slot + 16 * (wword / 3));
-      good = good && epg_ll_poll(a, slot + 16 * (wword / 3), epoch, v, 6, peer);
-      g.pair_pos[p] = to;
-      g.src[to] = (int)p;
-      g.m_indices[to] = local;
-      g.weights[to] = g.has_weights ? epg_bits_f32(epg_ll_word(v, wword % 3)) : 1.0f;
-    }
-    if (epg_ballot(!good)) { ok = 0; break; }
-  }
-  if (a.grp_zero_padding != 0) {  // fresh outputs: as the tail writes them (every row marked, payloads zeroed, the whole map)
-    epg_grouped_mark(g, sh, g.capacity);
-    epg_grouped_zero(g, sh, g.row_bytes);
-    epg_grouped_unpaired(g, a.max_recv);
-    return -1;  // grouped_end tracks the op's own buffers, which this call did not write
-  }
-  epg_grouped_mark(g, sh, end > before ? end : before);
-  return end;
-}
-
 EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
@@ -1209,13 +1011,9 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
 
   for (epg_i64 t = tid; send && t < T; t += epg_block_dim()) {
     epg_u64 m = 0;
-    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids' loads in flight (not a chain of dependent round trips)
-      int e[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-        if (e[q] >= 0 && e[q] < a.num_experts) m |= 1ull << (e[q] / (int)a.experts_per_rank);
+    for (int j = 0; j < K; ++j) {
+      const int e = idx[t * K + j];
+      if (e >= 0 && e < a.num_experts) m |= 1ull << (e / (int)a.experts_per_rank);
     }
     masks[t] = m;
   }
@@ -1228,7 +1026,7 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
       const int n = epg_ll_before(masks, T, r);
       if (lane == 0)
         epg_st64_sys((epg_u64*)(epg_peer(a, r) + a.off_ll_cnt) + parity * W + (int)a.rank,
-                             ((epg_u64)epoch << 32) | (epg_u32)n);
+                     ((epg_u64)epoch << 32) | (epg_u32)n);
     }
   }
 
@@ -1296,15 +1094,6 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   }
   if (epg_block() == 0)
     for (int s = tid; s < W; s += epg_block_dim()) ll_t[W * a.ll_tokens + s] = base[s + 1] - base[s];
-  if (a.grp_x && a.phase == EPG_PHASE_BOTH && (N < a.max_recv ? N : a.max_recv) * K <= EPG_GROUPED_SMALL_PAIRS) {
-    const int end = epg_ll_receive_grouped(a, base, N, parity, epoch, ll_t, P, S, nv, ok);  // uniform over the grid
-    epg_syncthreads();
-    if (!ok) return;
-    epg_trace(a, 5);  // the pairs recorded, the rows without one marked
-    if (epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH, end)) epg_ll_zero_tails(a, base, N, parity, P / 3, nv);
-    epg_trace(a, 6);
-    return;
-  }
   // one wave per (received row, chunk of EPG_WAVE vectors), U chunks per wave polled at once: a chunk of
   // payload alone goes to recv_x as 16-byte stores (epg_ll_store_chunk16), the others word by word
   const epg_i64 nch = (nv + EPG_WAVE - 1) / EPG_WAVE, chunks_in = N * nch;

@@ -42,9 +42,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned 
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
 // 16-byte access each, L1 bypassed), and 64-bit count words (relaxed, system scope: no fence).
@@ -326,7 +323,6 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
 // and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
 // group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
 // positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs);
 EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
   const int pairs = (int)((epg_i64)*g.total_recv * g.k);
@@ -336,12 +332,6 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
     sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
   }
   epg_syncthreads();
-  epg_grouped_number(g, sh, sm, pairs);
-}
-// The numbering of epg_grouped_count_here, the pairs' local experts already in sm.ex (-1: another rank's) and the
-// counts sh.kept zeroed, behind a block barrier.
-EPG_DEVICE void epg_grouped_number(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
-  const int tid = epg_thread();
   if (tid < EPG_WAVE) {
     const int lane = tid;
     const epg_u64 below = (1ull << lane) - 1ull;

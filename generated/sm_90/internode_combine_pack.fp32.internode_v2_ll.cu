@@ -42,9 +42,6 @@ EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned 
 EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-// this GPU's blocks only (a flag between the blocks of one kernel)
-EPG_DEVICE void epg_st_release_dev(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-EPG_DEVICE int epg_ld_acquire_dev(const int* p) { int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
 // Low-latency protocol: flagged 16-byte vectors stored and polled at system scope (st/ld.volatile: one
 // 16-byte access each, L1 bypassed), and 64-bit count words (relaxed, system scope: no fence).

@@ -381,16 +381,21 @@ class NativeBackend:
         Every grouped op but the dequantizing ones (their placement decodes rows: grouped_place_fp8 / _fp4)."""
         return self._grp is not None and "tail" in self._grp
 
-    def one_kernel_legs(self, protocol: str) -> bool:
-        """Does a grouped leg of this protocol run as one kernel (grouped_tail.j2) rather than the EP kernel and the
-        separate passes? self.one_kernel: "always" / "never" (tests, scripts/grouped_profile.py) or "auto": only
-        eager low-latency calls. Measured at W = 1 on one H200 (results/2026-12-03-1xH200-W1-2b65c38/): inside a
-        graph the separate passes are faster at 1 / 128 / 4096 tokens (29.7 / 37.9 / 393 µs of epgen kernels per
-        layer against 33.6 / 45.1 / 473.5: the tail runs on the EP kernel's grid, one block per SM), while an eager
-        1-token layer is bound by the host's launches (3 fewer: 91 against 110 µs wall)."""
+    def one_kernel_legs(self, protocol: str, leg: str = "dispatch") -> bool:
+        """Does a grouped leg ("dispatch" / "combine") of this protocol run as one kernel (grouped_tail.j2, combine_ll's
+        push) rather than the EP kernel and the separate passes? self.one_kernel: "always" / "never" (tests,
+        scripts/grouped_profile.py) or "auto": a low-latency combine always (combine_ll forms each row from its
+        pairs as it pushes it: 7.5 µs against 6.1 + 2.8 for combine_ll and grouped_reduce at one token, 8.0 against
+        7.0 + 3.2 at eight, W = 1 on one H200 in a graph, results/2026-12-04-1xH200-W1-one-kernel-combine-1b2b888/),
+        a low-latency dispatch only eager: inside a graph its tail (a grid barrier, then the passes on the EP grid)
+        is slower than the separate passes (16.6 against 7.7 + 6.3 µs at one token), while an eager 1-token layer is
+        bound by the host's launches. The bandwidth protocol's legs never (results/2026-12-03-1xH200-W1-2b65c38/: 33.6
+        / 45.1 / 473.5 µs of epgen kernels per layer at 1 / 128 / 4096 tokens against 29.7 / 37.9 / 393)."""
         if self.one_kernel != "auto":
             return self.one_kernel == "always"
-        return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
+        if protocol != "ll":
+            return False
+        return leg == "combine" or not torch.cuda.is_current_stream_capturing()
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
@@ -818,7 +823,7 @@ class NativeBackend:
         """Does combine_grouped take one combine kernel for this routing (combine_grouped_staged)? Not where this
         op cannot (see _grouped_tail_fields), nor where one_kernel_legs says no: combine_grouped reduces first."""
         return self._grp is not None and "stage" in self._grp and \
-            self.one_kernel_legs(routing.extra.get("protocol", "bw"))
+            self.one_kernel_legs(routing.extra.get("protocol", "bw"), "combine")
 
     def combine_grouped_staged(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor | None = None):
         """Grouped expert outputs [P, H] -> combined rows in one combine kernel (gather or low-latency): its
