@@ -37,7 +37,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
                     "grouped layout placed", "finished"),
-    "combine_ll": ("entry", "row counts read", "grouped rows staged", "rows pushed", "tokens reduced", "finished"),
+    "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
 }
 KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves
 FORMS = ("plain", "grouped", "one")
@@ -77,7 +77,8 @@ def timer_step(stamps: list[list[list[int]]]) -> int | None:
 
 
 def table(rec: dict) -> list[str]:
-    out = [f"T={rec['tokens_per_rank']} {rec['form']}: µs since the kernel's first block entered (median of "
+    warm = ", each dispatch right after an untraced one" if rec.get("warm_dispatch") else ""
+    out = [f"T={rec['tokens_per_rank']} {rec['form']}{warm}: µs since the kernel's first block entered (median of "
            f"{rec['iters']} eager calls; earliest / latest block; timer step {rec['timer_step_ns']} ns)",
            "| kernel | phase | earliest | latest |", "|---|---|---|---|"]
     for name in KERNELS:
@@ -100,7 +101,13 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     s = make_input_sets(cfg, 1, seed=991 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
 
-    def legs():
+    def legs(warm=None):
+        # warm: trace the dispatch that runs right after an untraced one of the same inputs (--warm-dispatch: its code
+        # and data just used by the kernel before it; nothing launched in between)
+        if warm is not None:
+            backend.trace_phases(None)
+            op.dispatch_grouped(x, w, None, idx) if form != "plain" else op.dispatch(x, w, None, idx)
+            backend.trace_phases(warm)
         if form == "plain":
             out, _, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
             op.combine(out, routing=h)
@@ -118,7 +125,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
         for _ in range(args.iters):
             buf[..., 0].fill_(UNSET)
             buf[..., 1].zero_()
-            legs()
+            legs(buf if args.warm_dispatch else None)
             torch.cuda.synchronize()
             stamps = buf.tolist()
             calls.append(relative(stamps))
@@ -129,7 +136,8 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     known = [s for s in steps if s is not None]
     return {**meta, "kind": "phase_trace", "tokens_per_rank": T, "form": form, "world_size": world,
             "dtype": "bfloat16", "mode": "eager", "protocol": "ll", "hidden": args.hidden, "topk": args.topk,
-            "experts": args.experts, "iters": args.iters, "timer_step_ns": min(known) if known else None,
+            "experts": args.experts, "iters": args.iters, "warm_dispatch": bool(args.warm_dispatch),
+            "timer_step_ns": min(known) if known else None,
             "phases": summarize(calls)}
 
 
@@ -142,6 +150,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--warm-dispatch", action="store_true",
+                   help="trace each dispatch right after an untraced one of the same inputs (code and data warm)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if not 1 <= args.iters <= 100000 or not 0 <= args.warmup <= 100000:
