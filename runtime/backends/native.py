@@ -385,8 +385,8 @@ class NativeBackend:
         """Does a grouped leg ("dispatch" / "combine") of this protocol run as one kernel (grouped_tail.j2, combine_ll's
         push) rather than the EP kernel and the separate passes? self.one_kernel: "always" / "never" (tests,
         scripts/grouped_profile.py) or "auto": a low-latency combine always (combine_ll forms each row from its
-        pairs as it pushes it: 7.5 µs against 6.1 + 2.8 for combine_ll and grouped_reduce at one token, 8.0 against
-        7.0 + 3.2 at eight, W = 1 on one H200 in a graph, results/2026-12-04-1xH200-W1-one-kernel-combine-1b2b888/),
+        pairs as it pushes it: 7.7 µs against 6.3 + 2.9 for combine_ll and grouped_reduce at one token, 8.2 against
+        7.2 + 3.3 at eight, W = 1 on one H200 in a graph, results/2026-12-04-1xH200-W1-one-kernel-combine-d70606d/),
         a low-latency dispatch only eager: inside a graph its tail (a grid barrier, then the passes on the EP grid)
         is slower than the separate passes (16.6 against 7.7 + 6.3 µs at one token), while an eager 1-token layer is
         bound by the host's launches. The bandwidth protocol's legs never (results/2026-12-03-1xH200-W1-2b65c38/: 33.6
