@@ -18,6 +18,13 @@ cuda_driver_api, torch, world_size, target, sms):
                 inside the replay, kineto, slowest rank's median), gap_us (the idle time between consecutive
                 kernels of the replay, kineto median, slowest rank).
   empty_graph   L empty kernels in one graph: the same fields; the launch and the gap alone.
+  primitives    what a kernel's own steps cost on this device, timed by block 0's thread 0 with the global timer
+                inside one launch of a block of 512 threads (after an untimed launch): sm_clock_ghz (clock64
+                against the timer over 20 µs), barrier_ns (a block barrier), l2_load_ns (a dependent load through a
+                64 KB pointer chain at device scope: L2, no L1), atomic_ns (a dependent device-scope atomic add),
+                fence_sys_ns (a store then __threadfence_system), fence_release_sys_ns (a store then
+                fence.acq_rel.sys), timer_read_ns (a global timer read). The terms a 1-token kernel's phases are
+                read against (docs/LAYER.md: the phase trace).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -85,9 +92,55 @@ extern "C" __global__ void epg_floor_signal(unsigned* mine, unsigned* peer, unsi
   if (!reach(mine, e, now_ns() + (unsigned long long)timeout_ns)) status[0] = 1u;
 }
 extern "C" __global__ void epg_floor_empty() {}
+// a kernel's own steps, timed by block 0's thread 0 (the others join the barriers): out[0] SM cycles and out[1] ns
+// of a 20 us spin, then ns of: out[2] reps block barriers, out[3] hops dependent loads through `chain` (relaxed,
+// device scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system),
+// out[6] reps (store, fence.acq_rel.sys), out[7] reps timer reads; out[8] keeps the chains' results live
+__device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
+  unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned* word, int hops, int reps,
+                                                unsigned long long* out) {
+  const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
+  unsigned long long t0 = 0;
+  if (lead) {
+    t0 = now_ns();
+    const long long c0 = clock64();
+    while (now_ns() - t0 < 20000ull) {}
+    out[0] = (unsigned long long)(clock64() - c0);
+    out[1] = now_ns() - t0;
+  }
+  __syncthreads();
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) __syncthreads();
+  if (!lead) return;
+  out[2] = now_ns() - t0;
+  unsigned p = 0, v = 0;
+  t0 = now_ns();
+  for (int i = 0; i < hops; ++i) p = ld_gpu(chain + p);
+  out[3] = now_ns() - t0;
+  t0 = now_ns();
+  for (int i = 0; i < hops; ++i) v = atomicAdd(word, v & 1u);
+  out[4] = now_ns() - t0;
+  volatile unsigned* w1 = word + 1;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) { *w1 = (unsigned)i; __threadfence_system(); }
+  out[5] = now_ns() - t0;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) { *w1 = (unsigned)i; asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+  out[6] = now_ns() - t0;
+  unsigned long long x = 0;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) x ^= now_ns();
+  out[7] = now_ns() - t0;
+  out[8] = p ^ v ^ x;
+}
 """
-SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty")
-METHODS = ("pingpong", "signal_graph", "empty_graph")
+SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives")
+METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
+PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
+                    "timer_read_ns")
+PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 THREADS = 32
 # workspace words (u32): [PING] the ping-pong flag and [SIGNAL] the signal flag, both written by the partner
 PING, SIGNAL = 0, 64
@@ -110,14 +163,15 @@ def plan(args) -> list[dict]:
     for blocks in args.floor_blocks:
         out += [{"method": "signal_graph", "blocks": blocks, "layers": args.layers},
                 {"method": "empty_graph", "blocks": blocks, "layers": args.layers}]
-    return out
+    return out + [{"method": "primitives", "blocks": 1}]
 
 
 def record(meta: dict, pt: dict, **fields) -> dict:
     """A floor record: the metadata, the planned point and its measured fields (None where not measured),
     error None unless given."""
     empty = {"round_trip_us": None, "one_way_us": None, "per_kernel_us": None, "per_kernel_p99_us": None,
-             "kernel_us": None, "gap_us": None, "blocks_launched": None, "error": None}
+             "kernel_us": None, "gap_us": None, "blocks_launched": None, "error": None,
+             **({f: None for f in PRIMITIVE_FIELDS} if pt.get("method") == "primitives" else {})}
     return {**meta, "kind": "floor", **{"rounds": None, "blocks": None, "layers": None}, **pt, **empty, **fields}
 
 
@@ -133,10 +187,10 @@ class Kernels:
         if not arch.startswith("sm_"):
             raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
         image = compile_source(arch, FLOOR_KERNELS, "floor")
-        self.pingpong, self.signal, self.empty = (CudaKernel(image, s) for s in SYMBOLS)
+        self.pingpong, self.signal, self.empty, self.primitives = (CudaKernel(image, s) for s in SYMBOLS)
 
     def close(self):
-        for k in (self.pingpong, self.signal, self.empty):
+        for k in (self.pingpong, self.signal, self.empty, self.primitives):
             k.close()
 
 
@@ -221,6 +275,36 @@ def measure_graph(kern: Kernels, flags: Flags, method: str, blocks: int, layers:
             "gap_us": _max_over_ranks(summary["gap_us"]), "blocks_launched": grid}
 
 
+def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
+    """The primitives kernel's out words -> the record's fields (module docstring)."""
+    cycles, spin_ns, barriers, loads, atomics, fences, releases, reads = out[:8]
+    return {"sm_clock_ghz": cycles / spin_ns if spin_ns else None, "barrier_ns": barriers / reps,
+            "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
+            "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps}
+
+
+def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
+    """--reps launches of the primitives kernel (after an untimed one that also brings the chain into L2): every
+    field the slowest rank's median. The chain: one cycle through CHAIN_WORDS words in a fixed random order."""
+    g = torch.Generator().manual_seed(7)
+    order = torch.randperm(CHAIN_WORDS, generator=g)
+    chain = torch.empty(CHAIN_WORDS, dtype=torch.int32)
+    chain[order] = torch.roll(order, -1).to(torch.int32)
+    chain = chain.to(dev)
+    word = torch.zeros(2, dtype=torch.int32, device=dev)
+    out = torch.zeros(9, dtype=torch.int64, device=dev)
+    samples = []
+    for _ in range(reps + 1):
+        kern.primitives.launch(1, PRIM_THREADS, ctypes.c_uint64(chain.data_ptr()), ctypes.c_uint64(word.data_ptr()),
+                               ctypes.c_int32(PRIM_HOPS), ctypes.c_int32(PRIM_REPS), ctypes.c_uint64(out.data_ptr()))
+        samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
+    got = {}
+    for f in PRIMITIVE_FIELDS:
+        vals = [s[f] for s in samples[1:] if s[f] is not None]
+        got[f] = _max_over_ranks(statistics.median(vals) if vals else None)
+    return {**got, "blocks_launched": 1}
+
+
 def run(args, emit=lambda recs: None) -> list[dict]:
     """The floor (module docstring); collective; each record handed to emit() as it is made."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -248,6 +332,8 @@ def run(args, emit=lambda recs: None) -> list[dict]:
         for pt in points:
             if pt["method"] == "pingpong":
                 got, why = collective_try(lambda: measure_pingpong(kern, flags, pt["rounds"], args.reps, timeout_ns))
+            elif pt["method"] == "primitives":
+                got, why = collective_try(lambda: measure_primitives(kern, dev, args.reps))
             else:
                 got, why = collective_try(lambda: measure_graph(kern, flags, pt["method"], pt["blocks"], pt["layers"],
                                                                 args.reps, timeout_ns))
@@ -263,7 +349,11 @@ def floor_table(records: list[dict]) -> list[str]:
     out = ["| method | blocks | round trip µs | one way µs | per kernel (replay / L) µs | kernel in graph µs "
            "| gap µs |", "|---|---|---|---|---|---|---|"]
     key = lambda r: (METHODS.index(r["method"]) if r["method"] in METHODS else 9, r.get("blocks") or 0)  # noqa: E731
+    prims = []
     for r in latest(records, "floor", key):
+        if r["method"] == "primitives":
+            prims.append(r)
+            continue
         if r.get("error"):
             out.append(f"| {r['method']} | {md_cell(r.get('blocks'), 'd')} | failed: {r['error']} "
                        f"| – | – | – | – |")
@@ -272,4 +362,12 @@ def floor_table(records: list[dict]) -> list[str]:
                    f"| {md_cell(r['round_trip_us'], '.2f')} | {md_cell(r['one_way_us'], '.2f')} "
                    f"| {md_cell(r['per_kernel_us'], '.2f')} | {md_cell(r['kernel_us'], '.2f')} "
                    f"| {md_cell(r['gap_us'], '.2f')} |")
+    for r in prims:  # a kernel's own steps, on this device
+        out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
+                "| store + fence.acq_rel.sys ns | timer read ns |", "|---|---|---|---|---|---|---|"]
+        if r.get("error"):
+            out.append(f"| failed: {r['error']} | – | – | – | – | – | – |")
+        else:
+            out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
+                                         for f in PRIMITIVE_FIELDS) + " |")
     return out

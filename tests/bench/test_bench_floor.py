@@ -104,7 +104,8 @@ def test_floor_plan_and_partners():
     assert floor.plan(args) == [
         {"method": "pingpong", "rounds": 50},
         {"method": "signal_graph", "blocks": 1, "layers": 4}, {"method": "empty_graph", "blocks": 1, "layers": 4},
-        {"method": "signal_graph", "blocks": 0, "layers": 4}, {"method": "empty_graph", "blocks": 0, "layers": 4}]
+        {"method": "signal_graph", "blocks": 0, "layers": 4}, {"method": "empty_graph", "blocks": 0, "layers": 4},
+        {"method": "primitives", "blocks": 1}]
     assert [floor.partner(r, 4) for r in range(4)] == [1, 0, 3, 2]
     assert floor.partner(2, 3) is None
     assert floor.partner(0, 1) == 0  # W = 1: its own partner (the launch and a local flag, no link)
@@ -124,6 +125,25 @@ def test_floor_record_shape_and_table():
     assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |"  # the ping-pong first, whatever the order
     assert lines[3] == "| signal_graph | 132 | – | – | 3.50 | 3.10 | 0.30 |"
     assert lines[4].startswith("| empty_graph | 1 | failed: rank 1: boom")
+    assert len(lines) == 5  # no primitives record, no second table
+
+
+def test_floor_primitives_fields_and_table():
+    # out words: 3960 cycles in 2000 ns, then ns of 1000 barriers, 1000 loads, 1000 atomics, 1000 fences x 2, 1000 reads
+    got = floor.primitive_costs([3960, 2000, 40000, 600000, 900000, 1500000, 1300000, 30000, 7], 1000, 1000)
+    assert got == {"sm_clock_ghz": 1.98, "barrier_ns": 40.0, "l2_load_ns": 600.0, "atomic_ns": 900.0,
+                   "fence_sys_ns": 1500.0, "fence_release_sys_ns": 1300.0, "timer_read_ns": 30.0}
+    assert floor.primitive_costs([0, 0, 0, 0, 0, 0, 0, 0, 0], 1, 1)["sm_clock_ghz"] is None
+    prim = floor.record(META, {"method": "primitives", "blocks": 1}, **got, blocks_launched=1)
+    assert set(floor.PRIMITIVE_FIELDS) <= set(prim) and prim["error"] is None
+    ping = floor.record(META, {"method": "pingpong", "rounds": 10}, round_trip_us=2.0, one_way_us=1.0)
+    assert "l2_load_ns" not in ping  # the primitives' fields are that method's own
+    lines = floor.floor_table([prim, ping])
+    assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |" and lines[3] == ""
+    assert lines[4].startswith("| SM clock GHz | block barrier ns | L2 load ns |")
+    assert lines[6] == "| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 |"
+    bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
+    assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
 
 
 @pytest.mark.parametrize("argv,msg", [(["--floor-rounds", "0"], "--floor-rounds"), (["--layers", "0"], "--layers"),
@@ -232,7 +252,9 @@ def scn_floor_main(rank, world, argv, fail_method):
 
     return _stubbed_main(argv, [(floor, "Kernels", _StubKernels), (floor, "Flags", _StubFlags),
                                 (floor, "measure_pingpong", lambda *a: {"round_trip_us": 1.6, "one_way_us": 0.8}),
-                                (floor, "measure_graph", graph)])
+                                (floor, "measure_graph", graph),
+                                (floor, "measure_primitives", lambda *a: {**floor.primitive_costs(
+                                    [3960, 2000, 4e4, 6e5, 9e5, 1.5e6, 1.3e6, 3e4, 0], 1000, 1000), "blocks_launched": 1})])
 
 
 def test_floor_main_writes_a_record_per_method_and_reports_failures(tmp_path):
@@ -242,12 +264,14 @@ def test_floor_main_writes_a_record_per_method_and_reports_failures(tmp_path):
     assert rc == rc1 == 1  # one method failed on rank 1: every rank exits 1
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["kind"], r["method"], bool(r["error"])) for r in recs] == [
-        ("floor", "pingpong", False), ("floor", "signal_graph", False), ("floor", "empty_graph", True)]
+        ("floor", "pingpong", False), ("floor", "signal_graph", False), ("floor", "empty_graph", True),
+        ("floor", "primitives", False)]
+    assert recs[3]["l2_load_ns"] == 600.0 and recs[3]["sm_clock_ghz"] == 1.98
     assert recs[0]["round_trip_us"] == 1.6 and recs[1]["per_kernel_us"] == 4.0 and recs[1]["layers"] == 4
     assert recs[2]["error"].startswith("rank 1: RuntimeError: a signal kernel timed out")
     assert "| pingpong | – | 1.60 | 0.80 |" in printed and "| empty_graph | 1 | failed" in printed
     (rc, _), _ = get_world(2).run(scn_floor_main, argv[:-1] + [str(tmp_path / "ok.jsonl")], None, timeout=120)
-    assert rc == 0 and len((tmp_path / "ok.jsonl").read_text().splitlines()) == 3
+    assert rc == 0 and len((tmp_path / "ok.jsonl").read_text().splitlines()) == 4
 
 
 def scn_profile_main(rank, world, argv):

@@ -72,6 +72,22 @@ def test_pingpong_without_a_partner_times_out(floor_parts):
     run_collective(check)
 
 
+def test_primitives_are_timed(floor_parts):
+    """The primitives kernel's costs are in the range any GPU has (an SM clock of 0.3-4 GHz, an L2 load and an atomic
+    of 20 ns to 5 µs) and ordered as the hardware orders them (a dependent L2 load costs more than a block barrier of
+    one block; the atomic chain's words land: every add returned before the next was issued)."""
+    kern, _ = floor_parts
+
+    def check():
+        got = floor.measure_primitives(kern, _dev(), reps=2)
+        assert 0.3 < got["sm_clock_ghz"] < 4.0
+        assert 20 < got["l2_load_ns"] < 5000 and 20 < got["atomic_ns"] < 5000
+        assert 0 < got["barrier_ns"] < got["l2_load_ns"]
+        assert got["fence_sys_ns"] > 0 and got["fence_release_sys_ns"] > 0 and got["timer_read_ns"] > 0
+        assert got["blocks_launched"] == 1
+    run_collective(check)
+
+
 @pytest.mark.parametrize("method,blocks", [("signal_graph", 1), ("signal_graph", 0), ("empty_graph", 4)])
 def test_graph_methods(floor_parts, method, blocks):
     kern, flags = floor_parts
