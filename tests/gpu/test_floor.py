@@ -74,8 +74,7 @@ def test_pingpong_without_a_partner_times_out(floor_parts):
 
 def test_primitives_are_timed(floor_parts):
     """The primitives kernel's costs are in the range any GPU has (an SM clock of 0.3-4 GHz, an L2 load and an atomic
-    of 20 ns to 5 µs) and ordered as the hardware orders them (a dependent L2 load costs more than a block barrier of
-    one block; the atomic chain's words land: every add returned before the next was issued)."""
+    of 20 ns to 5 µs) and ordered as the hardware orders them (a dependent L2 load costs more than a block barrier)."""
     kern, _ = floor_parts
 
     def check():
