@@ -23,8 +23,9 @@ cuda_driver_api, torch, world_size, target, sms):
                 against the timer over 20 µs), barrier_ns (a block barrier), l2_load_ns (a dependent load through a
                 64 KB pointer chain at device scope: L2, no L1), atomic_ns (a dependent device-scope atomic add),
                 fence_sys_ns (a store then __threadfence_system), fence_release_sys_ns (a store then
-                fence.acq_rel.sys), timer_read_ns (a global timer read). The terms a 1-token kernel's phases are
-                read against (docs/LAYER.md: the phase trace).
+                fence.acq_rel.sys), timer_read_ns (a global timer read), first_load_ns / first_barrier_ns (the
+                launch's first global load and first block barrier). The terms a 1-token kernel's phases are read
+                against (docs/LAYER.md: the phase trace).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -92,18 +93,28 @@ extern "C" __global__ void epg_floor_signal(unsigned* mine, unsigned* peer, unsi
   if (!reach(mine, e, now_ns() + (unsigned long long)timeout_ns)) status[0] = 1u;
 }
 extern "C" __global__ void epg_floor_empty() {}
-// a kernel's own steps, timed by block 0's thread 0 (the others join the barriers): out[0] SM cycles and out[1] ns
-// of a 20 us spin, then ns of: out[2] reps block barriers, out[3] hops dependent loads through `chain` (relaxed,
-// device scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system),
-// out[6] reps (store, fence.acq_rel.sys), out[7] reps timer reads; out[8] keeps the chains' results live
+// a kernel's own steps, timed by block 0's thread 0 (the others join the barriers): out[9] ns of the launch's first
+// global load (chain[0]) and out[10] of its first block barrier, then out[0] SM cycles and out[1] ns of a 20 us
+// spin, then ns of: out[2] reps block barriers, out[3] hops dependent loads through `chain` (relaxed, device
+// scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system), out[6] reps
+// (store, fence.acq_rel.sys), out[7] reps timer reads; out[8] keeps the chains' results live
 __device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
   unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
 extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned* word, int hops, int reps,
                                                 unsigned long long* out) {
   const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
-  unsigned long long t0 = 0;
+  unsigned long long t0 = now_ns();
+  unsigned first = 0;
   if (lead) {
+    first = ld_gpu(chain);
+    if (first == 0xffffffffu) out[8] = 1;  // a store on the value: the timer below reads after the load is in
+  }
+  const unsigned long long t1 = now_ns();
+  __syncthreads();
+  if (lead) {
+    out[9] = t1 - t0;
+    out[10] = now_ns() - t1;
     t0 = now_ns();
     const long long c0 = clock64();
     while (now_ns() - t0 < 20000ull) {}
@@ -133,13 +144,13 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   t0 = now_ns();
   for (int i = 0; i < reps; ++i) x ^= now_ns();
   out[7] = now_ns() - t0;
-  out[8] = p ^ v ^ x;
+  out[8] = p ^ v ^ x ^ first;
 }
 """
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
-                    "timer_read_ns")
+                    "timer_read_ns", "first_load_ns", "first_barrier_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 THREADS = 32
 # workspace words (u32): [PING] the ping-pong flag and [SIGNAL] the signal flag, both written by the partner
@@ -280,7 +291,8 @@ def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
     cycles, spin_ns, barriers, loads, atomics, fences, releases, reads = out[:8]
     return {"sm_clock_ghz": cycles / spin_ns if spin_ns else None, "barrier_ns": barriers / reps,
             "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
-            "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps}
+            "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps, "first_load_ns": float(out[9]),
+            "first_barrier_ns": float(out[10])}
 
 
 def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
@@ -292,7 +304,7 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
     chain[order] = torch.roll(order, -1).to(torch.int32)
     chain = chain.to(dev)
     word = torch.zeros(2, dtype=torch.int32, device=dev)
-    out = torch.zeros(9, dtype=torch.int64, device=dev)
+    out = torch.zeros(11, dtype=torch.int64, device=dev)
     samples = []
     for _ in range(reps + 1):
         kern.primitives.launch(1, PRIM_THREADS, ctypes.c_uint64(chain.data_ptr()), ctypes.c_uint64(word.data_ptr()),
@@ -364,9 +376,10 @@ def floor_table(records: list[dict]) -> list[str]:
                    f"| {md_cell(r['gap_us'], '.2f')} |")
     for r in prims:  # a kernel's own steps, on this device
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
-                "| store + fence.acq_rel.sys ns | timer read ns |", "|---|---|---|---|---|---|---|"]
+                "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns |",
+                "|---|---|---|---|---|---|---|---|---|"]
         if r.get("error"):
-            out.append(f"| failed: {r['error']} | – | – | – | – | – | – |")
+            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – |")
         else:
             out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
                                          for f in PRIMITIVE_FIELDS) + " |")
