@@ -2,14 +2,17 @@
 and combine_ll (issue #35, item 3: budget each 1-token kernel term by term).
 
   torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one] [--iters 200]
-                                                     [--hidden 7168] [--topk 8] [--experts 256] [--out F]
+                                                     [--hidden 7168] [--topk 8] [--experts 256] [--warm-dispatch]
+                                                     [--out F]
 
 Per (tokens, form), the low-latency protocol (intranode_protocol="ll"), bf16: "plain" is dispatch -> combine of
 the received rows, "grouped" dispatch_grouped -> combine_grouped with the separate passes, "one" the same with one
 kernel per leg (the grouped layout placed in dispatch_ll's tail, combine_ll forming the rows it sends). After
 warm-up, --iters eager calls, each with the op's trace buffer (NativeBackend.trace_phases) reset: every block's
 thread 0 stamps the global timer (ns) when its block reaches a phase (templates/kernels/ep_common.j2 epg_trace:
-a block barrier first, so only while tracing), the buffer keeping the earliest and the latest block per phase.
+a block barrier first, so only while tracing) into its own slot of the buffer (a plain store; records with
+"stamps": "per block"; the older records' stamps were two atomics per block and phase on words every block
+shared), and the earliest and the latest block per phase are taken from the slots after the call.
 Printed and recorded (kind "phase_trace"): per kernel and phase the median over the calls of the earliest and
 the latest block's time since the earliest block's entry (µs), and the timer's step (the smallest nonzero
 difference seen: stamps are that coarse). The barriers the trace adds make a traced kernel slower than an
@@ -42,6 +45,15 @@ PHASES = {
 KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves
 FORMS = ("plain", "grouped", "one")
 UNSET = (1 << 63) - 1  # an earliest entry no block wrote
+
+
+def earliest_latest(buf: torch.Tensor) -> list[list[list[int]]]:
+    """The kernels' per-block stamps [kernel][block][phase] (ns, 0: not reached) -> [kernel][phase][earliest, latest]
+    over the blocks (UNSET, 0 where no block reached the phase)."""
+    reached = buf > 0
+    earliest = torch.where(reached, buf, torch.full_like(buf, UNSET)).amin(dim=1)
+    latest = torch.where(reached, buf, torch.zeros_like(buf)).amax(dim=1)
+    return torch.stack((earliest, latest), dim=-1).tolist()
 
 
 def relative(stamps: list[list[list[int]]]) -> dict[str, list[tuple[float, float] | None]]:
@@ -117,17 +129,17 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
 
     for _ in range(args.warmup):
         legs()
-    phases = backend.k["dispatch"].limits["trace_phases"]
-    buf = torch.zeros((len(KERNELS), phases, 2), dtype=torch.int64, device=op.device)
+    limits = backend.k["dispatch"].limits
+    buf = torch.zeros((len(KERNELS), limits["trace_blocks"], limits["trace_phases"]), dtype=torch.int64,
+                      device=op.device)
     backend.trace_phases(buf)
     calls, steps = [], []
     try:
         for _ in range(args.iters):
-            buf[..., 0].fill_(UNSET)
-            buf[..., 1].zero_()
+            buf.zero_()
             legs(buf if args.warm_dispatch else None)
             torch.cuda.synchronize()
-            stamps = buf.tolist()
+            stamps = earliest_latest(buf)
             calls.append(relative(stamps))
             steps.append(timer_step(stamps))
     finally:
@@ -137,6 +149,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     return {**meta, "kind": "phase_trace", "tokens_per_rank": T, "form": form, "world_size": world,
             "dtype": "bfloat16", "mode": "eager", "protocol": "ll", "hidden": args.hidden, "topk": args.topk,
             "experts": args.experts, "iters": args.iters, "warm_dispatch": bool(args.warm_dispatch),
+            "stamps": "per block",
             "timer_step_ns": min(known) if known else None,
             "phases": summarize(calls)}
 

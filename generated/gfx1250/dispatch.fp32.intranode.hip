@@ -54,8 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_min(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -297,7 +295,7 @@ struct EpArgs {
   epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
-  epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_PHASES][min, max] u64 ns, per block's thread 0 (dispatch_ll / combine_ll; 0: none)
+  epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;
@@ -356,17 +354,16 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // op's epochs may wrap around 2^32 (about 2^31 barriers, a day of back-to-back calls) without a wait
 // passing early: values that matter are never 2^31 apart.
 // Diagnostics (a.trace != 0: scripts/phase_trace.py): at phase `ph` every block waits for its threads, then its
-// thread 0 stamps the device's global timer into trace[ph] = {earliest block, latest block} (ns). Every thread of
-// the block calls it (a.trace is the same for all: the barrier is uniform); with a.trace == 0 it is one test.
+// thread 0 stores the device's global timer (ns) into its own slot trace[block][ph] (a plain store: no word shared
+// by the blocks, so the stamps cost the kernel no contended atomics; blocks past EPG_TRACE_BLOCKS stamp nothing).
+// Every thread of the block calls it (a.trace is the same for all: the barrier is uniform); with a.trace == 0 it
+// is one test.
 constexpr int EPG_TRACE_PHASES = 8;
+constexpr int EPG_TRACE_BLOCKS = 1024;
 EPG_DEVICE void epg_trace(const EpArgs& a, int ph) {
-  if (a.trace == 0) return;
+  if (a.trace == 0 || epg_block() >= EPG_TRACE_BLOCKS) return;
   epg_syncthreads();
-  if (epg_thread() != 0) return;
-  epg_u64* t = (epg_u64*)a.trace + 2 * ph;
-  const epg_u64 now = epg_clock_ns();
-  epg_atomic_min_u64(t, now);
-  epg_atomic_max_u64(t + 1, now);
+  if (epg_thread() == 0) ((epg_u64*)a.trace)[(epg_i64)epg_block() * EPG_TRACE_PHASES + ph] = epg_clock_ns();
 }
 EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
 EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }

@@ -54,8 +54,6 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_min(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
-EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }

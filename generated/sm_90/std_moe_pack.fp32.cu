@@ -38,8 +38,6 @@ EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: 
 EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
-EPG_DEVICE void epg_atomic_min_u64(epg_u64* p, epg_u64 v) { atomicMin((unsigned long long*)p, (unsigned long long)v); }
-EPG_DEVICE void epg_atomic_max_u64(epg_u64* p, epg_u64 v) { atomicMax((unsigned long long*)p, (unsigned long long)v); }
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }

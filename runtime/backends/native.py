@@ -162,12 +162,13 @@ class NativeBackend:
 
     def trace_phases(self, buf: torch.Tensor | None) -> None:
         """Diagnostics (scripts/phase_trace.py): from now on the low-latency kernels stamp their phases into `buf`,
-        an int64 tensor [2, trace_phases, 2] on this op's device (dispatch_ll's, then combine_ll's: per phase the
-        device's global timer in ns when the earliest and the latest block reached it; the caller fills each call's
-        entries with (2^63 - 1, 0) first), or stop (None). Every workspace slot's argument blocks."""
-        phases = self.k["dispatch"].limits["trace_phases"]
+        an int64 tensor [2, trace_blocks, trace_phases] on this op's device (dispatch_ll's, then combine_ll's: per
+        block and phase the device's global timer in ns when that block reached it; the caller zeroes each call's
+        entries first: a zero is a phase the block did not reach), or stop (None). Every workspace slot's argument
+        blocks."""
+        limits = self.k["dispatch"].limits
         if buf is not None:
-            want = (2, phases, 2)
+            want = (2, limits["trace_blocks"], limits["trace_phases"])
             if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int64 or tuple(buf.shape) != want \
                     or not buf.is_contiguous() or buf.device != self.device:
                 raise InputError(f"trace_phases: buf must be a contiguous int64 tensor {list(want)} on {self.device}")

@@ -393,3 +393,10 @@ def test_phase_trace_reads_stamps_relative_to_the_first_entry():
            "phases": pt.summarize([one, pt.relative(later)])}
     lines = pt.table(rec)
     assert lines[3] == "| dispatch_ll | entry | 0.00 | 0.50 |" and len(lines) == 6
+    # the kernels' per-block slots [kernel][block][phase] (0: not reached) -> [kernel][phase][earliest, latest]
+    buf = torch.zeros((2, 3, 8), dtype=torch.int64)
+    buf[0, 0, 0], buf[0, 2, 0], buf[0, 2, 1] = 1500, 1000, 2600
+    buf[0, 1, 1] = 2000
+    got = pt.earliest_latest(buf)
+    assert got[0][0] == [1000, 1500] and got[0][1] == [2000, 2600] and got[0][2] == [U, 0]
+    assert got[1] == [[U, 0]] * 8
