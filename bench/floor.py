@@ -24,8 +24,9 @@ cuda_driver_api, torch, world_size, target, sms):
                 64 KB pointer chain at device scope: L2, no L1), atomic_ns (a dependent device-scope atomic add),
                 fence_sys_ns (a store then __threadfence_system), fence_release_sys_ns (a store then
                 fence.acq_rel.sys), timer_read_ns (a global timer read), first_load_ns / first_barrier_ns (the
-                launch's first global load and first block barrier). The terms a 1-token kernel's phases are read
-                against (docs/LAYER.md: the phase trace).
+                launch's first global load and first block barrier), l2_load_sys_ns / l2_load_volatile_ns (the
+                chain's loads relaxed at system scope / volatile, as the low-latency protocol polls). The terms a
+                1-token kernel's phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -97,9 +98,13 @@ extern "C" __global__ void epg_floor_empty() {}
 // global load (chain[0]) and out[10] of its first block barrier, then out[0] SM cycles and out[1] ns of a 20 us
 // spin, then ns of: out[2] reps block barriers, out[3] hops dependent loads through `chain` (relaxed, device
 // scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system), out[6] reps
-// (store, fence.acq_rel.sys), out[7] reps timer reads; out[8] keeps the chains' results live
+// (store, fence.acq_rel.sys), out[7] reps timer reads, out[11] / out[12] hops dependent loads through `chain`
+// relaxed at system scope / volatile (the low-latency protocol's polls); out[8] keeps the chains' results live
 __device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
   unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ unsigned ld_volatile(const unsigned* p) {
+  unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
 extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned* word, int hops, int reps,
                                                 unsigned long long* out) {
@@ -144,13 +149,21 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   t0 = now_ns();
   for (int i = 0; i < reps; ++i) x ^= now_ns();
   out[7] = now_ns() - t0;
-  out[8] = p ^ v ^ x ^ first;
+  unsigned q = 0;
+  t0 = now_ns();
+  for (int i = 0; i < hops; ++i) q = ld_flag(chain + q);
+  out[11] = now_ns() - t0;
+  unsigned r = 0;
+  t0 = now_ns();
+  for (int i = 0; i < hops; ++i) r = ld_volatile(chain + r);
+  out[12] = now_ns() - t0;
+  out[8] = p ^ v ^ x ^ first ^ q ^ r;
 }
 """
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
-                    "timer_read_ns", "first_load_ns", "first_barrier_ns")
+                    "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 THREADS = 32
 # workspace words (u32): [PING] the ping-pong flag and [SIGNAL] the signal flag, both written by the partner
@@ -292,7 +305,7 @@ def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
     return {"sm_clock_ghz": cycles / spin_ns if spin_ns else None, "barrier_ns": barriers / reps,
             "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
             "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps, "first_load_ns": float(out[9]),
-            "first_barrier_ns": float(out[10])}
+            "first_barrier_ns": float(out[10]), "l2_load_sys_ns": out[11] / hops, "l2_load_volatile_ns": out[12] / hops}
 
 
 def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
@@ -304,7 +317,7 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
     chain[order] = torch.roll(order, -1).to(torch.int32)
     chain = chain.to(dev)
     word = torch.zeros(2, dtype=torch.int32, device=dev)
-    out = torch.zeros(11, dtype=torch.int64, device=dev)
+    out = torch.zeros(13, dtype=torch.int64, device=dev)
     samples = []
     for _ in range(reps + 1):
         kern.primitives.launch(1, PRIM_THREADS, ctypes.c_uint64(chain.data_ptr()), ctypes.c_uint64(word.data_ptr()),
@@ -376,10 +389,10 @@ def floor_table(records: list[dict]) -> list[str]:
                    f"| {md_cell(r['gap_us'], '.2f')} |")
     for r in prims:  # a kernel's own steps, on this device
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
-                "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
+                "| L2 load, relaxed.sys ns | L2 load, volatile ns |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         if r.get("error"):
-            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – |")
+            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – |")
         else:
             out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
                                          for f in PRIMITIVE_FIELDS) + " |")
