@@ -94,7 +94,7 @@ def test_shared_limits_are_rendered_from_the_spec(every_variant):
         src = R.render(v)
         assert f"constexpr int EPG_GROUPED_MAX_EXPERTS = {limits.limit('max_experts')};" in src
         assert f"constexpr int EPG_GROUPED_MAX_THREADS = {limits.limit('max_threads')};" in src
-        assert "int t_sum[EPG_GROUPED_MAX_THREADS];" in src
+        assert "int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];" in src
         assert f"constexpr int EPG_GROUPED_SMALL_PAIRS = {limits.limit('small_pairs')};" in src
 
 
