@@ -25,7 +25,8 @@ cuda_driver_api, torch, world_size, target, sms):
                 fence_sys_ns (a store then __threadfence_system), fence_release_sys_ns (a store then
                 fence.acq_rel.sys), timer_read_ns (a global timer read), first_load_ns / first_barrier_ns (the
                 launch's first global load and first block barrier), l2_load_sys_ns / l2_load_volatile_ns (the
-                chain's loads relaxed at system scope / volatile, as the low-latency protocol polls). The terms a
+                chain's loads relaxed at system scope / volatile, as the low-latency protocol polls), hbm_load_ns
+                (a dependent load through a 256 MB chain, entered at a new word each launch: past L2). The terms a
                 1-token kernel's phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
@@ -99,7 +100,8 @@ extern "C" __global__ void epg_floor_empty() {}
 // spin, then ns of: out[2] reps block barriers, out[3] hops dependent loads through `chain` (relaxed, device
 // scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system), out[6] reps
 // (store, fence.acq_rel.sys), out[7] reps timer reads, out[11] / out[12] hops dependent loads through `chain`
-// relaxed at system scope / volatile (the low-latency protocol's polls); out[8] keeps the chains' results live
+// relaxed at system scope / volatile (the low-latency protocol's polls), out[13] hops dependent loads through
+// `big` (far larger than L2) from word `start`; out[8] keeps the chains' results live
 __device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
   unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -107,7 +109,7 @@ __device__ __forceinline__ unsigned ld_volatile(const unsigned* p) {
   unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
 extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned* word, int hops, int reps,
-                                                unsigned long long* out) {
+                                                unsigned long long* out, const unsigned* big, unsigned start) {
   const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
   unsigned long long t0 = now_ns();
   unsigned first = 0;
@@ -157,14 +159,20 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   t0 = now_ns();
   for (int i = 0; i < hops; ++i) r = ld_volatile(chain + r);
   out[12] = now_ns() - t0;
-  out[8] = p ^ v ^ x ^ first ^ q ^ r;
+  unsigned b = start;
+  t0 = now_ns();
+  for (int i = 0; i < hops; ++i) b = ld_gpu(big + b);
+  out[13] = now_ns() - t0;
+  out[8] = p ^ v ^ x ^ first ^ q ^ r ^ b;
 }
 """
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
-                    "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns")
+                    "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
+                    "hbm_load_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
+BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
 # workspace words (u32): [PING] the ping-pong flag and [SIGNAL] the signal flag, both written by the partner
 PING, SIGNAL = 0, 64
@@ -305,23 +313,33 @@ def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
     return {"sm_clock_ghz": cycles / spin_ns if spin_ns else None, "barrier_ns": barriers / reps,
             "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
             "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps, "first_load_ns": float(out[9]),
-            "first_barrier_ns": float(out[10]), "l2_load_sys_ns": out[11] / hops, "l2_load_volatile_ns": out[12] / hops}
+            "first_barrier_ns": float(out[10]), "l2_load_sys_ns": out[11] / hops, "l2_load_volatile_ns": out[12] / hops,
+            "hbm_load_ns": out[13] / hops}
+
+
+def cycle(order: torch.Tensor) -> torch.Tensor:
+    """int32 next-word table of one cycle visiting the words in `order` (a permutation): chain[order[i]] =
+    order[i + 1], the last back to the first."""
+    chain = torch.empty(order.numel(), dtype=torch.int32, device=order.device)
+    chain[order] = torch.roll(order, -1).to(torch.int32)
+    return chain
 
 
 def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
     """--reps launches of the primitives kernel (after an untimed one that also brings the chain into L2): every
-    field the slowest rank's median. The chain: one cycle through CHAIN_WORDS words in a fixed random order."""
+    field the slowest rank's median. The chains: one cycle through CHAIN_WORDS words in a fixed random order, and
+    one through BIG_CHAIN_WORDS (made on the device), entered at a different word each launch (its lines are not
+    in L2 from the launch before)."""
     g = torch.Generator().manual_seed(7)
-    order = torch.randperm(CHAIN_WORDS, generator=g)
-    chain = torch.empty(CHAIN_WORDS, dtype=torch.int32)
-    chain[order] = torch.roll(order, -1).to(torch.int32)
-    chain = chain.to(dev)
+    chain = cycle(torch.randperm(CHAIN_WORDS, generator=g)).to(dev)
+    big = cycle(torch.randperm(BIG_CHAIN_WORDS, device=dev))
     word = torch.zeros(2, dtype=torch.int32, device=dev)
-    out = torch.zeros(13, dtype=torch.int64, device=dev)
+    out = torch.zeros(14, dtype=torch.int64, device=dev)
     samples = []
-    for _ in range(reps + 1):
+    for i in range(reps + 1):
         kern.primitives.launch(1, PRIM_THREADS, ctypes.c_uint64(chain.data_ptr()), ctypes.c_uint64(word.data_ptr()),
-                               ctypes.c_int32(PRIM_HOPS), ctypes.c_int32(PRIM_REPS), ctypes.c_uint64(out.data_ptr()))
+                               ctypes.c_int32(PRIM_HOPS), ctypes.c_int32(PRIM_REPS), ctypes.c_uint64(out.data_ptr()),
+                               ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS))
         samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
     got = {}
     for f in PRIMITIVE_FIELDS:
@@ -390,9 +408,10 @@ def floor_table(records: list[dict]) -> list[str]:
     for r in prims:  # a kernel's own steps, on this device
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
                 "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
-                "| L2 load, relaxed.sys ns | L2 load, volatile ns |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         if r.get("error"):
-            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – |")
+            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – | – |")
         else:
             out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
                                          for f in PRIMITIVE_FIELDS) + " |")
