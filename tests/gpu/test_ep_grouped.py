@@ -156,15 +156,19 @@ def test_grouped_many_experts_match_torch_backend(epr, align, gcap, tokens):
     run_collective(check)
 
 
-def test_grouped_round_in_a_cuda_graph():
+@pytest.mark.parametrize("protocol,tokens", [("auto", T), ("ll", 8)])
+def test_grouped_round_in_a_cuda_graph(protocol, tokens):
+    """A captured grouped round replays what eager calls give. At 8 tokens under the low-latency protocol the graph
+    holds dispatch_ll + the separate placement and combine_grouped as one combine_ll (one_kernel_legs' choice inside
+    a graph), the eager calls take dispatch_ll's tail: the same bits."""
     def check():
         mode = "bf16"
-        with EpDispatchCombineOp(_cfg("native", mode)) as op:
-            x, w, s, idx = _inputs(5, mode, "cuda")
+        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol)) as op:
+            x, w, s, idx = _inputs(5, mode, "cuda", tokens)
             sx, sw, sidx = x.clone(), w.clone(), idx.clone()
             g, (_, _, res, _) = _captured(lambda: _round(op, sx, sw, None, sidx, mode))
             for rep in range(3):
-                x, w, _, idx = _inputs(40 + rep, mode, "cuda")
+                x, w, _, idx = _inputs(40 + rep, mode, "cuda", tokens)
                 sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
                 g.replay()
                 torch.cuda.synchronize()
