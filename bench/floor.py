@@ -26,8 +26,10 @@ cuda_driver_api, torch, world_size, target, sms):
                 fence.acq_rel.sys), timer_read_ns (a global timer read), first_load_ns / first_barrier_ns (the
                 launch's first global load and first block barrier), l2_load_sys_ns / l2_load_volatile_ns (the
                 chain's loads relaxed at system scope / volatile, as the low-latency protocol polls), hbm_load_ns
-                (a dependent load through a 256 MB chain, entered at a new word each launch: past L2). The terms a
-                1-token kernel's phases are read against (docs/PERF.md).
+                (a dependent load through a 256 MB chain, entered at a new word each launch: past L2),
+                store16_volatile_ns / store16_ns (a 16-byte store, volatile as the low-latency protocol's flagged
+                vectors / plain, issued back to back by one thread). The terms a 1-token kernel's phases are read
+                against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -101,7 +103,9 @@ extern "C" __global__ void epg_floor_empty() {}
 // scope: L2), out[4] hops dependent atomic adds on word[0], out[5] reps (store, __threadfence_system), out[6] reps
 // (store, fence.acq_rel.sys), out[7] reps timer reads, out[11] / out[12] hops dependent loads through `chain`
 // relaxed at system scope / volatile (the low-latency protocol's polls), out[13] hops dependent loads through
-// `big` (far larger than L2) from word `start`; out[8] keeps the chains' results live
+// `big` (far larger than L2) from word `start`, out[14] / out[15] reps 16-byte stores into `scratch` (4096
+// vectors), volatile (the low-latency protocol's flagged vectors) / plain, as issued one after another by one
+// thread; out[8] keeps the chains' results live
 __device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
   unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -109,7 +113,8 @@ __device__ __forceinline__ unsigned ld_volatile(const unsigned* p) {
   unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
 extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned* word, int hops, int reps,
-                                                unsigned long long* out, const unsigned* big, unsigned start) {
+                                                unsigned long long* out, const unsigned* big, unsigned start,
+                                                uint4* scratch) {
   const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
   unsigned long long t0 = now_ns();
   unsigned first = 0;
@@ -163,6 +168,18 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   t0 = now_ns();
   for (int i = 0; i < hops; ++i) b = ld_gpu(big + b);
   out[13] = now_ns() - t0;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) {
+    uint4* at = scratch + (i * 37) % 4096;
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(at), "r"(i), "r"(b), "r"(p), "r"(q) : "memory");
+  }
+  out[14] = now_ns() - t0;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) {
+    uint4* at = scratch + (i * 37) % 4096;
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(at), "r"(i), "r"(b), "r"(p), "r"(q) : "memory");
+  }
+  out[15] = now_ns() - t0;
   out[8] = p ^ v ^ x ^ first ^ q ^ r ^ b;
 }
 """
@@ -170,7 +187,7 @@ SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_flo
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
-                    "hbm_load_ns")
+                    "hbm_load_ns", "store16_volatile_ns", "store16_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -314,7 +331,7 @@ def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
             "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
             "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps, "first_load_ns": float(out[9]),
             "first_barrier_ns": float(out[10]), "l2_load_sys_ns": out[11] / hops, "l2_load_volatile_ns": out[12] / hops,
-            "hbm_load_ns": out[13] / hops}
+            "hbm_load_ns": out[13] / hops, "store16_volatile_ns": out[14] / reps, "store16_ns": out[15] / reps}
 
 
 def cycle(order: torch.Tensor) -> torch.Tensor:
@@ -334,12 +351,14 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
     chain = cycle(torch.randperm(CHAIN_WORDS, generator=g)).to(dev)
     big = cycle(torch.randperm(BIG_CHAIN_WORDS, device=dev))
     word = torch.zeros(2, dtype=torch.int32, device=dev)
-    out = torch.zeros(14, dtype=torch.int64, device=dev)
+    out = torch.zeros(16, dtype=torch.int64, device=dev)
+    scratch = torch.zeros(4096 * 4, dtype=torch.int32, device=dev)
     samples = []
     for i in range(reps + 1):
         kern.primitives.launch(1, PRIM_THREADS, ctypes.c_uint64(chain.data_ptr()), ctypes.c_uint64(word.data_ptr()),
                                ctypes.c_int32(PRIM_HOPS), ctypes.c_int32(PRIM_REPS), ctypes.c_uint64(out.data_ptr()),
-                               ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS))
+                               ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS),
+                               ctypes.c_uint64(scratch.data_ptr()))
         samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
     got = {}
     for f in PRIMITIVE_FIELDS:
@@ -408,10 +427,10 @@ def floor_table(records: list[dict]) -> list[str]:
     for r in prims:  # a kernel's own steps, on this device
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
                 "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
-                "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns | 16 B store, volatile ns "
+                "| 16 B store ns |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         if r.get("error"):
-            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – | – |")
+            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – | – | – | – |")
         else:
             out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
                                          for f in PRIMITIVE_FIELDS) + " |")
