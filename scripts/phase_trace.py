@@ -113,19 +113,25 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     s = make_input_sets(cfg, 1, seed=991 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
 
+    def dispatch():  # -> (the rows the combine takes, the routing handle)
+        if form == "plain":
+            out, _, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
+            return out, h
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        return layout.x, h
+
     def legs(warm=None):
         # warm: trace the dispatch that runs right after an untraced one of the same inputs (--warm-dispatch: its code
         # and data just used by the kernel before it; nothing launched in between)
         if warm is not None:
             backend.trace_phases(None)
-            op.dispatch_grouped(x, w, None, idx) if form != "plain" else op.dispatch(x, w, None, idx)
+            dispatch()
             backend.trace_phases(warm)
+        rows, h = dispatch()
         if form == "plain":
-            out, _, _, _, _, h = op.dispatch(x, w, None, idx, return_routing=True)
-            op.combine(out, routing=h)
+            op.combine(rows, routing=h)
         else:
-            layout, h = op.dispatch_grouped(x, w, None, idx)
-            op.combine_grouped(layout.x, h)
+            op.combine_grouped(rows, h)
 
     for _ in range(args.warmup):
         legs()
