@@ -147,11 +147,15 @@ EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8])
   epg_mx_nan_block(scale_byte, out);
 }
 // Eight activation elements <-> floats.
-EPG_DEVICE void epg_load8(const void* p, float f[8]) {
-  epg_vec16 v = epg_ld16(p);
-  epg_u32 w[4] = {v.x, v.y, v.z, v.w};
+// epg_raw8: eight elements as loaded (epg_ld_raw8), decoded later (epg_unpack8): a kernel can hold many chunks'
+// loads in flight in fewer registers than their floats take.
+struct epg_raw8 { epg_vec16 v; };
+EPG_DEVICE epg_raw8 epg_ld_raw8(const void* p) { epg_raw8 r; r.v = epg_ld16(p); return r; }
+EPG_DEVICE void epg_unpack8(const epg_raw8& r, float f[8]) {
+  epg_u32 w[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
   for (int i = 0; i < 4; ++i) { f[2 * i] = epg_bf16_to_f32((epg_u16)(w[i] & 0xffffu)); f[2 * i + 1] = epg_bf16_to_f32((epg_u16)(w[i] >> 16)); }
 }
+EPG_DEVICE void epg_load8(const void* p, float f[8]) { epg_unpack8(epg_ld_raw8(p), f); }
 EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   epg_u32 w[4];
   for (int i = 0; i < 4; ++i) w[i] = (epg_u32)epg_f32_to_bf16(f[2 * i]) | ((epg_u32)epg_f32_to_bf16(f[2 * i + 1]) << 16);
@@ -245,10 +249,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // flight (it decides where the next row's x row is: one round trip less per row).
 //
 // Token-major form (pair_pos given, 0 < k <= EPG_SCALE_MAX_TOPK): one block per received row r, grid-stride, its k
-// pairs (pair_pos[r k + j] = grouped row g, -1 none) one after another: out[g] and dot[g] as above, each thread's
-// dot partial in the same element order as the row-major form (the same bits); the pairs of a row follow each other
-// on one block, so its x row comes from memory once and from the cache for the others (the row-major form reads it
-// once per pair, k times, far apart); then every padding row (src[p] < 0) gets 0 in both.
+// pairs (pair_pos[r k + j] = grouped row g, -1 none) in batches (epg_scale_tokens): out[g] and dot[g] as above, each
+// thread's dot partial in the same element order as the row-major form (the same bits); the x row comes from memory
+// once for all its pairs (the row-major form reads it once per pair, k times, far apart); then every padding row
+// (src[p] < 0) gets 0 in both, one wave per row.
 constexpr int EPG_SCALE_U = 4;
 constexpr int EPG_SCALE_MAX_TOPK = 16;
 
@@ -283,15 +287,22 @@ EPG_DEVICE void epg_scale_row(const char* xp, const char* yp, char* outp, epg_i6
   }
 }
 
+// Token-major: the pairs of a received row in batches of EPG_SCALE_BATCH columns (16 bytes of loads per pair and
+// chunk: 8 bf16 pairs, 4 fp32), each thread's chunks in ascending order, and per chunk the x chunk and every batch
+// pair's y chunk loaded before any is used: one memory round trip per chunk for the whole batch (pair by pair
+// took one per pair and chunk: about half the device's bandwidth at 4096 tokens). Each pair's dot partial adds
+// its products in the row-major form's order, so the bits are the same.
+constexpr int EPG_SCALE_BATCH = 16 / 2;
+
 template <int B>
-EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, const int* src, char* out, float* dot,
-                                 const int* pair_pos, epg_i64 recv_rows, epg_i64 rows, epg_i64 hidden, int k,
-                                 bool apply, bool want) {
+EPG_DEVICE void epg_scale_tokens(const char* __restrict__ x, const char* __restrict__ y, const float* w,
+                                 const int* src, char* __restrict__ out, float* dot, const int* pair_pos,
+                                 epg_i64 recv_rows, epg_i64 rows, epg_i64 hidden, int k, bool apply, bool want) {
   __shared__ float wave_dot[EPG_SCALE_MAX_TOPK][1024 / EPG_WAVE];
   __shared__ int pos[EPG_SCALE_MAX_TOPK];
   __shared__ float wts[EPG_SCALE_MAX_TOPK];
   const epg_i64 row_bytes = hidden * B, n8 = hidden / 8;
-  const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE;
+  const int tid = epg_thread(), bdim = epg_block_dim(), waves = bdim / EPG_WAVE, lane = tid % EPG_WAVE;
   for (epg_i64 r = epg_block(); r < recv_rows; r += epg_nblocks()) {
     if (tid < k) {
       const int g = pair_pos[r * k + tid];
@@ -299,15 +310,49 @@ EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, c
       wts[tid] = g >= 0 && apply ? w[g] : 1.0f;
     }
     epg_syncthreads();
-    for (int j = 0; j < k; ++j) {  // pair by pair: its x chunks come from the cache after the first pair's
-      const int g = pos[j];
-      if (g < 0) continue;  // block-uniform
-      float d = 0.f;
-      epg_scale_row<B>(x + r * row_bytes, want ? y + (epg_i64)g * row_bytes : nullptr, out + (epg_i64)g * row_bytes,
-                       n8, true, want, wts[j], d);
+    const char* xr = x + r * row_bytes;
+    for (int jb = 0; jb < k; jb += EPG_SCALE_BATCH) {
+      int at[EPG_SCALE_BATCH];  // the batch's grouped rows (-1: no pair, or past k); block-uniform
+      float d[EPG_SCALE_BATCH];
+#pragma unroll
+      for (int i = 0; i < EPG_SCALE_BATCH; ++i) {
+        at[i] = jb + i < k ? pos[jb + i] : -1;
+        d[i] = 0.f;
+      }
+      for (epg_i64 c = tid; c < n8; c += bdim) {
+        const epg_i64 off = 8 * c * B;
+        const epg_raw8 xv = epg_ld_raw8(xr + off);
+        epg_raw8 yv[EPG_SCALE_BATCH];
+#pragma unroll
+        for (int i = 0; i < EPG_SCALE_BATCH; ++i) {
+          if (want && at[i] >= 0) yv[i] = epg_ld_raw8(y + (epg_i64)at[i] * row_bytes + off);
+        }
+        float xf[8];
+        epg_unpack8(xv, xf);
+#pragma unroll
+        for (int i = 0; i < EPG_SCALE_BATCH; ++i) {
+          if (at[i] >= 0) {
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = epg_mul_rn(wts[jb + i], xf[e]);
+            epg_store8(out + (epg_i64)at[i] * row_bytes + off, o);
+            if (want) {
+              float yf[8];
+              epg_unpack8(yv[i], yf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) d[i] = epg_add_product(d[i], yf[e], xf[e]);
+            }
+          }
+        }
+      }
       if (want) {
-        for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d += epg_shfl_xor(d, m);
-        if (tid % EPG_WAVE == 0) wave_dot[j][tid / EPG_WAVE] = d;
+#pragma unroll
+        for (int i = 0; i < EPG_SCALE_BATCH; ++i) {
+          if (at[i] >= 0) {
+            for (int m = EPG_WAVE / 2; m >= 1; m >>= 1) d[i] += epg_shfl_xor(d[i], m);
+            if (lane == 0) wave_dot[jb + i][tid / EPG_WAVE] = d[i];
+          }
+        }
       }
     }
     if (want) {
@@ -320,14 +365,15 @@ EPG_DEVICE void epg_scale_tokens(const char* x, const char* y, const float* w, c
     }
     epg_syncthreads();  // pos / wts / wave_dot are the next row's
   }
-  // padding rows: 0 in out and dot (their y and w never read)
+  // padding rows: 0 in out and dot (their y and w never read); one wave per row, each wave's rows apart
   const epg_i64 n16 = row_bytes / 16;
   epg_vec16 z;
   z.x = z.y = z.z = z.w = 0u;
-  for (epg_i64 p = epg_block(); p < rows; p += epg_nblocks()) {
-    if (src[p] >= 0) continue;  // block-uniform
-    for (epg_i64 b = tid; b < n16; b += bdim) epg_st16(out + p * row_bytes + 16 * b, z);
-    if (want && tid == 0) dot[p] = 0.f;
+  const epg_i64 all_waves = (epg_i64)epg_nblocks() * waves;
+  for (epg_i64 p = (epg_i64)epg_block() * waves + tid / EPG_WAVE; p < rows; p += all_waves) {
+    if (src[p] >= 0) continue;  // wave-uniform
+    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(out + p * row_bytes + 16 * b, z);
+    if (want && lane == 0) dot[p] = 0.f;
   }
 }
 

@@ -147,11 +147,15 @@ EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8])
   epg_mx_nan_block(scale_byte, out);
 }
 // Eight activation elements <-> floats.
-EPG_DEVICE void epg_load8(const void* p, float f[8]) {
-  epg_vec16 v = epg_ld16(p);
-  epg_u32 w[4] = {v.x, v.y, v.z, v.w};
+// epg_raw8: eight elements as loaded (epg_ld_raw8), decoded later (epg_unpack8): a kernel can hold many chunks'
+// loads in flight in fewer registers than their floats take.
+struct epg_raw8 { epg_vec16 v; };
+EPG_DEVICE epg_raw8 epg_ld_raw8(const void* p) { epg_raw8 r; r.v = epg_ld16(p); return r; }
+EPG_DEVICE void epg_unpack8(const epg_raw8& r, float f[8]) {
+  epg_u32 w[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
   for (int i = 0; i < 4; ++i) { f[2 * i] = epg_bf16_to_f32((epg_u16)(w[i] & 0xffffu)); f[2 * i + 1] = epg_bf16_to_f32((epg_u16)(w[i] >> 16)); }
 }
+EPG_DEVICE void epg_load8(const void* p, float f[8]) { epg_unpack8(epg_ld_raw8(p), f); }
 EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   epg_u32 w[4];
   for (int i = 0; i < 4; ++i) w[i] = (epg_u32)epg_f32_to_bf16(f[2 * i]) | ((epg_u32)epg_f32_to_bf16(f[2 * i + 1]) << 16);

@@ -147,6 +147,8 @@ EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8])
   epg_mx_nan_block(scale_byte, out);
 }
 // Eight activation elements <-> floats.
+// epg_raw8: eight elements as loaded (epg_ld_raw8), decoded later (epg_unpack8): a kernel can hold many chunks'
+// loads in flight in fewer registers than their floats take.
 // 16-byte vectors of the activation dtype <-> fp32 accumulators (32 elements each).
 
 // Copy n16 16-byte vectors with `span` threads (this one is number `me`): eight loads in flight per

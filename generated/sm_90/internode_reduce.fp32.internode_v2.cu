@@ -118,11 +118,15 @@ EPG_DEVICE void epg_fp4x8_decode_sw(epg_u32 w, epg_u32 scale_byte, float out[8])
   epg_mx_nan_block(scale_byte, out);
 }
 // Eight activation elements <-> floats.
-EPG_DEVICE void epg_load8(const void* p, float f[8]) {
-  epg_vec16 a = epg_ld16(p), b = epg_ld16((const char*)p + 16);
-  epg_u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+// epg_raw8: eight elements as loaded (epg_ld_raw8), decoded later (epg_unpack8): a kernel can hold many chunks'
+// loads in flight in fewer registers than their floats take.
+struct epg_raw8 { epg_vec16 a, b; };
+EPG_DEVICE epg_raw8 epg_ld_raw8(const void* p) { epg_raw8 r; r.a = epg_ld16(p); r.b = epg_ld16((const char*)p + 16); return r; }
+EPG_DEVICE void epg_unpack8(const epg_raw8& r, float f[8]) {
+  epg_u32 w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
   for (int i = 0; i < 8; ++i) f[i] = epg_bits_f32(w[i]);
 }
+EPG_DEVICE void epg_load8(const void* p, float f[8]) { epg_unpack8(epg_ld_raw8(p), f); }
 EPG_DEVICE void epg_store8(void* p, const float f[8]) {
   epg_vec16 a, b;
   a.x = epg_f32_bits(f[0]); a.y = epg_f32_bits(f[1]); a.z = epg_f32_bits(f[2]); a.w = epg_f32_bits(f[3]);
