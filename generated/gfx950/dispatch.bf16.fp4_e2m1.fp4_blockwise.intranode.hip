@@ -790,26 +790,29 @@ EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh
 // Reduce (bf16): received row `row`'s elements [elem, elem + 8) = 0.0 + the sum over its kept local pairs
 // (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
-// U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
-// grouped_reduce takes 2 (64 registers on sm_90: still two 512-thread blocks per SM; 4 would halve its resident
-// blocks), an EP kernel's staging 4 (its grid is one block per SM).
+// U: pairs' loads in flight per thread, held as loaded (epg_raw8) and added afterwards in ascending j: the same sums
+// for any U. The standalone grouped_reduce takes 4 (48 registers on sm_90 in bf16: two 512-thread blocks per SM; as
+// floats, 2 pairs took 64), an EP kernel's staging 4 (its grid is one block per SM).
 template <int U>
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
   for (int j0 = 0; j0 < k; j0 += U) {
     int g[U];
-    float f[U][8];
+    epg_raw8 r[U];  // as loaded: U pairs in flight in 4U registers (bf16)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
-      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2, f[u]);
+      if (g[u] >= 0) r[u] = epg_ld_raw8(expert_out + (epg_i64)g[u] * row_bytes + elem * 2);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (g[u] < 0) continue;
-      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
-      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+      if (g[u] >= 0) {
+        const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+        float f[8];
+        epg_unpack8(r[u], f);
+        for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+      }
     }
   }
 }

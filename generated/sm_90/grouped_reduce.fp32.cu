@@ -482,31 +482,35 @@ EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh
 // Reduce (fp32): received row `row`'s elements [elem, elem + 8) = 0.0 + the sum over its kept local pairs
 // (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
 // no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
-// U: pairs' loads in flight per thread (added afterwards in ascending j: the same sums for any U). The standalone
-// grouped_reduce takes 2 (64 registers on sm_90: still two 512-thread blocks per SM; 4 would halve its resident
-// blocks), an EP kernel's staging 4 (its grid is one block per SM).
+// U: pairs' loads in flight per thread, held as loaded (epg_raw8) and added afterwards in ascending j: the same sums
+// for any U. The standalone grouped_reduce takes 4 (48 registers on sm_90 in bf16: two 512-thread blocks per SM; as
+// floats, 2 pairs took 64), an EP kernel's staging 4 (its grid is one block per SM).
 template <int U>
 EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
                                     epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
   for (int j0 = 0; j0 < k; j0 += U) {
     int g[U];
-    float f[U][8];
+    epg_raw8 r[U];  // as loaded: U pairs in flight in 4U registers (bf16)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
-      if (g[u] >= 0) epg_load8(expert_out + (epg_i64)g[u] * row_bytes + elem * 4, f[u]);
+      if (g[u] >= 0) r[u] = epg_ld_raw8(expert_out + (epg_i64)g[u] * row_bytes + elem * 4);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (g[u] < 0) continue;
-      const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
-      for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[u][e]);
+      if (g[u] >= 0) {
+        const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+        float f[8];
+        epg_unpack8(r[u], f);
+        for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+      }
     }
   }
 }
 constexpr int EPG_REDUCE_SLOTS = 8;   // pairs of a row loaded at once in the small-batch form
 constexpr int EPG_REDUCE_ITEMS = 64;  // (row, 8 elements) items per block in the small-batch form
+constexpr int EPG_REDUCE_U = 4;  // the row loop's pairs in flight per thread (epg_grouped_reduce8)
 EPG_DEVICE void epg_reduce_pair_values(const int* pair_pos, const float* pair_w, float* out_w, epg_i64 row, int k) {
   for (int j = 0; j < k; ++j) {
     const int g = pair_pos[row * k + j];
@@ -563,7 +567,7 @@ EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
   for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < items; i += step) {
     const epg_i64 row = i / n8, elem = 8 * (i % n8);
     float acc[8];
-    epg_grouped_reduce8<2>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
+    epg_grouped_reduce8<EPG_REDUCE_U>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
     epg_store8(out + row * row_bytes + elem * 4, acc);
     if (out_w != nullptr && elem == 0) epg_reduce_pair_values(pair_pos, pair_w, out_w, row, (int)k);
   }
