@@ -563,8 +563,7 @@ struct EpgGroupedSmall {
 };
 
 // Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
-// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step (the next
-// step's ids loaded while this step's ballots and barriers run): a
+// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step: a
 // thread's hits are numbered after those of the threads below it (a wave prefix of the per-thread counts from
 // four bit-sliced ballots, then the waves below), so a group holds its pairs in ascending pair id.
 EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int e) {
@@ -574,25 +573,15 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   const epg_u64 below = (1ull << lane) - 1ull;
   if (tid == 0) sh.base = 0;
   epg_syncthreads();
-  const epg_i64 step = (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim();
-  int ids[EPG_COUNT_PER_THREAD];  // this step's experts, loaded during the step before
-#pragma unroll
-  for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u) {
-    const epg_i64 p = (epg_i64)EPG_COUNT_PER_THREAD * tid + u;
-    ids[u] = p < pairs ? g.recv_idx[p] : -1;
-  }
-  for (epg_i64 p0 = 0; p0 < pairs; p0 += step) {
+  for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
     const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
     int hits = 0, c = 0;
 #pragma unroll
     for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
-      if (pb + u < pairs && ids[u] == expert) {
+      if (pb + u < pairs && g.recv_idx[pb + u] == expert) {
         hits |= 1 << u;
         ++c;
       }
-#pragma unroll
-    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)  // the next step's, in flight over this step's barriers
-      ids[u] = pb + step + u < pairs ? g.recv_idx[pb + step + u] : -1;
     int pre = 0, total = 0;
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
