@@ -38,6 +38,7 @@ from bench.inputs import make_input_sets, point_config  # noqa: E402
 from bench.measure import warm_on_side_stream  # noqa: E402
 from bench.records import emit_point, meta as record_meta  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
+from runtime.errors import EpgenError, EpTimeoutError  # noqa: E402
 
 
 def _name(kernel: str) -> str:
@@ -236,7 +237,15 @@ def main() -> int:
     for T in args.tokens:
         for form, legs, blocks, threads in itertools.product(args.forms, args.legs, args.launch_blocks,
                                                              args.launch_threads):
-            rec = point(T, form, args, meta, keep, legs, blocks, threads)
+            try:
+                rec = point(T, form, args, meta, keep, legs, blocks, threads)
+            except EpgenError as e:  # a config or geometry the op refuses (the same on every rank): the next point
+                if isinstance(e, EpTimeoutError):
+                    raise
+                if dist.get_rank() == 0:
+                    print(f"skipped: {T} tokens, {form}, legs {legs}, blocks {blocks}, threads {threads}: {e}",
+                          flush=True)
+                continue
             emit_point(rec, table(rec), args.out)
     for op in keep:
         op.close()
