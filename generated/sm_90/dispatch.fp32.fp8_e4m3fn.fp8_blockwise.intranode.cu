@@ -610,16 +610,10 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
     const int lane = tid, per = (E + EPG_WAVE - 1) / EPG_WAVE;
     const int lo = lane * per < E ? lane * per : E, hi = lo + per < E ? lo + per : E;
     int mine = 0;
-    for (int e0 = lo; e0 < hi; e0 += 8) {  // eight counts loaded before any is used (g.counts may be sh.kept itself)
-      int c[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) c[q] = e0 + q < hi ? g.counts[e0 + q] : 0;
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-        if (e0 + q < hi) {
-          sh.kept[e0 + q] = c[q];
-          mine += (c[q] + A - 1) / A * A;
-        }
+    for (int e = lo; e < hi; ++e) {
+      const int c = g.counts[e];
+      sh.kept[e] = c;
+      mine += (c + A - 1) / A * A;
     }
     int incl = mine;  // inclusive prefix over the lanes
     for (int d = 1; d < EPG_WAVE; d <<= 1) {
