@@ -8,7 +8,8 @@ limit. (Every kernel's launch arguments are declared in specs/kernels.toml [args
 ERROR_WORDS = 8
 PHASES = {1: "dispatch entry barrier", 2: "dispatch arrival wait", 3: "combine entry barrier",
           4: "combine staging barrier", 5: "low-latency dispatch count wait", 6: "low-latency dispatch row wait",
-          7: "low-latency combine cell wait", 8: "grouped layout grid barrier"}
+          7: "low-latency combine cell wait", 8: "grouped layout grid barrier",
+          9: "direct grouped dispatch count wait"}
 
 # int32 words of each rank's local state tensor
 # (last: the kind of this op's last completed EP kernel, 1 dispatch / 2 combine / 3 low-latency combine; the

@@ -54,6 +54,20 @@ def fused_grouped(cfg: EpDispatchCombineConfig) -> bool:
     return cfg.enable_grouped_layout and cfg.grouped_combine == "fused"
 
 
+def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool:
+    """Can this op's bandwidth dispatch_grouped run as one direct kernel (templates/kernels/dispatch_direct.j2: the
+    rows stored straight into the destinations' groups)? Intranode, the grouped layout without decoding, bf16 / fp32
+    rows moved as they are (no quantization, no scales), no receive cap (every row fits), the reduce form of
+    combine_grouped, top-k within a wave, and the per-(rank, expert) counters within the kernel's shared memory.
+    Such an op keeps its grouped rows, their pair ids / experts / weights, its pair map and a count table in the
+    symmetric workspace (its peers write them)."""
+    W, E, k = cfg.world_size, cfg.num_experts_per_rank, cfg.num_experts_per_token
+    buckets = dict(load_specs().arglists["ep"].limits)["direct_buckets"]
+    return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize
+            and cfg.dispatch_data_type is None and cfg.dispatch_quant_type == "none" and act in ("bf16", "fp32")
+            and not capped and not fused_grouped(cfg) and k <= 32 and W <= 64 and W * E + W <= buckets)
+
+
 @attrs.frozen
 class Region:
     name: str
@@ -86,6 +100,7 @@ class Plan:
     ll_cell: int           # bytes of one low-latency combine cell
     grouped_row: int       # bytes of one grouped-layout row (decoded rows with grouped_dequantize)
     grouped_scale_row: int
+    direct: bool = False   # dispatch_grouped may take the direct kernel (direct_grouped): grouped buffers in the workspace
 
     @classmethod
     def of(cls, cfg: EpDispatchCombineConfig, target) -> "Plan":
@@ -153,13 +168,16 @@ class Plan:
                       ("grouped_reduce", f"grouped_reduce.{comb}"), ("grouped_scale", f"grouped_scale.{comb}")]
             if fused_grouped(cfg):
                 roles.append(("combine_grouped", f"combine_grouped.{comb}.intranode"))
+        direct = direct_grouped(cfg, act, capped)
+        if direct:
+            roles.append(("dispatch_direct", f"dispatch_direct.{act}.intranode"))
         return cls(target=target.name, protocol=protocol, ll_tokens=ll_tokens, capped=capped, roles=tuple(roles),
                    in_row=in_row, wire_row=wire_row, scale_row=scale_row, out_dtype=out_dtype, out_cols=out_cols,
                    scales_dtype=scales_dtype, scale_cols=scale_cols, comb_row=comb_row, scat_row=scat_row,
                    scat_scale_row=scat_scale_row, scatter=scatter, fp8_dtype=getattr(torch, specs.dtypes[fp8].torch),
                    ll_row=ll.row_bytes(in_row, scale_row, k), ll_cell=ll.cell_bytes(comb_row, k),
                    grouped_row=in_row if dequantized else wire_row,
-                   grouped_scale_row=0 if dequantized or scales_dtype is None else scale_row)
+                   grouped_scale_row=0 if dequantized or scales_dtype is None else scale_row, direct=direct)
 
     # --- the kernels ------------------------------------------------------------------------------
     def variant(self, role: str) -> str:
@@ -206,7 +224,10 @@ class Plan:
         R, k, W = cfg.max_recv_tokens, cfg.num_experts_per_token, cfg.world_size
         cells = cfg.max_num_inp_token_per_rank * W
         tokens = self.ll_tokens if ll_tokens is None else ll_tokens
-        ws = [("signal", 4 * W), ("counter", 8 + 8 * W), *ll.regions(W, tokens, self.ll_row, self.ll_cell),
+        P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
+        # the direct dispatch's count table (before recv_x: reset() zeroes it with the counters)
+        table = [("grouped_cnt", 4 * (2 * W * (E + 1) + 2 * W))] if self.direct else []
+        ws = [("signal", 4 * W), ("counter", 8 + 8 * W), *table, *ll.regions(W, tokens, self.ll_row, self.ll_cell),
               ("recv_x", R * self.wire_row), ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4),
               ("recv_idx", R * k * 4), ("recv_src", R * 4)]
         if self.scatter:
@@ -214,13 +235,16 @@ class Plan:
         else:
             ws += [("comb_x", R * self.comb_row), ("comb_w", R * k * 4)]
         fused = fused_grouped(cfg)
-        P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
         if fused:  # the fused grouped combine reads the peers' grouped expert rows and pair maps
             ws += [("grp_y", P * self.comb_row), ("grp_pos", 16 + R * k * 4)]
+        if self.direct:  # the direct dispatch's peers write the grouped rows, their src / m_indices / weights, the pair map
+            ws += [("grouped_x", P * self.grouped_row), ("grouped_rows", 12 * P), ("grouped_map", 4 * R * k)]
         local = []
         if cfg.enable_std_moe:
             local.append(("std_moe_x", E * cfg.resolved_expert_capacity * cfg.hidden_dim * self.out_dtype.itemsize))
-        if cfg.enable_grouped_layout:
+        if cfg.enable_grouped_layout and self.direct:  # pair_rel per (row, k); offs, counts, raw counts; the drops
+            local += [("grouped_scales", 0), ("grouped_meta", 4 * R * k + 12 * E + 4)]
+        elif cfg.enable_grouped_layout:
             # src, m_indices, weights per grouped row; pair_rel (and pair_pos unless it is in the workspace)
             # per (row, k); offs, counts, raw counts per expert; the drop count
             local += [("grouped_x", P * self.grouped_row), ("grouped_scales", P * self.grouped_scale_row),

@@ -126,6 +126,7 @@ class NativeBackend:
         self.slot = 0
         self._load_slot(0)
         self.one_kernel = "auto"  # grouped legs as one kernel each: "auto" | "always" | "never" (one_kernel_legs)
+        self.direct = "never"  # dispatch_grouped's direct kernel: "always" | "never" (direct_dispatch; not yet GPU-tested)
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
         self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
@@ -399,11 +400,22 @@ class NativeBackend:
         return leg == "combine" or not torch.cuda.is_current_stream_capturing()
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
+    def direct_dispatch(self, call: dict, layout_out) -> bool:
+        """Does this dispatch_grouped call take the direct kernel (templates/kernels/dispatch_direct.j2: counts first,
+        then every kept pair's row stored straight into its group on the destination; no receive buffer, no
+        grouped_count / grouped_place)? Where the plan allows it (plan.direct_grouped: the op's grouped buffers are
+        in the workspace), on bandwidth-protocol calls of the op's own layout (not fresh) with no routing handle
+        given, and where self.direct says so: "always" (tests, scripts/grouped_profile.py --direct), else never. Not
+        yet run on a GPU: no "auto" until it has been measured."""
+        return (self.direct == "always" and self.plan.direct and call["protocol"] == "bw" and layout_out is None
+                and not call["replay"])
+
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
         """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;
         one-call launches only), into layout_out (fresh_grouped()'s tensors) when given."""
         call = self._dispatch_prepare(x, weights, scales, indices, routing)
-        call["layout"] = layout and self.one_kernel_legs(call["protocol"])
+        call["direct"] = layout and self.direct_dispatch(call, layout_out)
+        call["layout"] = layout and not call["direct"] and self.one_kernel_legs(call["protocol"])
         call["layout_out"] = layout_out
         self._dispatch_launch(call, PHASE_BOTH)
         return self._dispatch_outputs(call)
@@ -459,7 +471,13 @@ class NativeBackend:
             a.grp_x = 0
         if phase != PHASE_SEND:
             self._placed = layout
-        if call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
+        if call.get("direct") and phase == PHASE_BOTH:  # counts, then the rows straight into the groups: one kernel
+            self._aim_tail(self._grp["tail"])
+            self._placed = True
+            threads = self.k["dispatch_direct"].max_threads
+            self._stream = self.k.launch("dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)),
+                                         threads, a)
+        elif call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
             self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
         else:
             blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
@@ -566,20 +584,39 @@ class NativeBackend:
         if cfg.grouped_dequantize:  # the rows decoded into data_type as they are placed: no scales in the layout
             x = torch.empty((P, cfg.hidden_dim), dtype=cfg.data_type, device=dev)
             scales, x_view, scales_view = None, x, None
+        elif plan.direct:  # in the workspace: the direct dispatch's peers write them (no scales on that path)
+            x = self._view("grouped_x", torch.uint8, (P, plan.wire_row))
+            scales, scales_view = None, None
+            x_view = x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x
         else:
             x = torch.empty((P, plan.wire_row), dtype=torch.uint8, device=dev)
             scales = torch.empty((P, plan.scale_row), dtype=torch.uint8, device=dev) if plan.scales_dtype else None
             x_view = x.view(plan.out_dtype) if plan.out_dtype != torch.uint8 else x
             scales_view = None if scales is None else (scales.view(plan.scales_dtype)
                                                        if plan.scales_dtype != torch.uint8 else scales)
+        rows = self._grouped_direct_rows() if plan.direct else {
+            "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
+            "weights": torch.zeros(P, dtype=torch.float32, device=dev), **self._grouped_fused_setup()}
         return {
             "x": x, "scales": scales, "x_view": x_view, "scales_view": scales_view,
             "out_row": x.shape[1] * x.element_size(),
             "offs": torch.zeros(E, **i32), "counts": torch.zeros(E, **i32), "raw_counts": torch.zeros(E, **i32),
-            "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
-            "weights": torch.zeros(P, dtype=torch.float32, device=dev), "dropped": torch.zeros(1, **i32),
-            "pair_rel": torch.zeros(Rk, **i32), **self._grouped_fused_setup(),
+            "dropped": torch.zeros(1, **i32), "pair_rel": torch.zeros(Rk, **i32), **rows,
         }
+
+    def _grouped_direct_rows(self) -> dict:
+        """With the direct dispatch (plan.direct) the per-row buffers its peers write, as views of the workspace: each
+        grouped row's pair id, local expert and weight, and the pair map, marked empty as the local ones start."""
+        cfg, view = self.config, self._view
+        P, Rk = cfg.resolved_grouped_capacity, cfg.max_recv_tokens * cfg.num_experts_per_token
+        rows = view("grouped_rows", torch.int32, (3, P))
+        src, m_indices, weights = rows[0], rows[1], rows[2].view(torch.float32)
+        src.fill_(-1)
+        m_indices.fill_(-1)
+        weights.zero_()
+        pair_pos = view("grouped_map", torch.int32, (Rk,))
+        pair_pos.fill_(-1)
+        return {"src": src, "m_indices": m_indices, "weights": weights, "pair_pos": pair_pos}
 
     def _grouped_fused_setup(self) -> dict:
         """The pair map (in the workspace when the fused combine reads it from the peers), and the fused
@@ -639,6 +676,8 @@ class NativeBackend:
         a = self.dargs
         a.grp_pair_rel, a.grp_counts = ptr(g["pair_rel"]), ptr(g["raw_counts"])
         a.grp_align, a.grp_capacity = cfg.expert_alignment, cfg.resolved_grouped_capacity
+        if self.plan.direct:  # the direct dispatch's count table (its peers' at the same offset)
+            a.grp_cnt = self.buf.data_ptr() + self._slot_lay["grouped_cnt"]
         g["tail"] = _layout_ptrs(g["x"], g["scales"], g["pair_pos"], g["offs"], g["counts"], g["src"], g["m_indices"],
                                  g["weights"], g["dropped"])
         self._aim_tail(g["tail"])

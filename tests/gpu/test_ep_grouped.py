@@ -312,6 +312,72 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, to
     run_collective(check)
 
 
+def _exact(lay, rlay, total, k, what):
+    """The native layout equals the torch backend's bit for bit: received rows in (source rank, token) order."""
+    keep = rlay.src >= 0
+    for name in ("offs", "counts", "src", "m_indices", "weights"):
+        got, want = getattr(lay, name).cpu(), getattr(rlay, name).cpu()
+        assert torch.equal(got, want), f"{what}: {name} differs at {(got != want).nonzero().flatten()[:8].tolist()}"
+    assert int(lay.dropped) == int(rlay.dropped), what
+    assert torch.equal(lay.x.view(torch.uint8).cpu()[keep.cpu()], rlay.x.view(torch.uint8).cpu()[keep.cpu()]), what
+    n = total * k
+    assert torch.equal(lay.pair_pos.cpu()[:n].long(), rlay.pair_pos.cpu()[:n].long()), what
+
+
+@pytest.mark.parametrize("mode,epr,align,gcap,tokens", [
+    ("bf16", EPR, 16, 0, T), ("fp32", EPR, 16, 0, T), ("bf16", EPR, 16, 0, 1),
+    ("bf16", EPR, 16, 128, T),   # a small buffer: drops, the serial cut
+    ("bf16", EPR, 3, 0, 512),    # an alignment that is no power of two; several chunks per block
+    ("bf16_wide", EPR, 16, 0, T),
+    ("bf16", 700, 16, 0, 64),    # 1400 (rank, expert) counters of the 1536 the kernel holds
+])
+def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens):
+    """The direct grouped dispatch (templates/kernels/dispatch_direct.j2: counts first, then each kept pair's row
+    stored straight into its group on the destination; NativeBackend.direct = "always") gives the torch backend's
+    layout exactly (both number the received rows in (source rank, token) order): rows, src, m_indices, weights,
+    offs, counts, drops and the pair map; then combine_grouped bit-exact; then a smaller batch on the same buffers
+    (the rows past its groups marked as padding again) and a replay of the first routing."""
+    def check():
+        W = dist.get_world_size()
+        hidden, fields = MODES[mode]
+        kw = dict(rank=dist.get_rank(), world_size=W, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
+                  num_experts_per_rank=epr, num_experts_per_token=K, enable_grouped_layout=True,
+                  expert_alignment=align, grouped_capacity=gcap, intranode_protocol="bw", **fields)
+        with EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="native", **kw)) as op, \
+                EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="torch", **kw)) as ref:
+            be = op._backend
+            assert be.plan.direct and "dispatch_direct" in be.k
+            be.direct = "always"
+            launched = []
+            launch = be.k.launch
+            be.k.launch = lambda role, *a, **k: launched.append(role) or launch(role, *a, **k)
+            g = torch.Generator().manual_seed(11 + dist.get_rank())
+            dt = fields.get("data_type", torch.bfloat16)
+            for n in (tokens, max(1, tokens // 8)):
+                x = (torch.randint(-64, 65, (n, hidden), generator=g).float() / 16).to(dt)
+                w = torch.randint(1, 64, (n, K), generator=g).float() / 64
+                idx = random_routing(g, n, K, epr * W)
+                launched.clear()
+                lay, h = op.dispatch_grouped(x.cuda(), w.cuda(), None, idx.cuda())
+                assert launched == ["dispatch_direct"] and be._placed, launched
+                torch.cuda.synchronize()
+                op.check()
+                rlay, rh = ref.dispatch_grouped(x.to(ref.device), w.to(ref.device), None, idx.to(ref.device))
+                total = int(op._backend.total_recv)
+                assert total == rh.total_recv, (total, rh.total_recv)
+                _exact(lay, rlay, total, K, f"{n} tokens")
+                y = expert_rows(lay, _payload(mode), op.config.combine_dtype, dist.get_rank() * epr)
+                ry = expert_rows(rlay, _payload(mode), ref.config.combine_dtype, dist.get_rank() * epr)
+                got, want = op.combine_grouped(y, h)[0].cpu(), ref.combine_grouped(ry, rh)[0].cpu()
+                assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+                if gcap:
+                    assert int(lay.dropped) > 0, "the small buffer dropped nothing"
+                # a replay of this routing takes the separate passes (a handle given): the same layout
+                op.dispatch(x.cuda(), w.cuda(), None, idx.cuda(), routing=h)
+                _exact(op.grouped_layout(), rlay, total, K, f"{n} tokens, replayed")
+    run_collective(check)
+
+
 @pytest.mark.parametrize("mode,protocol,one_kernel,give_x,combine,tokens", [
     ("bf16", "bw", "never", True, "reduce", T), ("bf16", "ll", "always", False, "reduce", T),
     ("bf16", "bw", "always", True, "reduce", T), ("fp8_blockwise", "bw", "never", False, "reduce", T),
