@@ -42,6 +42,7 @@ def row(rec: dict) -> str:
     geo = ", ".join(f"{name} {rec[key]}" for key, name in (("launch_blocks", "blocks"), ("launch_threads", "threads"))
                     if rec.get(key))
     form += f" [{geo}]" if geo else ""
+    form += " (direct dispatch)" if rec.get("direct") == "always" else ""
     return (f"| {rec['commit']} | {rec['tokens_per_rank']} | {form} | {rec['per_layer_us']:.1f} | "
             + " | ".join(cells) + " |")
 
