@@ -370,7 +370,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens):
                 ry = expert_rows(rlay, _payload(mode), ref.config.combine_dtype, dist.get_rank() * epr)
                 got, want = op.combine_grouped(y, h)[0].cpu(), ref.combine_grouped(ry, rh)[0].cpu()
                 assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-                if gcap:
+                if gcap and n == tokens:  # the smaller batch may fit the small buffer
                     assert int(lay.dropped) > 0, "the small buffer dropped nothing"
                 # a replay of this routing takes the separate passes (a handle given): the same layout
                 op.dispatch(x.cuda(), w.cuda(), None, idx.cuda(), routing=h)
