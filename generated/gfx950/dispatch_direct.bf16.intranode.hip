@@ -698,7 +698,11 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
           ((int*)a.grp_offs)[e] = sh.st[e] + (sh.kp[e] + A - 1) / A * A;
           ((int*)a.grp_kept)[e] = sh.kp[e];
         }
-        if (tid == 0) *(int*)a.grp_dropped = lost;
+        if (tid == 0) {
+          *(int*)a.grp_dropped = lost;
+          // every row past the groups is marked below: a later dispatch tail re-marks only up to its own end and this
+          state[EPG_ST_GROUPED_END] = E > 0 ? sh.st[E - 1] + (sh.kp[E - 1] + A - 1) / A * A : 0;
+        }
       }
       const epg_i64 gthreads = (epg_i64)epg_nblocks() * nt;
       for (epg_i64 gr = (epg_i64)epg_block() * nt + tid; gr < a.grp_capacity; gr += gthreads) {

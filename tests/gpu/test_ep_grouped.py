@@ -327,7 +327,8 @@ def _exact(lay, rlay, total, k, what):
 @pytest.mark.parametrize("mode,epr,align,gcap,tokens", [
     ("bf16", EPR, 16, 0, T), ("fp32", EPR, 16, 0, T), ("bf16", EPR, 16, 0, 1),
     ("bf16", EPR, 16, 128, T),   # a small buffer: drops, the serial cut
-    ("bf16", EPR, 3, 0, 512),    # an alignment that is no power of two; several chunks per block
+    ("bf16", EPR, 3, 0, 512),    # an alignment that is no power of two
+    ("bf16", EPR, 16, 0, 4096),  # more tokens per block than it numbers at once (EPG_DIRECT_CHUNK): several chunks
     ("bf16_wide", EPR, 16, 0, T),
     ("bf16", 700, 16, 0, 64),    # 1400 (rank, expert) counters of the 1536 the kernel holds
 ])
