@@ -480,6 +480,7 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
 constexpr int EPG_DIRECT_BUCKETS = 1536;  // (rank, expert) pair counters + per-rank row counters
 constexpr int EPG_DIRECT_CHUNK = 16;                            // tokens a block numbers per round
 constexpr int EPG_DIRECT_ARRIVE = 1 << 16;                      // one rank's arrival per call (more than any grid has blocks)
+constexpr int EPG_DIRECT_FIRST = 1 << 16;                       // a pair's rank word: set on the rank's first k (world <= 64)
 
 // Rank r's copy of a buffer this rank knows at `mine` (the symmetric workspace: the same offset on every rank).
 EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
@@ -501,7 +502,7 @@ struct EpgDirectShared {
   int kp[EPG_DIRECT_BUCKETS];  // the destination in hand: each group's kept pairs, first the pairs of senders below
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
-  int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; + EPG_WAVE when this k is the rank's first
+  int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
   int wave_sum[1024 / EPG_WAVE];
   int over, total, lost, ok;
 };
@@ -707,7 +708,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
         epg_syncwave();
         sh.g[c][lane] = ok && g < sh.ht[e] ? g : -1;
         sh.row[c][lane] = ok ? row : -1;
-        sh.dst[c][lane] = ok ? r + (first ? EPG_WAVE : 0) : -1;
+        sh.dst[c][lane] = ok ? r | (first ? EPG_DIRECT_FIRST : 0) : -1;
       }
     }
     epg_syncthreads();
@@ -719,7 +720,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
         if (lane == 0) slots[t * K + j] = -1;
         continue;
       }
-      const int r = d % EPG_WAVE, row = sh.row[c][j], g = sh.g[c][j];
+      const int r = d & (EPG_DIRECT_FIRST - 1), row = sh.row[c][j], g = sh.g[c][j];
       if (g >= 0) {  // a kept pair: the row into its group on r, and the group row's books
         char* dst = epg_direct_peer(a, a.grp_x, r) + (epg_i64)g * a.row_bytes;
         epg_span_copy(dst, (const char*)a.x + t * a.row_bytes, n16, lane, EPG_WAVE);
@@ -730,14 +731,14 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
           ((float*)epg_direct_peer(a, a.grp_weights, r))[g] = a.has_weights ? wts[t * K + j] : 1.0f;
         }
       }
-      if (d >= EPG_WAVE) {  // the rank's first k: the received row's books on r, and the slot here
+      if (d & EPG_DIRECT_FIRST) {  // the rank's first k: the received row's books on r, and the slot here
         char* peer = epg_peer(a, r);
         for (int jj = lane; jj < K; jj += EPG_WAVE) {
           const epg_i64 p = (epg_i64)row * K + jj;
           ((int*)(peer + a.off_recv_idx))[p] = idx[t * K + jj];
           ((float*)(peer + a.off_recv_w))[p] = a.has_weights ? wts[t * K + jj] : 0.f;
           const int dj = sh.dst[c][jj];
-          ((int*)epg_direct_peer(a, a.grp_pair_pos, r))[p] = dj >= 0 && dj % EPG_WAVE == r ? sh.g[c][jj] : -1;
+          ((int*)epg_direct_peer(a, a.grp_pair_pos, r))[p] = dj >= 0 && (dj & (EPG_DIRECT_FIRST - 1)) == r ? sh.g[c][jj] : -1;
         }
         if (lane == 0) {
           ((int*)(peer + a.off_recv_src))[row] = (int)(a.rank * a.max_tokens + t);
