@@ -1,5 +1,6 @@
 """The native backend's plan (variant names, row sizes, workspace) for each config mode, on CPU."""
 
+import attrs
 import pytest
 import torch
 
@@ -160,3 +161,50 @@ def test_launch_threads_whole_waves(arch, threads, bad):
             NativeBackend._check_geometry(fake)
     else:
         NativeBackend._check_geometry(fake)
+
+
+GROUPED = dict(BASE, hidden_dim=256, enable_grouped_layout=True)
+
+
+@pytest.mark.parametrize("fields,direct", [
+    (dict(), True),
+    (dict(data_type=torch.float32), True),
+    (dict(dispatch_quant_type="fp8_blockwise"), False),        # quantized on the way
+    (dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16, scale_dim=2,
+          scale_type_size=4), False),                           # a pre-quantized payload with scales
+    (dict(max_total_recv_tokens=100), False),                   # a receive cap: rows may be dropped on arrival
+    (dict(grouped_combine="fused"), False),                     # the fused combine keeps its own pair map
+    (dict(num_experts_per_rank=700), True),                     # 1402 counters of 1536
+    (dict(num_experts_per_rank=800), False),                    # 1602: past the kernel's shared memory
+    (dict(enable_grouped_layout=False), False),
+])
+def test_direct_grouped_dispatch_plan(fields, direct):
+    """Which ops the direct grouped dispatch (dispatch_direct.j2) may serve, and what that changes: its variant among
+    the roles, and the buffers its peers write (the grouped rows, their pair ids / experts / weights, the pair map,
+    the count table) in the symmetric workspace instead of local memory, moved and not added; the count table before
+    recv_x (reset() zeroes it with the counters)."""
+    cfg = EpDispatchCombineConfig(**{**GROUPED, **fields})
+    plan = Plan.of(cfg, load_specs().targets["sm_90"])
+    assert plan.direct == direct
+    assert ("dispatch_direct" in dict(plan.roles)) == direct
+    regions = {r.name: r for r in plan.slot_regions(cfg)}
+    if not cfg.enable_grouped_layout:
+        return
+    P, R, k, E, W = (cfg.resolved_grouped_capacity, cfg.max_recv_tokens, cfg.num_experts_per_token,
+                     cfg.num_experts_per_rank, cfg.world_size)
+    if not direct:
+        assert regions["grouped_x"].where == "local" and "grouped_cnt" not in regions
+        return
+    name = f"dispatch_direct.{'fp32' if cfg.data_type == torch.float32 else 'bf16'}.intranode"
+    assert plan.variant("dispatch_direct") == name and kernels.select("sm_90", name).name == name
+    assert regions["grouped_x"].where == "workspace" and regions["grouped_x"].nbytes == P * plan.grouped_row
+    assert regions["grouped_rows"].nbytes == 12 * P and regions["grouped_map"].nbytes == 4 * R * k
+    assert regions["grouped_cnt"].nbytes == 4 * (2 * W * (E + 1) + 2 * W)
+    assert regions["grouped_meta"].where == "local" and regions["grouped_meta"].nbytes == 4 * R * k + 12 * E + 4
+    layout = plan.layout(cfg)
+    assert layout["counter"] < layout["grouped_cnt"] < layout["recv_x"]
+    # moved, not added: the direct op's grouped bytes are the other layout's plus the table
+    other = Plan.of(attrs.evolve(cfg, grouped_combine="reduce"), load_specs().targets["sm_90"])
+    plain = {r.name: r.nbytes for r in attrs.evolve(other, direct=False).slot_regions(cfg)}
+    mine = {r.name: r.nbytes for r in plan.slot_regions(cfg)}
+    assert sum(mine.values()) == sum(plain.values()) + regions["grouped_cnt"].nbytes
