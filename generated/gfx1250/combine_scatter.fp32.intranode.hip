@@ -450,6 +450,41 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
 }
 
+// The bandwidth dispatches' completion without a grid barrier (dispatch.j2, dispatch_direct.j2). Each block, its
+// rows fenced (a release fence: the receiver reads them after an acquire of its word full, nothing else needs
+// ordering), adds its share to every rank's arrival word for this rank [parity][source rank]; one rank's shares sum
+// to EPG_ARRIVE per call, whatever its grid.
+constexpr int EPG_ARRIVE = 1 << 16;  // more than any grid has blocks
+EPG_DEVICE void epg_dispatch_arrive(const EpArgs& a, int parity) {
+  epg_fence_release_sys();
+  epg_syncthreads();
+  const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
+  for (int p = epg_thread(); p < a.world; p += epg_block_dim())
+    epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
+}
+// Block 0's wait until every rank's word for this rank is full (a rank's own blocks waited for as peer -1: twice the
+// timeout, so a late peer is named first), then the words zeroed for the call after next. False after a timeout
+// (total_recv is then 0).
+EPG_DEVICE bool epg_dispatch_arrived(const EpArgs& a, int parity) {
+  __shared__ int ok;
+  int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter) + 2 + parity * (int)a.world;
+  const int tid = epg_thread();
+  if (tid == 0) ok = 1;
+  epg_syncthreads();
+  for (int p = tid; p < a.world; p += epg_block_dim())
+    if (!epg_wait_ge(a, counters + p, EPG_ARRIVE, 2, p == a.rank ? -1 : p)) {
+      ok = 0;
+      break;
+    }
+  epg_syncthreads();
+  if (!ok) {
+    if (tid == 0) *(int*)a.total_recv = 0;  // after a timeout
+    return false;
+  }
+  for (int p = tid; p < a.world; p += epg_block_dim()) counters[p] = 0;  // all arrived
+  return true;
+}
+
 // The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
 // a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
 // that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and

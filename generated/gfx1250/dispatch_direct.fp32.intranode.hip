@@ -450,6 +450,41 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
 }
 
+// The bandwidth dispatches' completion without a grid barrier (dispatch.j2, dispatch_direct.j2). Each block, its
+// rows fenced (a release fence: the receiver reads them after an acquire of its word full, nothing else needs
+// ordering), adds its share to every rank's arrival word for this rank [parity][source rank]; one rank's shares sum
+// to EPG_ARRIVE per call, whatever its grid.
+constexpr int EPG_ARRIVE = 1 << 16;  // more than any grid has blocks
+EPG_DEVICE void epg_dispatch_arrive(const EpArgs& a, int parity) {
+  epg_fence_release_sys();
+  epg_syncthreads();
+  const int share = epg_block() == 0 ? EPG_ARRIVE - (epg_nblocks() - 1) : 1;
+  for (int p = epg_thread(); p < a.world; p += epg_block_dim())
+    epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * (int)a.world + (int)a.rank, share);
+}
+// Block 0's wait until every rank's word for this rank is full (a rank's own blocks waited for as peer -1: twice the
+// timeout, so a late peer is named first), then the words zeroed for the call after next. False after a timeout
+// (total_recv is then 0).
+EPG_DEVICE bool epg_dispatch_arrived(const EpArgs& a, int parity) {
+  __shared__ int ok;
+  int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter) + 2 + parity * (int)a.world;
+  const int tid = epg_thread();
+  if (tid == 0) ok = 1;
+  epg_syncthreads();
+  for (int p = tid; p < a.world; p += epg_block_dim())
+    if (!epg_wait_ge(a, counters + p, EPG_ARRIVE, 2, p == a.rank ? -1 : p)) {
+      ok = 0;
+      break;
+    }
+  epg_syncthreads();
+  if (!ok) {
+    if (tid == 0) *(int*)a.total_recv = 0;  // after a timeout
+    return false;
+  }
+  for (int p = tid; p < a.world; p += epg_block_dim()) counters[p] = 0;  // all arrived
+  return true;
+}
+
 // The first k of token it / world naming rank it % world (-1: none), found with one load per lane and
 // a ballot per wave (not a loop of dependent loads). The row's first wave also gives the other k of
 // that rank, and (on the rank-0 item) ids naming no rank, no slot; ids >= num_experts are counted and
@@ -477,6 +512,306 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
     }
   }
   return jf;
+}
+// ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
+// standalone kernels grouped_count / grouped_place / grouped_reduce run one pass each; a dispatch runs count and
+// place in its tail and a combine runs the reduce as its staging (one kernel per leg: grouped_tail.j2).
+// Limits shared with the runtime: specs/kernels.toml [args.grouped_place] limits.
+constexpr int EPG_GROUPED_MAX_EXPERTS = 1024;
+constexpr int EPG_GROUPED_MAX_THREADS = 1024;
+constexpr int EPG_COUNT_PER_THREAD = 8;  // pairs per thread per counting step (a count of 0..8: four bits)
+constexpr int EPG_GROUPED_SMALL_PAIRS = 256;  // pairs a block numbers on its own
+
+// The layout's buffers and sizes (every pointer a device address; recv_scales / out_scales may be null).
+struct EpgGrouped {
+  const int* recv_idx;
+  const int* total_recv;
+  const char* recv_x;
+  const char* recv_scales;
+  const float* recv_w;
+  int* pair_rel;     // each local pair's position among its expert's pairs [R * k]
+  int* counts;       // real pairs per local expert [E]
+  int* pair_pos;     // each (row, k) pair's grouped row, or -1 [R * k]
+  char* out_x;       // grouped rows [P, out_row_bytes]
+  char* out_scales;  // grouped scales [P, scale_bytes]
+  int* offs;         // group ends [E]
+  int* kept_counts;  // kept pairs per group [E]
+  int* src;          // each grouped row's pair id, or -1 [P]
+  int* m_indices;    // each grouped row's local expert, or -1 [P]
+  float* weights;    // each grouped row's weight, 0 for padding [P]
+  int* dropped;      // pairs past the capacity [1]
+  epg_i64 k, first_expert, num_local, align, capacity, row_bytes, scale_bytes, has_weights;
+};
+// A block's shared memory for the passes: the group bounds, the count's wave sums.
+struct EpgGroupedShared {
+  int start[EPG_GROUPED_MAX_EXPERTS];
+  int kept[EPG_GROUPED_MAX_EXPERTS];
+  int end[EPG_GROUPED_MAX_EXPERTS];
+  int wave_sums[EPG_GROUPED_MAX_THREADS / EPG_WAVE];
+  int base, over;
+};
+
+// A block's shared memory for numbering the pairs on its own (epg_grouped_count_here).
+struct EpgGroupedSmall {
+  short ex[EPG_GROUPED_SMALL_PAIRS];  // each pair's local expert, -1: another rank's
+  int rel[EPG_GROUPED_SMALL_PAIRS];   // each local pair's position in its group
+};
+
+// Count, one block per local expert e: its pairs among the real ones (row < total_recv) and each pair's position
+// in its group. The block scans the pairs in pair-id order, eight consecutive pairs per thread per step: a
+// thread's hits are numbered after those of the threads below it (a wave prefix of the per-thread counts from
+// four bit-sliced ballots, then the waves below), so a group holds its pairs in ascending pair id.
+EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int e) {
+  const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;
+  const int expert = (int)(g.first_expert + e);
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const epg_u64 below = (1ull << lane) - 1ull;
+  if (tid == 0) sh.base = 0;
+  epg_syncthreads();
+  for (epg_i64 p0 = 0; p0 < pairs; p0 += (epg_i64)EPG_COUNT_PER_THREAD * epg_block_dim()) {
+    const epg_i64 pb = p0 + (epg_i64)EPG_COUNT_PER_THREAD * tid;
+    int hits = 0, c = 0;
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (pb + u < pairs && g.recv_idx[pb + u] == expert) {
+        hits |= 1 << u;
+        ++c;
+      }
+    int pre = 0, total = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const epg_u64 m = epg_ballot((c >> b) & 1);
+      pre += epg_popc(m & below) << b;
+      total += epg_popc(m) << b;
+    }
+    if (lane == 0) sh.wave_sums[wave] = total;
+    epg_syncthreads();
+    int pos = sh.base + pre;
+    for (int w = 0; w < wave; ++w) pos += sh.wave_sums[w];
+#pragma unroll
+    for (int u = 0; u < EPG_COUNT_PER_THREAD; ++u)
+      if (hits & (1 << u)) g.pair_rel[pb + u] = pos++;
+    epg_syncthreads();
+    if (tid == 0)
+      for (int w = 0; w < waves; ++w) sh.base += sh.wave_sums[w];
+    epg_syncthreads();
+  }
+  if (tid == 0) g.counts[e] = sh.base;
+}
+
+// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
+// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
+// pairs' experts into shared memory, then its first wave takes them a wave-wide chunk at a time in ascending pair
+// id: a pair's position is its expert's running count plus the lanes below it with the same expert (a match),
+// and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
+// group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
+// positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
+  const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
+  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
+  for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    const int local = g.recv_idx[p] - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
+  epg_syncthreads();
+  if (tid < EPG_WAVE) {
+    const int lane = tid;
+    const epg_u64 below = (1ull << lane) - 1ull;
+    for (int p0 = 0; p0 < pairs; p0 += EPG_WAVE) {  // uniform over the wave
+      const int p = p0 + lane;
+      const int e = p < pairs ? sm.ex[p] : -1;
+      const epg_u64 same = epg_match_any(e);
+      const int rel = e >= 0 ? sh.kept[e] + epg_popc(same & below) : -1;
+      epg_syncwave();  // every lane has read its count before any is raised
+      if (e >= 0 && (same >> lane) == 1ull) sh.kept[e] += epg_popc(same);  // the group's highest lane
+      if (p < pairs) sm.rel[p] = rel;
+      epg_syncwave();
+    }
+  }
+  epg_syncthreads();
+  g.counts = sh.kept;
+  g.pair_rel = sm.rel;
+}
+
+// The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
+// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); with publish, block 0 publishes
+// offs, kept counts and drops (g.offs, g.kept_counts, g.dropped). One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
+// padded sums (shuffles: no block barrier per step) gives every group's start. Exact while no group reaches past
+// the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the recurrence
+// serially. Returns the end of the last group.
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
+  const int tid = epg_thread(), nt = epg_block_dim();
+  const int E = (int)g.num_local, A = (int)g.align;
+  if (tid < EPG_WAVE) {
+    const int lane = tid, per = (E + EPG_WAVE - 1) / EPG_WAVE;
+    const int lo = lane * per < E ? lane * per : E, hi = lo + per < E ? lo + per : E;
+    int mine = 0;
+    for (int e = lo; e < hi; ++e) {
+      const int c = g.counts[e];
+      sh.kept[e] = c;
+      mine += (c + A - 1) / A * A;
+    }
+    int incl = mine;  // inclusive prefix over the lanes
+    for (int d = 1; d < EPG_WAVE; d <<= 1) {
+      const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
+      if (lane >= d) incl += below;
+    }
+    int here = incl - mine;
+    bool over = false;
+    for (int e = lo; e < hi; ++e) {
+      const int c = sh.kept[e];
+      if ((epg_i64)here + c > g.capacity) over = true;
+      sh.start[e] = here;
+      here += (c + A - 1) / A * A;
+      sh.end[e] = here;
+    }
+    const bool any = epg_ballot(over) != 0ull;
+    if (lane == 0) sh.over = any ? 1 : 0;
+  }
+  epg_syncthreads();
+  if (sh.over && tid == 0) {
+    epg_i64 at = 0, lost = 0;
+    for (int e = 0; e < E; ++e) {
+      const epg_i64 c = g.counts[e];
+      const epg_i64 kept = c < g.capacity - at ? c : g.capacity - at;
+      sh.start[e] = (int)at;
+      sh.kept[e] = (int)kept;
+      lost += c - kept;
+      at += (kept + g.align - 1) / g.align * g.align;
+      sh.end[e] = (int)at;
+    }
+    if (publish && epg_block() == 0) g.dropped[0] = (int)lost;
+  } else if (publish && !sh.over && tid == 0 && epg_block() == 0) {
+    g.dropped[0] = 0;
+  }
+  epg_syncthreads();
+  if (publish && epg_block() == 0)
+    for (int e = tid; e < E; e += nt) {
+      g.offs[e] = sh.end[e];
+      g.kept_counts[e] = sh.kept[e];
+    }
+  return E > 0 ? sh.end[E - 1] : 0;
+}
+
+// Place, one wave per (real (received row, k) pair, chunk of its row) over the grid: a kept local pair copies its
+// row (16-byte vectors; with fewer pairs than the grid has waves in chunks of up to EPG_PLACE_CHUNK per lane, so a
+// small batch's rows are spread over as many waves as they have chunks: one round of loads in flight per wave) and scales to grouped row start_e +
+// position, and its first chunk's wave records it (src, m_indices, weights, pair_pos); every other pair gets
+// pair_pos -1. (The dequantizing variants decode instead: grouped_place.j2.)
+constexpr int EPG_PLACE_CHUNK = 8;  // 16-byte vectors per lane of one placing wave's chunk
+EPG_DEVICE int epg_grouped_row(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 p) {
+  const int local = g.recv_idx[p] - (int)g.first_expert;
+  if (local < 0 || local >= g.num_local) return -1;
+  const int rel = g.pair_rel[p];
+  return rel < sh.kept[local] ? sh.start[local] + rel : -1;
+}
+EPG_DEVICE void epg_grouped_note(const EpgGrouped& g, epg_i64 p, int row) {
+  g.pair_pos[p] = row;
+  g.src[row] = (int)p;
+  g.m_indices[row] = g.recv_idx[p] - (int)g.first_expert;
+  g.weights[row] = g.has_weights ? g.recv_w[p] : 1.0f;
+}
+EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& sh) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 pairs = (epg_i64)*g.total_recv * g.k;
+  const int n16 = (int)(g.row_bytes / 16), per = EPG_PLACE_CHUNK * EPG_WAVE;
+  // rows split in chunks only while the pairs leave waves idle (a large batch: one wave per pair, as many loads in flight)
+  const int chunks = n16 > per && pairs < (epg_i64)epg_nblocks() * waves ? (n16 + per - 1) / per : 1;
+  const int span = chunks > 1 ? per : n16;  // vectors of one chunk (the last may be shorter)
+  const epg_i64 units = pairs * chunks;
+  for (epg_i64 u = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; u < units; u += (epg_i64)epg_nblocks() * waves) {
+    const epg_i64 p = u / chunks;
+    const int c = (int)(u % chunks), lo = c * span;
+    const int row = epg_grouped_row(g, sh, p);  // wave-uniform
+    if (row < 0) {
+      if (c == 0 && lane == 0) g.pair_pos[p] = -1;
+      continue;
+    }
+    const epg_i64 from = p / g.k;
+    epg_wave_copy(g.out_x + (epg_i64)row * g.row_bytes + 16 * (epg_i64)lo, g.recv_x + from * g.row_bytes + 16 * (epg_i64)lo,
+                  n16 - lo < span ? n16 - lo : span, lane);
+    if (c != 0) continue;
+    for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
+      g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
+    if (lane == 0) epg_grouped_note(g, p, row);
+  }
+}
+
+// Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
+EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
+  int lo = 0, hi = (int)g.num_local;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+  }
+  return lo < g.num_local && r < sh.start[lo] + sh.kept[lo];
+}
+
+// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is (but see epg_grouped_zero).
+EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
+  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
+    if (!epg_grouped_filled(g, sh, r)) {
+      g.src[r] = -1;
+      g.m_indices[r] = -1;
+      g.weights[r] = 0.f;
+    }
+  }
+}
+
+// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
+// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
+// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
+EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
+  const epg_i64 to = max_recv * g.k;
+  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
+       p += (epg_i64)epg_nblocks() * epg_block_dim())
+    g.pair_pos[p] = -1;
+}
+
+// Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
+// (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
+// (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
+EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 out_row_bytes) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 n16 = out_row_bytes / 16;
+  epg_vec16 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (epg_i64 r = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; r < g.capacity; r += (epg_i64)epg_nblocks() * waves) {
+    if (epg_grouped_filled(g, sh, r)) continue;  // wave-uniform
+    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(g.out_x + r * out_row_bytes + 16 * b, z);
+  }
+}
+
+// Reduce (fp32): received row `row`'s elements [elem, elem + 8) = 0.0 + the sum over its kept local pairs
+// (pair_pos[row * k + j] >= 0), in ascending j, of w_j * expert_out[pair_pos] (the product rounded, then added:
+// no fused multiply-add, the torch reference's float32 arithmetic), w_j = recv_w when apply, else 1.0 (exact).
+// U: pairs' loads in flight per thread, held as loaded (epg_raw8) and added afterwards in ascending j: the same sums
+// for any U. The standalone grouped_reduce takes 4 (48 registers on sm_90 in bf16: two 512-thread blocks per SM; as
+// floats, 2 pairs took 64), an EP kernel's staging 4 (its grid is one block per SM).
+template <int U>
+EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, const int* pair_pos, const float* recv_w,
+                                    epg_i64 row, int k, epg_i64 elem, bool apply, float acc[8]) {
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  for (int j0 = 0; j0 < k; j0 += U) {
+    int g[U];
+    epg_raw8 r[U];  // as loaded: U pairs in flight in 4U registers (bf16)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      g[u] = j0 + u < k ? pair_pos[row * k + j0 + u] : -1;  // -1: not local, or dropped past the grouped buffer
+      if (g[u] >= 0) r[u] = epg_ld_raw8(expert_out + (epg_i64)g[u] * row_bytes + elem * 4);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g[u] >= 0) {
+        const float w = apply ? recv_w[row * k + j0 + u] : 1.0f;
+        float f[8];
+        epg_unpack8(r[u], f);
+        for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w, f[e]);
+      }
+    }
+  }
 }
 
 // Direct grouped dispatch (fp32, intranode): the bandwidth protocol's dispatch_grouped in one
@@ -507,7 +842,6 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
 
 constexpr int EPG_DIRECT_BUCKETS = 1536;  // (rank, expert) pair counters + per-rank row counters
 constexpr int EPG_DIRECT_CHUNK = 16;                            // tokens a block numbers per round
-constexpr int EPG_DIRECT_ARRIVE = 1 << 16;                      // one rank's arrival per call (more than any grid has blocks)
 constexpr int EPG_DIRECT_FIRST = 1 << 16;                       // a pair's rank word: set on the rank's first k (world <= 64)
 
 // Rank r's copy of a buffer this rank knows at `mine` (the symmetric workspace: the same offset on every rank).
@@ -526,72 +860,11 @@ EPG_DEVICE int* epg_direct_flags(const EpArgs& a, int r, int parity) {
 struct EpgDirectShared {
   int hb[EPG_DIRECT_BUCKETS];  // before this block's tokens, then: each bucket's next grouped row; rows: next row index
   int ht[EPG_DIRECT_BUCKETS];  // all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
-  int st[EPG_DIRECT_BUCKETS];  // the destination in hand: each group's start, then its total (pairs of every sender)
-  int kp[EPG_DIRECT_BUCKETS];  // the destination in hand: each group's kept pairs, first the pairs of senders below
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
-  int wave_sum[1024 / EPG_WAVE];
-  int over, total, lost, ok;
+  int total, ok;
 };
-
-// Groups of the destination in hand from sh.st (totals) -> sh.st (starts), sh.kp (kept) by grouped.group_bounds's rule;
-// returns the pairs past the capacity. Threads take contiguous runs of experts; padded counts are summed per thread,
-// scanned over each wave by shuffles and over the waves by thread 0; a group reaching past the capacity sends thread 0
-// through the serial cut instead.
-EPG_DEVICE int epg_direct_bounds(const EpArgs& a, EpgDirectShared& sh) {
-  const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE;
-  const int E = (int)a.experts_per_rank, A = (int)a.grp_align;
-  const int per = (E + nt - 1) / nt, lo = tid * per < E ? tid * per : E, hi = lo + per < E ? lo + per : E;
-  int mine = 0;
-  for (int e = lo; e < hi; ++e) mine += (sh.st[e] + A - 1) / A * A;
-  int incl = mine;
-  for (int d = 1; d < EPG_WAVE; d <<= 1) {
-    const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
-    if (lane >= d) incl += below;
-  }
-  if (lane == EPG_WAVE - 1) sh.wave_sum[wave] = incl;
-  if (tid == 0) sh.over = 0;
-  epg_syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int w = 0; w < nt / EPG_WAVE; ++w) {
-      const int s = sh.wave_sum[w];
-      sh.wave_sum[w] = run;
-      run += s;
-    }
-  }
-  epg_syncthreads();
-  int at = sh.wave_sum[wave] + incl - mine;
-  bool over = false;
-  for (int e = lo; e < hi; ++e) {
-    const int c = sh.st[e];
-    if ((epg_i64)at + c > a.grp_capacity) over = true;
-    sh.st[e] = at;
-    sh.kp[e] = c;
-    at += (c + A - 1) / A * A;
-  }
-  if (over) sh.over = 1;
-  epg_syncthreads();
-  int lost = 0;
-  if (sh.over) {  // the serial cut: rare (a small grouped_capacity)
-    if (tid == 0) {
-      epg_i64 run = 0;
-      for (int e = 0; e < E; ++e) {
-        const epg_i64 c = sh.kp[e];
-        const epg_i64 kept = c < a.grp_capacity - run ? c : (a.grp_capacity - run > 0 ? a.grp_capacity - run : 0);
-        sh.st[e] = (int)run;
-        sh.kp[e] = (int)kept;
-        lost += (int)(c - kept);
-        run += (kept + A - 1) / A * A;
-      }
-      sh.lost = lost;
-    }
-    epg_syncthreads();
-    lost = sh.lost;
-  }
-  return lost;
-}
 
 EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
@@ -649,7 +922,20 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
     for (int r = tid; r < W; r += nt) epg_st_release_sys(epg_direct_flags(a, r, parity) + me, tag);
   }
 
-  // 3. every destination's groups, from its table once every sender's row is in
+  // 3. every destination's groups, from its table once every sender's row is in (grouped_common.j2's bounds over the
+  // senders' totals; for this rank the books published and every row no pair fills marked)
+  __shared__ EpgGroupedShared gsh;
+  EpgGrouped g = {};
+  g.counts = gsh.kept;  // the totals, replaced by the kept counts
+  g.num_local = E;
+  g.align = a.grp_align;
+  g.capacity = a.grp_capacity;
+  g.offs = (int*)a.grp_offs;
+  g.kept_counts = (int*)a.grp_kept;
+  g.dropped = (int*)a.grp_dropped;
+  g.src = (int*)a.grp_src;
+  g.m_indices = (int*)a.grp_m_indices;
+  g.weights = (float*)a.grp_weights;
   for (int r = 0; r < W; ++r) {
     const int* table = epg_direct_table(a, r, parity);
     for (int p = tid; p < W; p += nt)
@@ -664,7 +950,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
         if (p < me) below += c;
       }
       if (e < E) {
-        sh.st[e] = all;
+        gsh.kept[e] = all;
         sh.ht[r * E + e] = below;  // parked here (this block's totals were posted) until the starts are in
       } else {
         sh.hb[NX + r] += below;  // this block's first row index at r
@@ -672,40 +958,18 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       }
     }
     epg_syncthreads();
-    const int lost = epg_direct_bounds(a, sh);  // sh.st = starts, sh.kp = kept
+    const int end = epg_grouped_bounds(g, gsh, r == me);
     for (int e = tid; e < E; e += nt) {
       const int b = r * E + e;
-      sh.hb[b] += sh.st[e] + sh.ht[b];  // this block's first pair of (r, e): start + senders below + blocks below
-      sh.ht[b] = sh.st[e] + sh.kp[e];   // the group's end of kept pairs
+      sh.hb[b] += gsh.start[e] + sh.ht[b];  // this block's first pair of (r, e): start + senders below + blocks below
+      sh.ht[b] = gsh.start[e] + gsh.kept[e];  // the group's end of kept pairs
     }
-    if (r == me) {  // this rank's groups: the books (block 0) and the rows no pair fills (every block a share)
-      const int A = (int)a.grp_align;
-      if (epg_block() == 0) {
-        for (int e = tid; e < E; e += nt) {
-          ((int*)a.grp_offs)[e] = sh.st[e] + (sh.kp[e] + A - 1) / A * A;
-          ((int*)a.grp_kept)[e] = sh.kp[e];
-        }
-        if (tid == 0) {
-          *(int*)a.grp_dropped = lost;
-          // every row past the groups is marked below: a later dispatch tail re-marks only up to its own end and this
-          state[EPG_ST_GROUPED_END] = E > 0 ? sh.st[E - 1] + (sh.kp[E - 1] + A - 1) / A * A : 0;
-        }
-      }
-      const epg_i64 gthreads = (epg_i64)epg_nblocks() * nt;
-      for (epg_i64 gr = (epg_i64)epg_block() * nt + tid; gr < a.grp_capacity; gr += gthreads) {
-        int lo = 0, hi = E;  // the first group ending past gr (E: past every group)
-        while (lo < hi) {
-          const int mid = (lo + hi) / 2;
-          if (sh.st[mid] + (sh.kp[mid] + A - 1) / A * A > gr) hi = mid; else lo = mid + 1;
-        }
-        if (lo == E || gr >= sh.st[lo] + sh.kp[lo]) {
-          ((int*)a.grp_src)[gr] = -1;
-          ((int*)a.grp_m_indices)[gr] = -1;
-          ((float*)a.grp_weights)[gr] = 0.f;
-        }
-      }
+    if (r == me) {
+      epg_grouped_mark(g, gsh, a.grp_capacity);
+      // every row past the groups is marked: a later dispatch tail re-marks only up to its own end and this
+      if (epg_block() == 0 && tid == 0) state[EPG_ST_GROUPED_END] = end;
     }
-    epg_syncthreads();  // st / kp are the next destination's
+    epg_syncthreads();  // gsh is the next destination's
   }
 
   // 4. the block's tokens, a chunk at a time
@@ -779,28 +1043,13 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
     epg_syncthreads();  // the chunk's numbers are the next chunk's
   }
 
-  // 5. completion without a grid barrier (as templates/kernels/dispatch.j2)
-  int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter);
-  epg_fence_release_sys();
-  epg_syncthreads();
-  const int share = epg_block() == 0 ? EPG_DIRECT_ARRIVE - (epg_nblocks() - 1) : 1;
-  for (int p = tid; p < W; p += nt)
-    epg_atomic_add_sys((int*)(epg_peer(a, p) + a.off_counter) + 2 + parity * W + me, share);
-  if (epg_block() != 0) return;
-  __shared__ int arrived;
-  if (tid == 0) arrived = sh.ok;
-  epg_syncthreads();
-  for (int p = tid; p < W; p += nt)
-    if (!epg_wait_ge(a, counters + 2 + parity * W + p, EPG_DIRECT_ARRIVE, 2, p == me ? -1 : p)) {
-      arrived = 0;
-      break;
-    }
-  epg_syncthreads();
-  if (!arrived) {
-    if (tid == 0) *(int*)a.total_recv = 0;  // after a timeout
+  // 5. completion without a grid barrier, as the bandwidth dispatch's (ep_common.j2)
+  epg_dispatch_arrive(a, parity);
+  if (epg_block() != 0 || !epg_dispatch_arrived(a, parity)) return;
+  if (!sh.ok) {  // a count wait timed out
+    if (tid == 0) *(int*)a.total_recv = 0;
     return;
   }
-  for (int p = tid; p < W; p += nt) counters[2 + parity * W + p] = 0;  // all arrived
   if (tid == 0) {
     *(int*)a.total_recv = sh.total;
     *(int*)a.replay_total = sh.total;  // kept by the routing handle

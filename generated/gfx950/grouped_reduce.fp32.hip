@@ -372,12 +372,12 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
 }
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
-// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); block 0 publishes offs,
-// kept counts and drops. One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
+// min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); with publish, block 0 publishes
+// offs, kept counts and drops (g.offs, g.kept_counts, g.dropped). One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
 // padded sums (shuffles: no block barrier per step) gives every group's start. Exact while no group reaches past
 // the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the recurrence
 // serially. Returns the end of the last group.
-EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
+EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
   const int tid = epg_thread(), nt = epg_block_dim();
   const int E = (int)g.num_local, A = (int)g.align;
   if (tid < EPG_WAVE) {
@@ -418,12 +418,12 @@ EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh) {
       at += (kept + g.align - 1) / g.align * g.align;
       sh.end[e] = (int)at;
     }
-    if (epg_block() == 0) g.dropped[0] = (int)lost;
-  } else if (!sh.over && tid == 0 && epg_block() == 0) {
+    if (publish && epg_block() == 0) g.dropped[0] = (int)lost;
+  } else if (publish && !sh.over && tid == 0 && epg_block() == 0) {
     g.dropped[0] = 0;
   }
   epg_syncthreads();
-  if (epg_block() == 0)
+  if (publish && epg_block() == 0)
     for (int e = tid; e < E; e += nt) {
       g.offs[e] = sh.end[e];
       g.kept_counts[e] = sh.kept[e];
