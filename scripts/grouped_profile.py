@@ -52,7 +52,7 @@ LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the n
 
 
 def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
-          threads: int = 0, direct: str = "never") -> dict:
+          threads: int = 0, direct: str = "auto") -> dict:
     """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
     unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
     the profiler."""
@@ -63,8 +63,7 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", b
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
     op._backend.one_kernel = LEGS[legs]  # the grouped legs as one kernel each, or the EP kernels and the passes
-    op._backend.direct = direct  # "always": dispatch_grouped's direct kernel where the op allows it (plan.direct)
-    direct = direct if op._backend.plan.direct else "never"
+    op._backend.direct = direct  # dispatch_grouped's direct kernel where the op allows it (plan.direct), or "never"
     s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
     view = op.grouped_out_view() if form == "fused" else None
@@ -99,7 +98,8 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", b
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "legs": legs,
-            "launch_blocks": blocks, "launch_threads": threads, "direct": direct, "world_size": world,
+            "launch_blocks": blocks, "launch_threads": threads,
+            "direct": "always" if any("dispatch_direct" in k for k in rows) else "never", "world_size": world,
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
@@ -218,8 +218,9 @@ def main() -> int:
                    help="the EP kernels' grid (config launch_blocks; 0: the tuning table); several: each in turn")
     p.add_argument("--launch-threads", type=int, nargs="+", default=[0],
                    help="the EP kernels' threads per block (config launch_threads; 0: the tuning table)")
-    p.add_argument("--direct", nargs="+", default=["never"], choices=["never", "always"],
-                   help="dispatch_grouped's direct kernel (NativeBackend.direct) where the op allows it; several: each in turn")
+    p.add_argument("--direct", nargs="+", default=["auto"], choices=["auto", "never", "always"],
+                   help="dispatch_grouped's direct kernel (NativeBackend.direct: auto and always take it where the op "
+                        "allows it; the record's \"direct\" says whether it ran); several: each in turn")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)

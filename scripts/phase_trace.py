@@ -1,13 +1,15 @@
-"""Where a low-latency leg's time goes inside its kernel: phase stamps of the device's global timer from dispatch_ll
-and combine_ll (issue #35, item 3: budget each 1-token kernel term by term).
+"""Where a leg's time goes inside its kernel: phase stamps of the device's global timer from dispatch_ll and
+combine_ll (issue #35, item 3: budget each 1-token kernel term by term), and from the direct grouped dispatch.
 
-  torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one] [--iters 200]
+  torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one direct] [--iters 200]
                                                      [--hidden 7168] [--topk 8] [--experts 256] [--warm-dispatch]
                                                      [--out F]
 
 Per (tokens, form), the low-latency protocol (intranode_protocol="ll"), bf16: "plain" is dispatch -> combine of
 the received rows, "grouped" dispatch_grouped -> combine_grouped with the separate passes, "one" the same with one
-kernel per leg (the grouped layout placed in dispatch_ll's tail, combine_ll forming the rows it sends). After
+kernel per leg (the grouped layout placed in dispatch_ll's tail, combine_ll forming the rows it sends); "direct"
+is dispatch_grouped under the bandwidth protocol through dispatch_direct (its phases alone: the bandwidth combine
+after it stamps nothing). After
 warm-up, --iters eager calls, each with the op's trace buffer (NativeBackend.trace_phases) reset: every block's
 thread 0 stamps the global timer (ns) when its block reaches a phase (templates/kernels/ep_common.j2 epg_trace:
 a block barrier first, so only while tracing) into its own slot of the buffer (a plain store; records with
@@ -41,9 +43,13 @@ PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
                     "grouped layout placed", "finished"),
     "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
+    "dispatch_direct": ("entry", "histograms counted", "totals posted (block 0)", "tables read",
+                        "groups worked out", "rows stored", "arrival added", "arrivals in (block 0)"),
 }
-KERNELS = tuple(PHASES)  # the order of the trace buffer's two halves
-FORMS = ("plain", "grouped", "one")
+FORMS = ("plain", "grouped", "one", "direct")
+# per form, the kernels in the order of the trace buffer's halves (the bandwidth combine after the direct dispatch
+# stamps nothing)
+KERNELS = {form: ("dispatch_direct",) if form == "direct" else ("dispatch_ll", "combine_ll") for form in FORMS}
 UNSET = (1 << 63) - 1  # an earliest entry no block wrote
 
 
@@ -56,21 +62,21 @@ def earliest_latest(buf: torch.Tensor) -> list[list[list[int]]]:
     return torch.stack((earliest, latest), dim=-1).tolist()
 
 
-def relative(stamps: list[list[list[int]]]) -> dict[str, list[tuple[float, float] | None]]:
+def relative(stamps: list[list[list[int]]], kernels: tuple[str, ...]) -> dict[str, list[tuple[float, float] | None]]:
     """One call's raw stamps [kernel][phase][earliest, latest] (ns) -> per kernel, per phase, (earliest, latest) in
     µs since the kernel's earliest entry, None where no block reached the phase (or the kernel did not run)."""
     out = {}
-    for name, rows in zip(KERNELS, stamps):
+    for name, rows in zip(kernels, stamps):
         t0 = rows[0][0]
         out[name] = [None if t0 == UNSET or lo == UNSET else ((lo - t0) / 1e3, (hi - t0) / 1e3)
                      for lo, hi in rows[:len(PHASES[name])]]
     return out
 
 
-def summarize(calls: list[dict]) -> dict[str, list[dict | None]]:
+def summarize(calls: list[dict], kernels: tuple[str, ...]) -> dict[str, list[dict | None]]:
     """Per kernel and phase the median (earliest, latest) µs over the calls that reached it."""
     out = {}
-    for name in KERNELS:
+    for name in kernels:
         rows = []
         for ph in range(len(PHASES[name])):
             seen = [c[name][ph] for c in calls if c[name][ph] is not None]
@@ -93,8 +99,8 @@ def table(rec: dict) -> list[str]:
     out = [f"T={rec['tokens_per_rank']} {rec['form']}{warm}: µs since the kernel's first block entered (median of "
            f"{rec['iters']} eager calls; earliest / latest block; timer step {rec['timer_step_ns']} ns)",
            "| kernel | phase | earliest | latest |", "|---|---|---|---|"]
-    for name in KERNELS:
-        for row in rec["phases"][name]:
+    for name, rows in rec["phases"].items():
+        for row in rows:
             if row is not None:
                 out.append(f"| {name} | {row['phase']} | {row['earliest_us']:.2f} | {row['latest_us']:.2f} |")
     return out
@@ -103,13 +109,18 @@ def table(rec: dict) -> list[str]:
 def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16)
-    cfg = EpDispatchCombineConfig(**base, intranode_protocol="ll", enable_grouped_layout=form != "plain",
+    protocol = "bw" if form == "direct" else "ll"
+    cfg = EpDispatchCombineConfig(**base, intranode_protocol=protocol, enable_grouped_layout=form != "plain",
                                   expert_alignment=16)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
     backend = op._backend
     if form != "plain":
         backend.one_kernel = "always" if form == "one" else "never"
+    backend.direct = "always" if form == "direct" else "never"
+    if form == "direct" and not backend.plan.direct:
+        raise SystemExit(f"phase_trace: the direct dispatch does not serve this op (runtime.plan.direct_grouped) at "
+                         f"{T} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}")
     s = make_input_sets(cfg, 1, seed=991 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
 
@@ -136,7 +147,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     for _ in range(args.warmup):
         legs()
     limits = backend.k["dispatch"].limits
-    buf = torch.zeros((len(KERNELS), limits["trace_blocks"], limits["trace_phases"]), dtype=torch.int64,
+    buf = torch.zeros((2, limits["trace_blocks"], limits["trace_phases"]), dtype=torch.int64,
                       device=op.device)
     backend.trace_phases(buf)
     calls, steps = [], []
@@ -146,18 +157,18 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
             legs(buf if args.warm_dispatch else None)
             torch.cuda.synchronize()
             stamps = earliest_latest(buf)
-            calls.append(relative(stamps))
+            calls.append(relative(stamps, KERNELS[form]))
             steps.append(timer_step(stamps))
     finally:
         backend.trace_phases(None)
     op.check()
     known = [s for s in steps if s is not None]
     return {**meta, "kind": "phase_trace", "tokens_per_rank": T, "form": form, "world_size": world,
-            "dtype": "bfloat16", "mode": "eager", "protocol": "ll", "hidden": args.hidden, "topk": args.topk,
+            "dtype": "bfloat16", "mode": "eager", "protocol": protocol, "hidden": args.hidden, "topk": args.topk,
             "experts": args.experts, "iters": args.iters, "warm_dispatch": bool(args.warm_dispatch),
             "stamps": "per block",
             "timer_step_ns": min(known) if known else None,
-            "phases": summarize(calls)}
+            "phases": summarize(calls, KERNELS[form])}
 
 
 def main() -> int:

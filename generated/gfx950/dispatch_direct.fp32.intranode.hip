@@ -883,6 +883,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   // previous receive buffers consumed everywhere (as the bandwidth dispatch)
   if (epg_dispatch_entry(state[EPG_ST_LAST]) && epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 1) == EPG_BAR_FAIL)
     return;
+  epg_trace(a, 0);  // diagnostics (a.trace, scripts/phase_trace.py --forms direct): entry, past the entry barrier
   __shared__ EpgDirectShared sh;
   const int W = (int)a.world, K = (int)a.k, E = (int)a.experts_per_rank, NX = W * E, me = (int)a.rank;
   const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE, waves = nt / EPG_WAVE;
@@ -920,6 +921,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       }
   }
   epg_syncthreads();
+  epg_trace(a, 1);  // the histograms counted
 
   // 2. block 0 posts this rank's totals to every destination's table, then the rows' flags
   if (epg_block() == 0) {
@@ -931,6 +933,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
     epg_syncthreads();
     for (int r = tid; r < W; r += nt) epg_st_release_sys(epg_direct_flags(a, r, parity) + me, tag);
   }
+  epg_trace(a, 2);  // block 0: the totals posted
 
   // 3. every destination's groups, from its table once every sender's row is in (grouped_common.j2's bounds over the
   // senders' totals; for this rank the books published and every row no pair fills marked)
@@ -968,6 +971,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       }
     }
     epg_syncthreads();
+    if (r == W - 1) epg_trace(a, 3);  // the last destination's table waited for and read
     const int end = epg_grouped_bounds(g, gsh, r == me);
     for (int e = tid; e < E; e += nt) {
       const int b = r * E + e;
@@ -981,6 +985,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
     }
     epg_syncthreads();  // gsh is the next destination's
   }
+  epg_trace(a, 4);  // every destination's table read and its groups worked out (this rank's padding marked)
 
   // 4. the block's tokens, a chunk at a time
   const int n16 = (int)(a.row_bytes / 16);
@@ -1052,10 +1057,13 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
     }
     epg_syncthreads();  // the chunk's numbers are the next chunk's
   }
+  epg_trace(a, 5);  // the block's rows stored
 
   // 5. completion without a grid barrier, as the bandwidth dispatch's (ep_common.j2)
   epg_dispatch_arrive(a, parity);
+  epg_trace(a, 6);  // the block's arrival added
   if (epg_block() != 0 || !epg_dispatch_arrived(a, parity)) return;
+  epg_trace(a, 7);  // block 0: every rank's arrivals in
   if (!sh.ok) {  // a count wait timed out
     if (tid == 0) *(int*)a.total_recv = 0;
     return;

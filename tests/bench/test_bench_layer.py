@@ -377,22 +377,28 @@ def test_phase_trace_reads_stamps_relative_to_the_first_entry():
     U = pt.UNSET
     disp = [[1000, 1500], [2000, 2600], [4000, 4200], [U, 0], [U, 0], [U, 0], [U, 0], [U, 0]]
     comb = [[U, 0]] * 8  # combine_ll did not run
-    one = pt.relative([disp, comb])
+    one = pt.relative([disp, comb], pt.KERNELS["plain"])
     assert one["dispatch_ll"][:3] == [(0.0, 0.5), (1.0, 1.6), (3.0, 3.2)]
     assert one["dispatch_ll"][3] is None and len(one["dispatch_ll"]) == len(pt.PHASES["dispatch_ll"])
     assert one["combine_ll"] == [None] * len(pt.PHASES["combine_ll"])
     later = [[[t + 7 if t != U else U for t in pair] if pair[0] != U else pair for pair in disp], comb]
     later[0][2] = [1000 + 5000, 1000 + 5100]  # a slower third phase in the second call
-    rows = pt.summarize([one, pt.relative(later)])["dispatch_ll"]
+    rows = pt.summarize([one, pt.relative(later, pt.KERNELS["plain"])], pt.KERNELS["plain"])["dispatch_ll"]
     # the second call entered at 1007 ns: its third phase at (6000 - 1007, 6100 - 1007) ns; medians of two
     assert rows[2] == {"phase": "counts posted, rows sent", "calls": 2,
                        "earliest_us": pytest.approx((3.0 + 4.993) / 2), "latest_us": pytest.approx((3.2 + 5.093) / 2)}
     assert rows[3] is None
     assert pt.timer_step([disp, comb]) == 200
     rec = {"tokens_per_rank": 1, "form": "plain", "iters": 2, "timer_step_ns": 200,
-           "phases": pt.summarize([one, pt.relative(later)])}
+           "phases": pt.summarize([one, pt.relative(later, pt.KERNELS["plain"])], pt.KERNELS["plain"])}
     lines = pt.table(rec)
     assert lines[3] == "| dispatch_ll | entry | 0.00 | 0.50 |" and len(lines) == 6
+    # the direct dispatch: its own phases in the buffer's first half, the second half not read
+    direct = pt.relative([disp, comb], pt.KERNELS["direct"])
+    assert list(direct) == ["dispatch_direct"] and len(direct["dispatch_direct"]) == 8
+    assert direct["dispatch_direct"][1] == (1.0, 1.6) and direct["dispatch_direct"][7] is None
+    drec = {**rec, "form": "direct", "phases": pt.summarize([direct], pt.KERNELS["direct"])}
+    assert pt.table(drec)[4] == "| dispatch_direct | histograms counted | 1.00 | 1.60 |" and len(pt.table(drec)) == 6
     # the kernels' per-block slots [kernel][block][phase] (0: not reached) -> [kernel][phase][earliest, latest]
     buf = torch.zeros((2, 3, 8), dtype=torch.int64)
     buf[0, 0, 0], buf[0, 2, 0], buf[0, 2, 1] = 1500, 1000, 2600
