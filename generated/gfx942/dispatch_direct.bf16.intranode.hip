@@ -815,8 +815,7 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 // tests/support/direct_groups.py's). Received rows are numbered in (source rank, token) order, as the torch backend
 // and a capped dispatch number them, so every sender can tell from counts alone where each of its pairs lands:
 //  1. Every block counts the pairs per (destination rank, local expert) and the rows per destination of all tokens
-//     (shared-memory histograms; a thread's four tokens' ids loaded at once), and of the tokens before its own
-//     range [t0, t1).
+//     (shared-memory histograms), and of the tokens before its own range [t0, t1).
 //  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
 //     same workspace offset on every rank), then that row's flag = this call's number + 1.
 //  3. Every block, for each destination r: waits for all W flags of r's table, reads the table, works out r's groups
@@ -824,11 +823,11 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
 //  4. The block's tokens, a chunk at a time: its first wave loads the chunk's ids, then numbers each token's pairs
-//     in (token, k) order (equal experts by a match, each rank's first k by another) and the rows; then every wave
-//     takes (token, k, part) items (a row in parts while the chunk's pairs leave waves idle): a kept pair's row
-//     goes straight to its grouped row on r (16-byte stores, 8 vectors per lane in flight) with its src /
-//     m_indices / weight, and the first k naming r writes the received row's ids, weights, source and pair map on
-//     r, and the slot (row * W + r) of the routing handle here.
+//     in (token, k) order (equal experts by a match, each rank's first k by another) and the rows; then the block's
+//     threads take the chunk's 16-byte vectors, each loaded once (four per thread in flight) and stored into the
+//     grouped row of every kept pair of its token, straight on r; then one thread per (token, k) writes a kept
+//     pair's src / m_indices / weight, and the first k naming r the received row's ids, weights, source and pair
+//     map on r, and the slot (row * W + r) of the routing handle here.
 //  5. Completion as the bandwidth dispatch's: each block adds its share to every rank's arrival word, block 0
 //     waits for every rank's whole share, then publishes total_recv and the books.
 // The grouped buffers (grp_x, grp_src, grp_m_indices, grp_weights, grp_pair_pos) and recv_idx / recv_w / recv_src
@@ -841,8 +840,7 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 constexpr int EPG_DIRECT_BUCKETS = 1536;  // (rank, expert) pair counters + per-rank row counters
 constexpr int EPG_DIRECT_CHUNK = 16;                            // tokens a block numbers per round
 constexpr int EPG_DIRECT_FIRST = 1 << 16;                       // a pair's rank word: set on the rank's first k (world <= 64)
-constexpr int EPG_DIRECT_HIST_TOKENS = 4;                       // tokens a thread counts per step (their ids in flight)
-constexpr int EPG_DIRECT_PART = 8;                              // 16-byte vectors per lane of a row's part (below)
+constexpr int EPG_DIRECT_VECS = 4;                              // 16-byte vectors a thread loads per step of the copy
 
 // Rank r's copy of a buffer this rank knows at `mine` (the symmetric workspace: the same offset on every rank).
 EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
@@ -863,6 +861,7 @@ struct EpgDirectShared {
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
+  char* to[EPG_DIRECT_CHUNK][EPG_WAVE];  // a kept pair's grouped row on its rank, else null
   int total, ok;
 };
 
@@ -889,38 +888,26 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   for (int i = tid; i < NX + W; i += nt) sh.hb[i] = sh.ht[i] = 0;
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
-  for (epg_i64 t0u = tid; t0u < T; t0u += EPG_DIRECT_HIST_TOKENS * nt) {  // a thread's tokens t0u + u * nt
-    epg_u64 ranks[EPG_DIRECT_HIST_TOKENS] = {};
-    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids of each of the tokens loaded before any is used
-      int e[EPG_DIRECT_HIST_TOKENS][8];
+  for (epg_i64 t = tid; t < T; t += nt) {
+    const bool before = t < t0;
+    epg_u64 ranks = 0;
+    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids loaded before any is used
+      int e[8];
 #pragma unroll
-      for (int u = 0; u < EPG_DIRECT_HIST_TOKENS; ++u)
+      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const epg_i64 t = t0u + u * nt;
-          e[u][q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
+      for (int q = 0; q < 8; ++q)
+        if (e[q] >= 0 && e[q] < a.num_experts) {
+          epg_atomic_add_dev(&sh.ht[e[q]], 1);
+          if (before) epg_atomic_add_dev(&sh.hb[e[q]], 1);
+          ranks |= 1ull << (e[q] / E);
         }
-#pragma unroll
-      for (int u = 0; u < EPG_DIRECT_HIST_TOKENS; ++u) {
-        const bool before = t0u + u * nt < t0;
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          if (e[u][q] >= 0 && e[u][q] < a.num_experts) {
-            epg_atomic_add_dev(&sh.ht[e[u][q]], 1);
-            if (before) epg_atomic_add_dev(&sh.hb[e[u][q]], 1);
-            ranks[u] |= 1ull << (e[u][q] / E);
-          }
+    }
+    for (int r = 0; ranks; ++r, ranks >>= 1)
+      if (ranks & 1ull) {
+        epg_atomic_add_dev(&sh.ht[NX + r], 1);
+        if (before) epg_atomic_add_dev(&sh.hb[NX + r], 1);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < EPG_DIRECT_HIST_TOKENS; ++u) {
-      const bool before = t0u + u * nt < t0;
-      for (int r = 0; ranks[u]; ++r, ranks[u] >>= 1)
-        if (ranks[u] & 1ull) {
-          epg_atomic_add_dev(&sh.ht[NX + r], 1);
-          if (before) epg_atomic_add_dev(&sh.hb[NX + r], 1);
-        }
-    }
   }
   epg_syncthreads();
   epg_trace(a, 1);  // the histograms counted
@@ -995,13 +982,17 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   for (epg_i64 c0 = t0; sh.ok && c0 < t1; c0 += EPG_DIRECT_CHUNK) {
     const int nc = (int)(t1 - c0 < EPG_DIRECT_CHUNK ? t1 - c0 : EPG_DIRECT_CHUNK);
     if (wave == 0) {
-      int ids[EPG_DIRECT_CHUNK];  // the chunk's ids, every load in flight before the numbering's serial steps
+      {  // the chunk's ids, every load in flight before the numbering's serial steps
+        int ids[EPG_DIRECT_CHUNK];
 #pragma unroll
-      for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) ids[c] = c < nc && lane < K ? idx[(c0 + c) * K + lane] : -1;
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) ids[c] = c < nc && lane < K ? idx[(c0 + c) * K + lane] : -1;
 #pragma unroll
-      for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {  // in token order: each bucket's counter moves on in (token, k) order
-        if (c >= nc) break;
-        const int e = ids[c];
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) sh.dst[c][lane] = ids[c];
+        epg_syncwave();
+      }
+      for (int c = 0; c < nc; ++c) {  // in token order: each bucket's counter moves on in (token, k) order
+        const epg_i64 t = c0 + c;
+        const int e = sh.dst[c][lane];
         const bool ok = e >= 0 && e < a.num_experts;
         if (lane < K && e >= a.num_experts) {  // counted and noted for the host, as the bandwidth dispatch does
           epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
@@ -1019,54 +1010,65 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
         const int lead = epg_popc((same_r & (~same_r + 1)) - 1);  // the lowest lane naming r (itself if no expert)
         const int row = (int)epg_shfl((epg_u32)row0, lead);        // the rank's first k's row index
         epg_syncwave();
-        sh.g[c][lane] = ok && g < sh.ht[e] ? g : -1;
+        const bool kept = ok && g < sh.ht[e];
+        sh.g[c][lane] = kept ? g : -1;
+        sh.to[c][lane] = kept ? epg_direct_peer(a, a.grp_x, r) + (epg_i64)g * a.row_bytes : nullptr;
         sh.row[c][lane] = ok ? row : -1;
         sh.dst[c][lane] = ok ? r | (first ? EPG_DIRECT_FIRST : 0) : -1;
       }
     }
     epg_syncthreads();
-    // one wave per (token, k, part): a row in parts of EPG_DIRECT_PART vectors per lane while the chunk's pairs
-    // leave waves idle (a small batch: more waves, fewer serial rounds of loads each), else whole (part 0 only)
-    const int items = nc * K;
-    const int most = (n16 + EPG_DIRECT_PART * EPG_WAVE - 1) / (EPG_DIRECT_PART * EPG_WAVE);  // parts of >= 8 per lane
-    const int want = (waves + items - 1) / items;
-    const int parts = items < waves ? (want < most ? want : most) : 1;
-    const int span = (n16 + parts - 1) / parts;  // vectors of one part (the last may be shorter)
-    for (int it = wave; it < items * parts; it += waves) {
-      const int pair = it / parts, part = it % parts, c = pair / K, j = pair % K;
+    // the rows: the block's threads take the chunk's 16-byte vectors (token-major), each loaded once and stored
+    // into the grouped row of every kept pair of its token
+    const int nv = nc * n16;  // (32-bit: a chunk's vectors)
+    const char* xs = (const char*)a.x + c0 * a.row_bytes;
+    for (int v0 = tid; v0 < nv; v0 += EPG_DIRECT_VECS * nt) {
+      epg_vec16 val[EPG_DIRECT_VECS];
+#pragma unroll
+      for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
+        const int v = v0 + u * nt;
+        if (v < nv) val[u] = epg_ld16(xs + (epg_i64)(v / n16) * a.row_bytes + 16 * (epg_i64)(v % n16));
+      }
+#pragma unroll
+      for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
+        const int v = v0 + u * nt;
+        if (v >= nv) break;
+        const int c = v / n16;
+        const epg_i64 at = 16 * (epg_i64)(v % n16);
+        for (int j = 0; j < K; ++j) {
+          char* to = sh.to[c][j];
+          if (to) epg_st16(to + at, val[u]);
+        }
+      }
+    }
+    // the books, one thread per (token, k): a kept pair's group row's src / m_indices / weight on its rank; the
+    // rank's first k: the received row's ids, weights, source and pair map on the rank, and the slot here
+    for (int it = tid; it < nc * K; it += nt) {
+      const int c = it / K, j = it % K;
       const epg_i64 t = c0 + c;
       const int d = sh.dst[c][j];
       if (d < 0) {
-        if (lane == 0 && part == 0) slots[t * K + j] = -1;
+        slots[t * K + j] = -1;
         continue;
       }
       const int r = d & (EPG_DIRECT_FIRST - 1), row = sh.row[c][j], g = sh.g[c][j];
-      if (g >= 0) {  // a kept pair: its part of the row into its group on r, and (part 0) the group row's books
-        const epg_i64 lo = (epg_i64)part * span * 16;
-        char* dst = epg_direct_peer(a, a.grp_x, r) + (epg_i64)g * a.row_bytes + lo;
-        epg_span_copy(dst, (const char*)a.x + t * a.row_bytes + lo, (span < n16 - part * span ? span : n16 - part * span), lane, EPG_WAVE);
-        if (lane == 0 && part == 0) {
-          const int e = idx[t * K + j];
-          ((int*)epg_direct_peer(a, a.grp_src, r))[g] = row * K + j;
-          ((int*)epg_direct_peer(a, a.grp_m_indices, r))[g] = e - r * E;
-          ((float*)epg_direct_peer(a, a.grp_weights, r))[g] = a.has_weights ? wts[t * K + j] : 1.0f;
-        }
+      if (g >= 0) {
+        ((int*)epg_direct_peer(a, a.grp_src, r))[g] = row * K + j;
+        ((int*)epg_direct_peer(a, a.grp_m_indices, r))[g] = idx[t * K + j] - r * E;
+        ((float*)epg_direct_peer(a, a.grp_weights, r))[g] = a.has_weights ? wts[t * K + j] : 1.0f;
       }
-      if (part != 0) continue;
-      if (d & EPG_DIRECT_FIRST) {  // the rank's first k: the received row's books on r, and the slot here
+      if (d & EPG_DIRECT_FIRST) {
         char* peer = epg_peer(a, r);
-        for (int jj = lane; jj < K; jj += EPG_WAVE) {
+        for (int jj = 0; jj < K; ++jj) {
           const epg_i64 p = (epg_i64)row * K + jj;
           ((int*)(peer + a.off_recv_idx))[p] = idx[t * K + jj];
           ((float*)(peer + a.off_recv_w))[p] = a.has_weights ? wts[t * K + jj] : 0.f;
           const int dj = sh.dst[c][jj];
           ((int*)epg_direct_peer(a, a.grp_pair_pos, r))[p] = dj >= 0 && (dj & (EPG_DIRECT_FIRST - 1)) == r ? sh.g[c][jj] : -1;
         }
-        if (lane == 0) {
-          ((int*)(peer + a.off_recv_src))[row] = (int)(a.rank * a.max_tokens + t);
-          slots[t * K + j] = row * W + r;
-        }
-      } else if (lane == 0) {
+        ((int*)(peer + a.off_recv_src))[row] = (int)(a.rank * a.max_tokens + t);
+        slots[t * K + j] = row * W + r;
+      } else {
         slots[t * K + j] = -1;
       }
     }
