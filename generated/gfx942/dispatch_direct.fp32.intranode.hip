@@ -858,6 +858,8 @@ struct EpgDirectShared {
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
   char* to[EPG_DIRECT_CHUNK][EPG_WAVE];  // a kept pair's grouped row on its rank, else null
+  int e[EPG_DIRECT_CHUNK][EPG_WAVE];     // a chunk's expert ids (-1 past k) and weights, as loaded
+  float w[EPG_DIRECT_CHUNK][EPG_WAVE];
   int total, ok;
 };
 
@@ -978,17 +980,24 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   for (epg_i64 c0 = t0; sh.ok && c0 < t1; c0 += EPG_DIRECT_CHUNK) {
     const int nc = (int)(t1 - c0 < EPG_DIRECT_CHUNK ? t1 - c0 : EPG_DIRECT_CHUNK);
     if (wave == 0) {
-      {  // the chunk's ids, every load in flight before the numbering's serial steps
+      {  // the chunk's ids and weights, every load in flight before the numbering's serial steps
         int ids[EPG_DIRECT_CHUNK];
+        float ws[EPG_DIRECT_CHUNK];
 #pragma unroll
-        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) ids[c] = c < nc && lane < K ? idx[(c0 + c) * K + lane] : -1;
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
+          const bool in = c < nc && lane < K;
+          ids[c] = in ? idx[(c0 + c) * K + lane] : -1;
+          ws[c] = in && a.has_weights ? wts[(c0 + c) * K + lane] : 0.f;
+        }
 #pragma unroll
-        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) sh.dst[c][lane] = ids[c];
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
+          sh.e[c][lane] = ids[c];
+          sh.w[c][lane] = ws[c];
+        }
         epg_syncwave();
       }
       for (int c = 0; c < nc; ++c) {  // in token order: each bucket's counter moves on in (token, k) order
-        const epg_i64 t = c0 + c;
-        const int e = sh.dst[c][lane];
+        const int e = sh.e[c][lane];
         const bool ok = e >= 0 && e < a.num_experts;
         if (lane < K && e >= a.num_experts) {  // counted and noted for the host, as the bandwidth dispatch does
           epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
@@ -1050,15 +1059,15 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       const int r = d & (EPG_DIRECT_FIRST - 1), row = sh.row[c][j], g = sh.g[c][j];
       if (g >= 0) {
         ((int*)epg_direct_peer(a, a.grp_src, r))[g] = row * K + j;
-        ((int*)epg_direct_peer(a, a.grp_m_indices, r))[g] = idx[t * K + j] - r * E;
-        ((float*)epg_direct_peer(a, a.grp_weights, r))[g] = a.has_weights ? wts[t * K + j] : 1.0f;
+        ((int*)epg_direct_peer(a, a.grp_m_indices, r))[g] = sh.e[c][j] - r * E;
+        ((float*)epg_direct_peer(a, a.grp_weights, r))[g] = a.has_weights ? sh.w[c][j] : 1.0f;
       }
-      if (d & EPG_DIRECT_FIRST) {
+      if (d & EPG_DIRECT_FIRST) {  // (the ids and weights from shared memory: no load waits behind these stores)
         char* peer = epg_peer(a, r);
         for (int jj = 0; jj < K; ++jj) {
           const epg_i64 p = (epg_i64)row * K + jj;
-          ((int*)(peer + a.off_recv_idx))[p] = idx[t * K + jj];
-          ((float*)(peer + a.off_recv_w))[p] = a.has_weights ? wts[t * K + jj] : 0.f;
+          ((int*)(peer + a.off_recv_idx))[p] = sh.e[c][jj];
+          ((float*)(peer + a.off_recv_w))[p] = sh.w[c][jj];
           const int dj = sh.dst[c][jj];
           ((int*)epg_direct_peer(a, a.grp_pair_pos, r))[p] = dj >= 0 && (dj & (EPG_DIRECT_FIRST - 1)) == r ? sh.g[c][jj] : -1;
         }
