@@ -44,7 +44,8 @@ PHASES = {
                     "grouped layout placed", "finished"),
     "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
     "dispatch_direct": ("entry", "histograms counted", "totals posted (block 0)", "tables read",
-                        "groups worked out", "rows stored", "arrival added", "arrivals in (block 0)"),
+                        "groups worked out", "last chunk numbered", "last chunk's rows stored",
+                        "last chunk's books written", "arrival added", "arrivals in (block 0)"),
 }
 FORMS = ("plain", "grouped", "one", "direct")
 # per form, the kernels in the order of the trace buffer's halves (the bandwidth combine after the direct dispatch

@@ -333,7 +333,7 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // by the blocks, so the stamps cost the kernel no contended atomics; blocks past EPG_TRACE_BLOCKS stamp nothing).
 // Every thread of the block calls it (a.trace is the same for all: the barrier is uniform); with a.trace == 0 it
 // is one test.
-constexpr int EPG_TRACE_PHASES = 8;
+constexpr int EPG_TRACE_PHASES = 12;
 constexpr int EPG_TRACE_BLOCKS = 1024;
 EPG_DEVICE void epg_trace(const EpArgs& a, int ph) {
   if (a.trace == 0 || epg_block() >= EPG_TRACE_BLOCKS) return;

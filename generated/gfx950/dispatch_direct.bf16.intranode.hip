@@ -377,7 +377,7 @@ EPG_DEVICE void epg_note_bad_id(const EpArgs& a, int id) {
 // by the blocks, so the stamps cost the kernel no contended atomics; blocks past EPG_TRACE_BLOCKS stamp nothing).
 // Every thread of the block calls it (a.trace is the same for all: the barrier is uniform); with a.trace == 0 it
 // is one test.
-constexpr int EPG_TRACE_PHASES = 8;
+constexpr int EPG_TRACE_PHASES = 12;
 constexpr int EPG_TRACE_BLOCKS = 1024;
 EPG_DEVICE void epg_trace(const EpArgs& a, int ph) {
   if (a.trace == 0 || epg_block() >= EPG_TRACE_BLOCKS) return;
@@ -1045,6 +1045,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
       }
     }
     epg_syncthreads();
+    epg_trace(a, 5);  // the chunk numbered (the last chunk's stamp stays)
     // the rows: the block's threads take the chunk's 16-byte vectors (token-major), each loaded once and stored
     // into the grouped row of every kept pair of its token
     const int nv = nc * n16;  // (32-bit: a chunk's vectors)
@@ -1068,6 +1069,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
         }
       }
     }
+    epg_trace(a, 6);  // the chunk's rows stored
     // the books, one thread per (token, k): a kept pair's group row's src / m_indices / weight on its rank; the
     // rank's first k: the received row's ids, weights, source and pair map on the rank, and the slot here
     for (int it = tid; it < nc * K; it += nt) {
@@ -1101,13 +1103,13 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
     }
     epg_syncthreads();  // the chunk's numbers are the next chunk's
   }
-  epg_trace(a, 5);  // the block's rows stored
+  epg_trace(a, 7);  // the block's rows stored and their books written (the last chunk's)
 
   // 5. completion without a grid barrier, as the bandwidth dispatch's (ep_common.j2)
   epg_dispatch_arrive(a, parity);
-  epg_trace(a, 6);  // the block's arrival added
+  epg_trace(a, 8);  // the block's arrival added
   if (epg_block() != 0 || !epg_dispatch_arrived(a, parity)) return;
-  epg_trace(a, 7);  // block 0: every rank's arrivals in
+  epg_trace(a, 9);  // block 0: every rank's arrivals in
   if (!sh.ok) {  // a count wait timed out
     if (tid == 0) *(int*)a.total_recv = 0;
     return;

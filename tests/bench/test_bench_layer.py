@@ -375,8 +375,8 @@ def test_phase_trace_reads_stamps_relative_to_the_first_entry():
     pt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pt)
     U = pt.UNSET
-    disp = [[1000, 1500], [2000, 2600], [4000, 4200], [U, 0], [U, 0], [U, 0], [U, 0], [U, 0]]
-    comb = [[U, 0]] * 8  # combine_ll did not run
+    disp = [[1000, 1500], [2000, 2600], [4000, 4200]] + [[U, 0]] * 9  # trace_phases (12) per kernel
+    comb = [[U, 0]] * 12  # combine_ll did not run
     one = pt.relative([disp, comb], pt.KERNELS["plain"])
     assert one["dispatch_ll"][:3] == [(0.0, 0.5), (1.0, 1.6), (3.0, 3.2)]
     assert one["dispatch_ll"][3] is None and len(one["dispatch_ll"]) == len(pt.PHASES["dispatch_ll"])
@@ -395,8 +395,8 @@ def test_phase_trace_reads_stamps_relative_to_the_first_entry():
     assert lines[3] == "| dispatch_ll | entry | 0.00 | 0.50 |" and len(lines) == 6
     # the direct dispatch: its own phases in the buffer's first half, the second half not read
     direct = pt.relative([disp, comb], pt.KERNELS["direct"])
-    assert list(direct) == ["dispatch_direct"] and len(direct["dispatch_direct"]) == 8
-    assert direct["dispatch_direct"][1] == (1.0, 1.6) and direct["dispatch_direct"][7] is None
+    assert list(direct) == ["dispatch_direct"] and len(direct["dispatch_direct"]) == len(pt.PHASES["dispatch_direct"])
+    assert direct["dispatch_direct"][1] == (1.0, 1.6) and direct["dispatch_direct"][9] is None
     drec = {**rec, "form": "direct", "phases": pt.summarize([direct], pt.KERNELS["direct"])}
     assert pt.table(drec)[4] == "| dispatch_direct | histograms counted | 1.00 | 1.60 |" and len(pt.table(drec)) == 6
     # the kernels' per-block slots [kernel][block][phase] (0: not reached) -> [kernel][phase][earliest, latest]
