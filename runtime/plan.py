@@ -226,7 +226,7 @@ class Plan:
         tokens = self.ll_tokens if ll_tokens is None else ll_tokens
         P, E = cfg.resolved_grouped_capacity, cfg.num_experts_per_rank
         # the direct dispatch's count table (before recv_x: reset() zeroes it with the counters)
-        table = [("grouped_cnt", 4 * (2 * W * (E + 1) + 2 * W))] if self.direct else []
+        table = [("grouped_cnt", 8 * 2 * W * (E + 1))] if self.direct else []  # tagged 64-bit words, 2 parities
         ws = [("signal", 4 * W), ("counter", 8 + 8 * W), *table, *ll.regions(W, tokens, self.ll_row, self.ll_cell),
               ("recv_x", R * self.wire_row), ("recv_scales", R * self.scale_row), ("recv_w", R * k * 4),
               ("recv_idx", R * k * 4), ("recv_src", R * 4)]
@@ -276,7 +276,7 @@ NATIVE_WORKSPACE_FORMULA = (
     "(with grouped_dequantize: P*H*a, the rows decoded into data_type, a bytes each, no scales) + "
     "(12P + 8Rk + 12E_local + 4) (+ with grouped_combine='fused': grp_y P*H*c, grp_pos 16 + 4Rk in the workspace, "
     "grouped_meta's 8Rk then 4Rk; an op the direct dispatch may serve (direct_grouped) has grouped_x, grouped_rows "
-    "12P, grouped_map 4Rk and grouped_cnt 8W(E_local + 1) + 8W in the workspace, grouped_meta 4Rk + 12E_local + 4), "
+    "12P, grouped_map 4Rk and grouped_cnt 16W(E_local + 1) in the workspace, grouped_meta 4Rk + 12E_local + 4), "
     "every region rounded up to 256 bytes, all of it times max_inflight (one "
     "workspace slot per operation in flight; slot s > 0's regions named NAME@s) "
     "(regions: signal, counter, recv_x, recv_scales, recv_w, recv_idx, recv_src, comb_x, comb_w | scat_x, "

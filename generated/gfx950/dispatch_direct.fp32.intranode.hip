@@ -831,8 +831,9 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //  1. Every block counts the pairs per (destination rank, local expert) and the rows per destination of all tokens
 //     (shared-memory histograms), and of the tokens before its own range [t0, t1).
 //  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
-//     same workspace offset on every rank), then that row's flag = this call's number + 1.
-//  3. Every block, for each destination r: waits for all W flags of r's table, reads the table, works out r's groups
+//     same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
+//     counts are all the table publishes).
+//  3. Every block, for each destination r: reads r's table, each word once it carries this call's tag, works out r's groups
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
@@ -860,13 +861,22 @@ constexpr int EPG_DIRECT_VECS = 4;                              // 16-byte vecto
 EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
   return epg_peer(a, r) + ((char*)mine - epg_peer(a, a.rank));
 }
-// Rank r's count table: [2 parities][W senders][E + 1] int (pairs per local expert, then rows), then the flags
-// [2][W] (the call number + 1 that filled each row).
-EPG_DEVICE int* epg_direct_table(const EpArgs& a, int r, int parity) {
-  return (int*)epg_direct_peer(a, a.grp_cnt, r) + (epg_i64)parity * a.world * (a.experts_per_rank + 1);
+// Rank r's count table: [2 parities][W senders][E + 1] 64-bit words (pairs per local expert, then rows), each
+// (the call number + 1) << 32 | count: a word carries its own call, so a reader polls the word itself (no flag, no
+// fence before it: the counts are the only data the table publishes).
+EPG_DEVICE epg_u64* epg_direct_table(const EpArgs& a, int r, int parity) {
+  return (epg_u64*)epg_direct_peer(a, a.grp_cnt, r) + (epg_i64)parity * a.world * (a.experts_per_rank + 1);
 }
-EPG_DEVICE int* epg_direct_flags(const EpArgs& a, int r, int parity) {
-  return (int*)epg_direct_peer(a, a.grp_cnt, r) + 2 * a.world * (a.experts_per_rank + 1) + parity * a.world;
+// The count in a table word once it is this call's (tag); false after a timeout (phase 9, naming the sender).
+EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, int tag, int sender, int& count) {
+  epg_u64 word = epg_ld64_sys(at);
+  if ((epg_u32)(word >> 32) != (epg_u32)tag) {
+    EpgSpin w(a, sender);
+    while ((epg_u32)((word = epg_ld64_sys(at)) >> 32) != (epg_u32)tag)
+      if (!w.more(a, 9, sender)) return false;
+  }
+  count = (int)(epg_u32)word;
+  return true;
 }
 
 struct EpgDirectShared {
@@ -905,7 +915,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
   for (epg_i64 t = tid; t < T; t += nt) {
-    const bool before = t < t0;
+    int* h = t < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (one atomic per id; summed below)
     epg_u64 ranks = 0;
     for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids loaded before any is used
       int e[8];
@@ -914,29 +924,26 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
 #pragma unroll
       for (int q = 0; q < 8; ++q)
         if (e[q] >= 0 && e[q] < a.num_experts) {
-          epg_atomic_add_dev(&sh.ht[e[q]], 1);
-          if (before) epg_atomic_add_dev(&sh.hb[e[q]], 1);
+          epg_atomic_add_dev(&h[e[q]], 1);
           ranks |= 1ull << (e[q] / E);
         }
     }
     for (int r = 0; ranks; ++r, ranks >>= 1)
-      if (ranks & 1ull) {
-        epg_atomic_add_dev(&sh.ht[NX + r], 1);
-        if (before) epg_atomic_add_dev(&sh.hb[NX + r], 1);
-      }
+      if (ranks & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
   }
+  epg_syncthreads();
+  for (int i = tid; i < NX + W; i += nt) sh.ht[i] += sh.hb[i];  // all tokens
   epg_syncthreads();
   epg_trace(a, 1);  // the histograms counted
 
-  // 2. block 0 posts this rank's totals to every destination's table, then the rows' flags
+  // 2. block 0 posts this rank's totals to every destination's table, each word with this call's tag
   if (epg_block() == 0) {
     for (int i = tid; i < W * (E + 1); i += nt) {
       const int r = i / (E + 1), e = i % (E + 1);
-      epg_direct_table(a, r, parity)[me * (E + 1) + e] = e < E ? sh.ht[r * E + e] : sh.ht[NX + r];
+      const epg_u32 c = (epg_u32)(e < E ? sh.ht[r * E + e] : sh.ht[NX + r]);
+      epg_st64_sys(epg_direct_table(a, r, parity) + me * (E + 1) + e, (epg_u64)(epg_u32)tag << 32 | c);
     }
-    epg_fence_release_sys();
-    epg_syncthreads();
-    for (int r = tid; r < W; r += nt) epg_st_release_sys(epg_direct_flags(a, r, parity) + me, tag);
+    epg_syncthreads();  // every total read before step 3 parks other numbers in sh.ht
   }
   epg_trace(a, 2);  // block 0: the totals posted
 
@@ -955,15 +962,15 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   g.m_indices = (int*)a.grp_m_indices;
   g.weights = (float*)a.grp_weights;
   for (int r = 0; r < W; ++r) {
-    const int* table = epg_direct_table(a, r, parity);
-    for (int p = tid; p < W; p += nt)
-      if (!epg_wait_ge(a, epg_direct_flags(a, r, parity) + p, tag, 9, p)) sh.ok = 0;
-    epg_syncthreads();
-    if (!sh.ok) break;
+    const epg_u64* table = epg_direct_table(a, r, parity);
     for (int e = tid; e <= E; e += nt) {  // totals over the senders, and the part of the senders below this rank
       int all = 0, below = 0;
       for (int p = 0; p < W; ++p) {
-        const int c = epg_ld_acquire_sys(table + p * (E + 1) + e);
+        int c = 0;
+        if (!epg_direct_count(a, table + p * (E + 1) + e, tag, p, c)) {
+          sh.ok = 0;
+          break;
+        }
         all += c;
         if (p < me) below += c;
       }
@@ -976,6 +983,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       }
     }
     epg_syncthreads();
+    if (!sh.ok) break;  // a count wait timed out
     if (r == W - 1) epg_trace(a, 3);  // the last destination's table waited for and read
     const int end = epg_grouped_bounds(g, gsh, r == me);
     for (int e = tid; e < E; e += nt) {

@@ -199,7 +199,7 @@ def test_direct_grouped_dispatch_plan(fields, direct):
     assert plan.variant("dispatch_direct") == name and kernels.select("sm_90", name).name == name
     assert regions["grouped_x"].where == "workspace" and regions["grouped_x"].nbytes == P * plan.grouped_row
     assert regions["grouped_rows"].nbytes == 12 * P and regions["grouped_map"].nbytes == 4 * R * k
-    assert regions["grouped_cnt"].nbytes == 4 * (2 * W * (E + 1) + 2 * W)
+    assert regions["grouped_cnt"].nbytes == 8 * 2 * W * (E + 1)  # (tag, count) words, two parities
     assert regions["grouped_meta"].where == "local" and regions["grouped_meta"].nbytes == 4 * R * k + 12 * E + 4
     layout = plan.layout(cfg)
     assert layout["counter"] < layout["grouped_cnt"] < layout["recv_x"]
