@@ -841,8 +841,7 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
-//  4. The block's tokens, a chunk at a time: its first wave loads the chunk's ids and weights (the first chunk's
-//     with the histograms' own loads in step 1), then numbers each token's pairs
+//  4. The block's tokens, a chunk at a time: its first wave loads the chunk's ids, then numbers each token's pairs
 //     in (token, k) order (equal experts by a match, each rank's first k by another) and the rows; then the block's
 //     threads take the chunk's 16-byte vectors, each loaded once (four per thread in flight) and stored into the
 //     grouped row of every kept pair of its token, straight on r; then one thread per (token, k) writes a kept
@@ -896,28 +895,6 @@ struct EpgDirectShared {
   int total, ok;
 };
 
-// A chunk's ids and weights as wave 0 holds them (lane j: pair j of each token; -1 / 0 past k or past the chunk),
-// every load in flight at once, then parked in shared memory for the numbering.
-struct EpgDirectIds {
-  int e[EPG_DIRECT_CHUNK];
-  float w[EPG_DIRECT_CHUNK];
-};
-EPG_DEVICE void epg_direct_ids_load(const EpArgs& a, epg_i64 c0, int nc, int lane, EpgDirectIds& v) {
-#pragma unroll
-  for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
-    const bool in = c < nc && lane < (int)a.k;
-    v.e[c] = in ? ((const int*)a.indices)[(c0 + c) * a.k + lane] : -1;
-    v.w[c] = in && a.has_weights ? ((const float*)a.weights)[(c0 + c) * a.k + lane] : 0.f;
-  }
-}
-EPG_DEVICE void epg_direct_ids_park(EpgDirectShared& sh, int lane, const EpgDirectIds& v) {
-#pragma unroll
-  for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
-    sh.e[c][lane] = v.e[c];
-    sh.w[c][lane] = v.w[c];
-  }
-}
-
 EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   const int calls = state[EPG_ST_DISPATCHES];
@@ -934,15 +911,13 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   const epg_i64 t0 = (epg_i64)epg_block() * per < T ? (epg_i64)epg_block() * per : T;
   const epg_i64 t1 = t0 + per < T ? t0 + per : T;
   const int* idx = (const int*)a.indices;
+  const float* wts = (const float*)a.weights;
   int* slots = (int*)a.slots;
 
   // 1. histograms: pairs per (rank, expert) bucket e (the expert id itself), rows per rank at NX + r
   for (int i = tid; i < NX + W; i += nt) sh.hb[i] = sh.ht[i] = 0;
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
-  // wave 0: the block's first chunk's ids and weights, loaded with the histograms' ids (parked after them)
-  EpgDirectIds first;
-  if (wave == 0) epg_direct_ids_load(a, t0, (int)(t1 - t0 < EPG_DIRECT_CHUNK ? t1 - t0 : EPG_DIRECT_CHUNK), lane, first);
   for (epg_i64 t = tid; t < T; t += nt) {
     int* h = t < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (one atomic per id; summed below)
     epg_u64 ranks = 0;
@@ -960,7 +935,6 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
     for (int r = 0; ranks; ++r, ranks >>= 1)
       if (ranks & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
   }
-  if (wave == 0) epg_direct_ids_park(sh, lane, first);
   epg_syncthreads();
   for (int i = tid; i < NX + W; i += nt) sh.ht[i] += sh.hb[i];  // all tokens
   epg_syncthreads();
@@ -1036,12 +1010,22 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   for (epg_i64 c0 = t0; sh.ok && c0 < t1; c0 += EPG_DIRECT_CHUNK) {
     const int nc = (int)(t1 - c0 < EPG_DIRECT_CHUNK ? t1 - c0 : EPG_DIRECT_CHUNK);
     if (wave == 0) {
-      if (c0 != t0) {  // the chunk's ids and weights (the first chunk's came with the histograms)
-        EpgDirectIds v;
-        epg_direct_ids_load(a, c0, nc, lane, v);
-        epg_direct_ids_park(sh, lane, v);
+      {  // the chunk's ids and weights, every load in flight before the numbering's serial steps
+        int ids[EPG_DIRECT_CHUNK];
+        float ws[EPG_DIRECT_CHUNK];
+#pragma unroll
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
+          const bool in = c < nc && lane < K;
+          ids[c] = in ? idx[(c0 + c) * K + lane] : -1;
+          ws[c] = in && a.has_weights ? wts[(c0 + c) * K + lane] : 0.f;
+        }
+#pragma unroll
+        for (int c = 0; c < EPG_DIRECT_CHUNK; ++c) {
+          sh.e[c][lane] = ids[c];
+          sh.w[c][lane] = ws[c];
+        }
+        epg_syncwave();
       }
-      epg_syncwave();
       for (int c = 0; c < nc; ++c) {  // in token order: each bucket's counter moves on in (token, k) order
         const int e = sh.e[c][lane];
         const bool ok = e >= 0 && e < a.num_experts;
