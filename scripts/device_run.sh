@@ -32,7 +32,8 @@
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
 # GPU 0, W = 1: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
 # "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
-# PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, records of kind
+# PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
+# dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -148,7 +149,7 @@ if [ -n "${OVERLAP:-}" ]; then  # split-phase legs around a GEMM at one rank (W 
   CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/overlap_profile.py ${OVERLAP_ARGS:-} \
     --out "$OUT/overlap.jsonl" 2>&1 | tee "$OUT/overlap.log" | grep -vE "^(W|\*)" | tail -12; status[overlap]=${PIPESTATUS[0]}
 fi
-if [ -n "${PHASE:-}" ]; then  # where a low-latency leg's time goes inside its kernels (phase stamps), W = 1
+if [ -n "${PHASE:-}" ]; then  # where a leg's time goes inside its kernels (phase stamps), W = 1
   CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/phase_trace.py ${PHASE_ARGS:-} \
     --out "$OUT/phase_trace.jsonl" 2>&1 | tee "$OUT/phase_trace.log" | grep -vE "^(W|\*)" | tail -60; status[phase]=${PIPESTATUS[0]}
 fi
