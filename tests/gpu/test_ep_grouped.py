@@ -324,20 +324,23 @@ def _exact(lay, rlay, total, k, what):
     assert torch.equal(lay.pair_pos.cpu()[:n].long(), rlay.pair_pos.cpu()[:n].long()), what
 
 
-@pytest.mark.parametrize("mode,epr,align,gcap,tokens", [
-    ("bf16", EPR, 16, 0, T), ("fp32", EPR, 16, 0, T), ("bf16", EPR, 16, 0, 1),
-    ("bf16", EPR, 16, 128, T),   # a small buffer: drops, the serial cut
-    ("bf16", EPR, 3, 0, 512),    # an alignment that is no power of two
-    ("bf16", EPR, 16, 0, 4096),  # more tokens per block than it numbers at once (EPG_DIRECT_CHUNK): several chunks
-    ("bf16_wide", EPR, 16, 0, T),
-    ("bf16", 700, 16, 0, 64),    # 1400 (rank, expert) counters of the 1536 the kernel holds
+@pytest.mark.parametrize("mode,epr,align,gcap,tokens,direct", [
+    ("bf16", EPR, 16, 0, T, "always"), ("fp32", EPR, 16, 0, T, "always"), ("bf16", EPR, 16, 0, 1, "always"),
+    ("bf16", EPR, 16, 128, T, "always"),   # a small buffer: drops, the serial cut
+    ("bf16", EPR, 3, 0, 512, "always"),    # an alignment that is no power of two
+    ("bf16", EPR, 16, 0, 4096, "always"),  # more tokens per block than it numbers at once (EPG_DIRECT_CHUNK)
+    ("bf16_wide", EPR, 16, 0, T, "always"),
+    ("bf16", 700, 16, 0, 64, "always"),    # 1400 (rank, expert) counters of the 1536 the kernel holds
+    # the same ops with the direct kernel turned off: the dispatch and the grouped passes into the workspace's buffers
+    ("bf16", EPR, 16, 128, T, "never"), ("bf16", 700, 16, 0, 64, "never"),
 ])
-def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens):
+def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, direct):
     """The direct grouped dispatch (templates/kernels/dispatch_direct.j2: counts first, then each kept pair's row
-    stored straight into its group on the destination; NativeBackend.direct = "always") gives the torch backend's
-    layout exactly (both number the received rows in (source rank, token) order): rows, src, m_indices, weights,
-    offs, counts, drops and the pair map; then combine_grouped bit-exact; then a smaller batch on the same buffers
-    (the rows past its groups marked as padding again) and a replay of the first routing."""
+    stored straight into its group on the destination; NativeBackend.direct "always", as "auto" takes it) gives the
+    torch backend's layout exactly (both number the received rows in (source rank, token) order): rows, src,
+    m_indices, weights, offs, counts, drops and the pair map; then combine_grouped bit-exact; then a smaller batch
+    on the same buffers (the rows past its groups marked as padding again) and a replay of the first routing.
+    With "never", the same for the separate kernels on such an op (its grouped buffers in the workspace)."""
     def check():
         W = dist.get_world_size()
         hidden, fields = MODES[mode]
@@ -348,7 +351,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens):
                 EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="torch", **kw)) as ref:
             be = op._backend
             assert be.plan.direct and "dispatch_direct" in be.k
-            be.direct = "always"
+            be.direct = direct
             launched = []
             launch = be.k.launch
             be.k.launch = lambda role, *a, **k: launched.append(role) or launch(role, *a, **k)
@@ -360,7 +363,10 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens):
                 idx = random_routing(g, n, K, epr * W)
                 launched.clear()
                 lay, h = op.dispatch_grouped(x.cuda(), w.cuda(), None, idx.cuda())
-                assert launched == ["dispatch_direct"] and be._placed, launched
+                if direct == "always":
+                    assert launched == ["dispatch_direct"] and be._placed, launched
+                else:
+                    assert "dispatch_direct" not in launched and launched[0] == "dispatch", launched
                 torch.cuda.synchronize()
                 op.check()
                 rlay, rh = ref.dispatch_grouped(x.to(ref.device), w.to(ref.device), None, idx.to(ref.device))
