@@ -2,7 +2,7 @@
 (identity expert) -> combine_grouped, inside a CUDA-graph replay, by kernel name.
 
   torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096] [--forms reduce fused]
-                                                         [--legs auto one separate]
+                                                         [--legs auto one separate] [--protocol auto ll bw]
                                                          [--launch-blocks 0 8] [--launch-threads 0 128]
                                                          [--hidden 7168] [--topk 8] [--experts 256] [--out F]
 
@@ -52,14 +52,15 @@ LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the n
 
 
 def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
-          threads: int = 0, direct: str = "auto") -> dict:
+          threads: int = 0, direct: str = "auto", protocol: str = "auto") -> dict:
     """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
     unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
     the profiler."""
     rank, world = dist.get_rank(), dist.get_world_size()
     geometry = {key: v for key, v in (("launch_blocks", blocks), ("launch_threads", threads)) if v}
     base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16, geometry=geometry)
-    cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form)
+    cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form,
+                                  intranode_protocol=protocol)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
     op._backend.one_kernel = LEGS[legs]  # the grouped legs as one kernel each, or the EP kernels and the passes
@@ -100,6 +101,7 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", b
     return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "legs": legs,
             "launch_blocks": blocks, "launch_threads": threads,
             "direct": "always" if any("dispatch_direct" in k for k in rows) else "never", "world_size": world,
+            "protocol_choice": protocol, "protocol": op._backend.last_protocol,
             "dtype": "bfloat16", "mode": "graph", "expert": "identity copy",
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
@@ -193,6 +195,7 @@ def table(rec: dict) -> list[str]:
     geo = "".join(f", {name} {rec[key]}" for key, name in (("launch_blocks", "blocks"), ("launch_threads", "threads"))
                   if rec.get(key))
     legs = f", legs {rec['legs']}" if isinstance(rec.get("legs"), str) else ""
+    legs += f", {rec['protocol']} protocol" if rec.get("protocol") else ""
     out = [f"T={rec['tokens_per_rank']} {rec['grouped_combine']}{legs}{geo}: {rec['per_layer_us']:.1f} µs per layer "
            f"(graph, W={rec['world_size']}); median gap between kernels {rec['gap_us'] or 0:.1f} µs",
            "| kernel | per layer | median µs | µs per layer |", "|---|---|---|---|"]
@@ -221,6 +224,9 @@ def main() -> int:
     p.add_argument("--direct", nargs="+", default=["auto"], choices=["auto", "never", "always"],
                    help="dispatch_grouped's direct kernel (NativeBackend.direct: auto and always take it where the op "
                         "allows it; the record's \"direct\" says whether it ran); several: each in turn")
+    p.add_argument("--protocol", nargs="+", default=["auto"], choices=["auto", "ll", "bw"],
+                   help="the config's intranode_protocol (auto: the op's choice by tokens; the record's \"protocol\" "
+                        "says which ran); several: each in turn")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
@@ -240,15 +246,16 @@ def main() -> int:
                                                               meta["host_primitives_us"].items()), flush=True)
     keep: list = []
     for T in args.tokens:
-        for form, legs, blocks, threads, direct in itertools.product(args.forms, args.legs, args.launch_blocks,
-                                                                     args.launch_threads, args.direct):
+        for form, legs, blocks, threads, direct, protocol in itertools.product(
+                args.forms, args.legs, args.launch_blocks, args.launch_threads, args.direct, args.protocol):
             try:
-                rec = point(T, form, args, meta, keep, legs, blocks, threads, direct)
+                rec = point(T, form, args, meta, keep, legs, blocks, threads, direct, protocol)
             except EpgenError as e:  # a config or geometry the op refuses (the same on every rank): the next point
                 if isinstance(e, EpTimeoutError):
                     raise
                 if dist.get_rank() == 0:
-                    print(f"skipped: {T} tokens, {form}, legs {legs}, blocks {blocks}, threads {threads}: {e}",
+                    print(f"skipped: {T} tokens, {form}, legs {legs}, blocks {blocks}, threads {threads}, "
+                          f"protocol {protocol}: {e}",
                           flush=True)
                 continue
             emit_point(rec, table(rec), args.out)

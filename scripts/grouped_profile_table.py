@@ -43,6 +43,7 @@ def row(rec: dict) -> str:
                     if rec.get(key))
     form += f" [{geo}]" if geo else ""
     form += " (direct dispatch)" if rec.get("direct") == "always" else ""
+    form += f" ({rec['protocol']} protocol)" if rec.get("protocol_choice", "auto") != "auto" else ""
     return (f"| {rec['commit']} | {rec['tokens_per_rank']} | {form} | {rec['per_layer_us']:.1f} | "
             + " | ".join(cells) + " |")
 

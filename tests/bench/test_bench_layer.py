@@ -365,6 +365,9 @@ def test_grouped_profile_table_names_legs_and_geometry():
     assert "| reduce (one legs) [blocks 8, threads 128] |" in gpt.row({**base, "legs": "one", "launch_blocks": 8,
                                                                         "launch_threads": 128})
     assert "| reduce (legs not recorded) |" in gpt.row({**base, "legs": {"eager_legs_us": 100.0}})
+    # a protocol asked for names the one that ran; the op's own choice (and records before the option) names none
+    assert "| reduce (ll protocol) |" in gpt.row({**base, "protocol_choice": "ll", "protocol": "ll"})
+    assert "| reduce |" in gpt.row({**base, "protocol_choice": "auto", "protocol": "bw"})
     assert gpt.row(base).endswith("| 7.5 | – | – | – | – | – | – | – |")
 
 
