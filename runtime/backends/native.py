@@ -69,6 +69,9 @@ def check_same_protocol(protocol: str, arch: str, group) -> None:
                           "protocol): " + ", ".join(f"rank {r}: {p!r} on {a}" for r, (p, a) in enumerate(everyone)))
 
 
+# the most ranks at which dispatch_grouped takes the direct kernel by default (NativeBackend.direct "auto"): measured
+# at one rank; past two its count tables' W x W reads are not yet measured (docs/PERF.md)
+DIRECT_AUTO_MAX_WORLD = 2
 EP_ROLES = ("dispatch", "combine", "dispatch_ll", "combine_ll")  # the kernels specs/tuning.toml gives geometry to
 
 
@@ -126,7 +129,7 @@ class NativeBackend:
         self.slot = 0
         self._load_slot(0)
         self.one_kernel = "auto"  # grouped legs as one kernel each: "auto" | "always" | "never" (one_kernel_legs)
-        self.direct = "auto"  # dispatch_grouped's direct kernel: "auto" (where allowed) | "always" | "never" (direct_dispatch)
+        self.direct = "auto"  # dispatch_grouped's direct kernel: "auto" | "always" | "never" (direct_dispatch)
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
         self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
@@ -406,12 +409,16 @@ class NativeBackend:
         then every kept pair's row stored straight into its group on the destination; no receive buffer, no
         grouped_count / grouped_place)? Where the plan allows it (plan.direct_grouped: the op's grouped buffers are
         in the workspace), on bandwidth-protocol calls of the op's own layout (not fresh) with no routing handle
-        given, unless self.direct is "never" ("auto" and "always" take it wherever it is allowed: one kernel where
-        there were three, faster at every size measured, 17.1 against 19.6 µs of kernels at 128 tokens and 196.8
-        against 207.5 at 4096, W = 1 on one H200, results/2026-12-04-1xH200-W1-direct-auto-ac9e2c2/; eager host
-        time 49.6 against 69.7 µs per call at 128 tokens)."""
-        return (self.direct != "never" and self.plan.direct and call["protocol"] == "bw" and layout_out is None
-                and not call["replay"])
+        given: "always" takes it wherever it is allowed, "never" nowhere, "auto" (the default) at world sizes up to
+        DIRECT_AUTO_MAX_WORLD. One kernel where there were three, faster at every size measured: 15.8 against 19.6
+        µs of kernels at 128 tokens and 181.6 against 207.5 at 4096, W = 1 on one H200
+        (results/2026-12-04-1xH200-W1-direct-tagged-86351a9/, …-direct-auto-ac9e2c2/; eager host time 49.6 against
+        69.7 µs per call at 128 tokens). Above two ranks its count tables cost W x W dependent reads before any row
+        moves (docs/PERF.md), not yet measured: those ops keep the three kernels until it is."""
+        if self.direct == "never" or not self.plan.direct or call["protocol"] != "bw" or layout_out is not None \
+                or call["replay"]:
+            return False
+        return self.direct == "always" or self.config.world_size <= DIRECT_AUTO_MAX_WORLD
 
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
         """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;
