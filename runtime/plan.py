@@ -28,6 +28,7 @@ import torch
 
 from . import kernels, ll
 from .config import EpDispatchCombineConfig, load_specs, spec_dtype
+from .errors import InputError
 
 REGION_ALIGN = 256
 _SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1}
@@ -66,6 +67,24 @@ def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool
     return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize
             and cfg.dispatch_data_type is None and cfg.dispatch_quant_type == "none" and act in ("bf16", "fp32")
             and not capped and not fused_grouped(cfg) and k <= 32 and W <= 64 and W * E + W <= buckets)
+
+
+# the most ranks at which dispatch_grouped takes the direct kernel by default (mode "auto"): measured at one rank;
+# past two its count tables' W x W reads are not yet measured (docs/PERF.md)
+DIRECT_AUTO_MAX_WORLD = 2
+DIRECT_MODES = ("auto", "always", "never")
+
+
+def direct_call(mode: str, allowed: bool, protocol: str, fresh: bool, replay: bool, world: int) -> bool:
+    """Does one dispatch_grouped call take the direct kernel? Only where the op allows it (Plan.direct:
+    direct_grouped above), on a bandwidth-protocol call into the op's own layout (not fresh) that is no routing
+    replay; then by mode (NativeBackend.direct): "always" takes it, "never" does not, "auto" at world sizes up to
+    DIRECT_AUTO_MAX_WORLD. Another mode is an InputError."""
+    if mode not in DIRECT_MODES:
+        raise InputError(f"direct dispatch mode must be one of {', '.join(DIRECT_MODES)}, got {mode!r}")
+    if mode == "never" or not allowed or protocol != "bw" or fresh or replay:
+        return False
+    return mode == "always" or world <= DIRECT_AUTO_MAX_WORLD
 
 
 @attrs.frozen

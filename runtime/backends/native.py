@@ -30,7 +30,7 @@ from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 from .. import collectives, errors, grouped, kernels, workspace
 from ..config import EpDispatchCombineConfig, load_specs
 from ..errors import ConfigError, EpgenError, InputError
-from ..plan import Plan, fused_grouped, slot_name
+from ..plan import Plan, direct_call, fused_grouped, slot_name
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped)
@@ -69,9 +69,6 @@ def check_same_protocol(protocol: str, arch: str, group) -> None:
                           "protocol): " + ", ".join(f"rank {r}: {p!r} on {a}" for r, (p, a) in enumerate(everyone)))
 
 
-# the most ranks at which dispatch_grouped takes the direct kernel by default (NativeBackend.direct "auto"): measured
-# at one rank; past two its count tables' W x W reads are not yet measured (docs/PERF.md)
-DIRECT_AUTO_MAX_WORLD = 2
 EP_ROLES = ("dispatch", "combine", "dispatch_ll", "combine_ll")  # the kernels specs/tuning.toml gives geometry to
 
 
@@ -410,15 +407,13 @@ class NativeBackend:
         grouped_count / grouped_place)? Where the plan allows it (plan.direct_grouped: the op's grouped buffers are
         in the workspace), on bandwidth-protocol calls of the op's own layout (not fresh) with no routing handle
         given: "always" takes it wherever it is allowed, "never" nowhere, "auto" (the default) at world sizes up to
-        DIRECT_AUTO_MAX_WORLD. One kernel where there were three, faster at every size measured: 15.8 against 19.6
-        µs of kernels at 128 tokens and 181.6 against 207.5 at 4096, W = 1 on one H200
+        plan.DIRECT_AUTO_MAX_WORLD (plan.direct_call). One kernel where there were three, faster at every size
+        measured: 15.8 against 19.6 µs of kernels at 128 tokens and 181.6 against 207.5 at 4096, W = 1 on one H200
         (results/2026-12-04-1xH200-W1-direct-tagged-86351a9/, …-direct-auto-ac9e2c2/; eager host time 49.6 against
         69.7 µs per call at 128 tokens). Above two ranks its count tables cost W x W dependent reads before any row
         moves (docs/PERF.md), not yet measured: those ops keep the three kernels until it is."""
-        if self.direct == "never" or not self.plan.direct or call["protocol"] != "bw" or layout_out is not None \
-                or call["replay"]:
-            return False
-        return self.direct == "always" or self.config.world_size <= DIRECT_AUTO_MAX_WORLD
+        return direct_call(self.direct, self.plan.direct, call["protocol"], layout_out is not None,
+                           bool(call["replay"]), self.config.world_size)
 
     def dispatch(self, x, weights, scales, indices, routing, layout: bool = False, layout_out=None):
         """layout=True (fuses_layout ops): the dispatch kernel may also place the grouped layout (one_kernel_legs;

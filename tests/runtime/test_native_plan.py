@@ -6,6 +6,7 @@ import torch
 
 from runtime import EpDispatchCombineConfig, kernels
 from runtime.config import load_specs
+from runtime.errors import InputError
 from runtime.plan import Plan
 
 BASE = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64, num_experts_per_rank=8,
@@ -208,3 +209,28 @@ def test_direct_grouped_dispatch_plan(fields, direct):
     plain = {r.name: r.nbytes for r in attrs.evolve(other, direct=False).slot_regions(cfg)}
     mine = {r.name: r.nbytes for r in plan.slot_regions(cfg)}
     assert sum(mine.values()) == sum(plain.values()) + regions["grouped_cnt"].nbytes
+
+
+def test_direct_call_takes_the_kernel_by_mode_and_world_size():
+    """runtime.plan.direct_call: which dispatch_grouped calls take the direct kernel. Never where the op does not
+    allow it, on the low-latency protocol, into a fresh layout or for a routing replay; "always" wherever allowed,
+    "never" nowhere, "auto" up to DIRECT_AUTO_MAX_WORLD ranks (measured at one; the count tables' W x W reads past
+    two are not); any other mode is refused with the modes named."""
+    from runtime.plan import DIRECT_AUTO_MAX_WORLD, direct_call
+
+    ok = dict(allowed=True, protocol="bw", fresh=False, replay=False)
+    assert DIRECT_AUTO_MAX_WORLD == 2
+    for world in (1, 2):
+        assert direct_call("auto", world=world, **ok)
+    for world in (3, 8, 64):
+        assert not direct_call("auto", world=world, **ok)
+        assert direct_call("always", world=world, **ok)
+    for mode in ("auto", "always", "never"):
+        assert not direct_call(mode, world=1, **{**ok, "allowed": False})
+        assert not direct_call(mode, world=1, **{**ok, "protocol": "ll"})
+        assert not direct_call(mode, world=1, **{**ok, "fresh": True})
+        assert not direct_call(mode, world=1, **{**ok, "replay": True})
+    assert not direct_call("never", world=1, **ok)
+    for bad in ("Always", "", "on", None):
+        with pytest.raises(InputError, match="must be one of auto, always, never"):
+            direct_call(bad, world=1, **ok)
