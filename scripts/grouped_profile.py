@@ -255,8 +255,7 @@ def main() -> int:
                     raise
                 if dist.get_rank() == 0:
                     print(f"skipped: {T} tokens, {form}, legs {legs}, blocks {blocks}, threads {threads}, "
-                          f"protocol {protocol}: {e}",
-                          flush=True)
+                          f"protocol {protocol}: {e}", flush=True)
                 continue
             emit_point(rec, table(rec), args.out)
     for op in keep:

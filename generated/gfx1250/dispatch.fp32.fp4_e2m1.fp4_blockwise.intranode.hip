@@ -1033,8 +1033,6 @@ EPG_KERNEL void epg_dispatch__fp32__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
 
   // Completion without a grid barrier (ep_common.j2): each block adds its share to every rank's arrival word
   // for this rank; block 0 alone waits until every rank's word is full, then publishes total_recv.
-  int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter);
-  const int tid = epg_thread();
   if (send) epg_dispatch_arrive(a, parity);
   const bool tail = a.grp_x && a.phase == EPG_PHASE_BOTH;  // the layout: one-call launches only
   if (epg_block() != 0 || a.phase == EPG_PHASE_SEND) {
@@ -1042,7 +1040,8 @@ EPG_KERNEL void epg_dispatch__fp32__fp4_e2m1__fp4_blockwise__intranode(EpArgs a)
     return;
   }
   if (!epg_dispatch_arrived(a, parity)) return;
-  if (tid == 0) {
+  if (epg_thread() == 0) {
+    int* counters = (int*)(epg_peer(a, a.rank) + a.off_counter);  // this rank's claim counters [parity]
     if (a.replay) {
       *(int*)a.total_recv = *(const int*)a.replay_total;  // the replayed dispatch's rows
     } else {

@@ -1074,12 +1074,13 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       }
       if (d & EPG_DIRECT_FIRST) {  // (the ids and weights from shared memory: no load waits behind these stores)
         char* peer = epg_peer(a, r);
+        int* pair_pos = (int*)epg_direct_peer(a, a.grp_pair_pos, r);
         for (int jj = 0; jj < K; ++jj) {
           const epg_i64 p = (epg_i64)row * K + jj;
           ((int*)(peer + a.off_recv_idx))[p] = sh.e[c][jj];
           ((float*)(peer + a.off_recv_w))[p] = sh.w[c][jj];
           const int dj = sh.dst[c][jj];
-          ((int*)epg_direct_peer(a, a.grp_pair_pos, r))[p] = dj >= 0 && (dj & (EPG_DIRECT_FIRST - 1)) == r ? sh.g[c][jj] : -1;
+          pair_pos[p] = dj >= 0 && (dj & (EPG_DIRECT_FIRST - 1)) == r ? sh.g[c][jj] : -1;
         }
         ((int*)(peer + a.off_recv_src))[row] = (int)(a.rank * a.max_tokens + t);
         slots[t * K + j] = row * W + r;
