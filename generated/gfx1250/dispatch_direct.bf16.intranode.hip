@@ -827,7 +827,8 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
 //     same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
 //     counts are all the table publishes).
-//  3. Every block, for each destination r: reads r's table, each word once it carries this call's tag, works out r's groups
+//  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W senders'
+//     words loaded at once; each word used once it carries this call's tag), then for each destination r works out r's groups
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
@@ -861,9 +862,9 @@ EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
 EPG_DEVICE epg_u64* epg_direct_table(const EpArgs& a, int r, int parity) {
   return (epg_u64*)epg_direct_peer(a, a.grp_cnt, r) + (epg_i64)parity * a.world * (a.experts_per_rank + 1);
 }
-// The count in a table word once it is this call's (tag); false after a timeout (phase 9, naming the sender).
-EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, int tag, int sender, int& count) {
-  epg_u64 word = epg_ld64_sys(at);
+// The count of a table word `word` loaded from `at`, polled again until it is this call's (tag); false after a
+// timeout (phase 9, naming the sender).
+EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, epg_u64 word, int tag, int sender, int& count) {
   if ((epg_u32)(word >> 32) != (epg_u32)tag) {
     EpgSpin w(a, sender);
     while ((epg_u32)((word = epg_ld64_sys(at)) >> 32) != (epg_u32)tag)
@@ -875,6 +876,7 @@ EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, int tag, in
 
 struct EpgDirectShared {
   int hb[EPG_DIRECT_BUCKETS];  // before this block's tokens, then: each bucket's next grouped row; rows: next row index
+  int sb[EPG_DIRECT_BUCKETS];  // each (rank, expert) bucket's pairs from the senders below this rank
   int ht[EPG_DIRECT_BUCKETS];  // all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
@@ -955,34 +957,45 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   g.src = (int*)a.grp_src;
   g.m_indices = (int*)a.grp_m_indices;
   g.weights = (float*)a.grp_weights;
-  for (int r = 0; r < W; ++r) {
-    const epg_u64* table = epg_direct_table(a, r, parity);
-    for (int e = tid; e <= E; e += nt) {  // totals over the senders, and the part of the senders below this rank
-      int all = 0, below = 0;
-      for (int p = 0; p < W; ++p) {
+  // every destination's table in one pass: a thread per (rank r, bucket e), its W senders' words loaded at once
+  for (int i = tid; i < W * (E + 1); i += nt) {
+    const int r = i / (E + 1), e = i % (E + 1);
+    const epg_u64* at = epg_direct_table(a, r, parity) + e;
+    int all = 0, below = 0;
+    for (int p0 = 0; p0 < W && sh.ok; p0 += 8) {
+      epg_u64 words[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) words[q] = p0 + q < W ? epg_ld64_sys(at + (p0 + q) * (E + 1)) : 0ull;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int p = p0 + q;
         int c = 0;
-        if (!epg_direct_count(a, table + p * (E + 1) + e, tag, p, c)) {
+        if (p >= W) break;
+        if (!epg_direct_count(a, at + p * (E + 1), words[q], tag, p, c)) {
           sh.ok = 0;
           break;
         }
         all += c;
         if (p < me) below += c;
       }
-      if (e < E) {
-        gsh.kept[e] = all;
-        sh.ht[r * E + e] = below;  // parked here (this block's totals were posted) until the starts are in
-      } else {
-        sh.hb[NX + r] += below;  // this block's first row index at r
-        if (r == me) sh.total = all;
-      }
     }
+    if (e < E) {
+      sh.ht[r * E + e] = all;  // (this block's own totals were posted: the slots are free)
+      sh.sb[r * E + e] = below;
+    } else {
+      sh.hb[NX + r] += below;  // this block's first row index at r
+      if (r == me) sh.total = all;
+    }
+  }
+  epg_syncthreads();
+  epg_trace(a, 3);  // every destination's table read
+  for (int r = 0; sh.ok && r < W; ++r) {  // (sh.ok: the same for the whole block after the barrier above)
+    for (int e = tid; e < E; e += nt) gsh.kept[e] = sh.ht[r * E + e];
     epg_syncthreads();
-    if (!sh.ok) break;  // a count wait timed out
-    if (r == W - 1) epg_trace(a, 3);  // the last destination's table waited for and read
     const int end = epg_grouped_bounds(g, gsh, r == me);
     for (int e = tid; e < E; e += nt) {
       const int b = r * E + e;
-      sh.hb[b] += gsh.start[e] + sh.ht[b];  // this block's first pair of (r, e): start + senders below + blocks below
+      sh.hb[b] += gsh.start[e] + sh.sb[b];  // this block's first pair of (r, e): start + senders below + blocks below
       sh.ht[b] = gsh.start[e] + gsh.kept[e];  // the group's end of kept pairs
     }
     if (r == me) {
