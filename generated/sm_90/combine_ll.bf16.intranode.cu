@@ -953,6 +953,11 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 
 // A combine's staging with a.grp_pair_pos: each received row (< rows) of this rank's combine buffer (comb_x) =
 // the weighted sum of its pairs' grouped rows in expert_out, one thread per (row, 8 elements) over the grid.
+// EPG_STAGE_U: pairs in flight per thread, 128 bytes of loads (bf16: 8, all of a top-8 row's pairs at once). The
+// combine's grid is one 512-thread block per SM (its gather holds 87 registers), half the threads the standalone
+// grouped_reduce keeps in flight (two blocks at 48 registers, 4 pairs each): twice the pairs per thread keep as
+// many bytes in flight per SM (sm_90: 92 registers in bf16, 128 in fp32).
+constexpr int EPG_STAGE_U = 8;
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
   const epg_i64 n8 = a.hidden / 8;
@@ -960,7 +965,7 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
     const epg_i64 row = i / n8, elem = 8 * (i % n8);
     float acc[8];
-    epg_grouped_reduce8<4>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
+    epg_grouped_reduce8<EPG_STAGE_U>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
                         (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
     epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
   }
