@@ -387,18 +387,23 @@ class NativeBackend:
     def one_kernel_legs(self, protocol: str, leg: str = "dispatch") -> bool:
         """Does a grouped leg ("dispatch" / "combine") of this protocol run as one kernel (grouped_tail.j2, combine_ll's
         push) rather than the EP kernel and the separate passes? self.one_kernel: "always" / "never" (tests,
-        scripts/grouped_profile.py) or "auto": a low-latency combine always (combine_ll forms each row from its
-        pairs as it pushes it: 7.7 µs against 6.3 + 2.9 for combine_ll and grouped_reduce at one token, 8.2 against
-        7.2 + 3.3 at eight, W = 1 on one H200 in a graph, results/2026-12-04-1xH200-W1-one-kernel-combine-d70606d/),
-        a low-latency dispatch only eager: inside a graph its tail (a grid barrier, then the passes on the EP grid)
-        is slower than the separate passes (16.6 against 7.7 + 6.3 µs at one token), while an eager 1-token layer is
-        bound by the host's launches. The bandwidth protocol's legs never (results/2026-12-03-1xH200-W1-2b65c38/: 33.6
-        / 45.1 / 473.5 µs of epgen kernels per layer at 1 / 128 / 4096 tokens against 29.7 / 37.9 / 393)."""
+        scripts/grouped_profile.py) or "auto":
+        - combine_grouped: one kernel under both protocols. combine_ll forms each row from its pairs as it pushes it
+          (7.7 µs against 6.3 + 2.9 for combine_ll and grouped_reduce at one token, 8.2 against 7.2 + 3.3 at eight,
+          results/2026-12-04-1xH200-W1-one-kernel-combine-d70606d/); the gather combine stages each row from its
+          pairs with 128 bytes of loads in flight per thread (25dc3de): per layer in a graph 66.1 against 68.1 µs
+          at 128 tokens, 120.2 against 120.9 at 512, 603.2 against 599.9 at 4096 (its kernel alone 16.6 / 33.6 /
+          176.5 against grouped_reduce + gather 14.7 / 33.5 / 170.0), eager 111.1 / 135.4 / 622.9 against 127.6 /
+          137.6 / 627.5 (one launch less), results/2026-12-04-1xH200-W1-staged-combine-25dc3de/; W = 1, one H200;
+        - dispatch_grouped: a low-latency one only eager: inside a graph its tail (a grid barrier, then the passes on
+          the EP grid) is slower than the separate passes (16.6 against 7.7 + 6.3 µs at one token), while an eager
+          1-token layer is bound by the host's launches. The bandwidth protocol's never (results/2026-12-03-1xH200-
+          W1-2b65c38/); its direct kernel (direct_dispatch) has no passes to fold."""
         if self.one_kernel != "auto":
             return self.one_kernel == "always"
-        if protocol != "ll":
-            return False
-        return leg == "combine" or not torch.cuda.is_current_stream_capturing()
+        if leg == "combine":
+            return True
+        return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def direct_dispatch(self, call: dict, layout_out) -> bool:

@@ -114,14 +114,14 @@ def test_each_slot_launches_with_its_own_argument_block_and_buffers():
 
 @pytest.mark.parametrize("capturing", [False, True])
 def test_one_kernel_legs_auto_policy(monkeypatch, capturing):
-    """auto: a low-latency combine_grouped is one kernel always (combine_ll sums each row's pairs as it pushes it), a
-    low-latency dispatch_grouped only outside graph capture (its tail is slower than the separate passes in a graph),
-    the bandwidth protocol's legs never; "always" / "never" override both legs."""
+    """auto: combine_grouped is one kernel under both protocols (combine_ll sums each row's pairs as it pushes it,
+    the gather combine stages them), a low-latency dispatch_grouped only outside graph capture (its tail is slower
+    than the separate passes in a graph), a bandwidth one never; "always" / "never" override both legs."""
     nb = _backend("ll")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     assert nb.one_kernel_legs("ll", "combine")
     assert nb.one_kernel_legs("ll", "dispatch") == (not capturing)
-    assert not nb.one_kernel_legs("bw", "combine") and not nb.one_kernel_legs("bw", "dispatch")
+    assert nb.one_kernel_legs("bw", "combine") and not nb.one_kernel_legs("bw", "dispatch")
     nb.one_kernel = "never"
     assert not nb.one_kernel_legs("ll", "combine")
     nb.one_kernel = "always"
