@@ -906,34 +906,22 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   for (int i = tid; i < NX + W; i += nt) sh.hb[i] = sh.ht[i] = 0;
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
-  // two tokens a thread (t and t + nt), eight ids of each loaded before any is used: sixteen loads in flight
-  for (epg_i64 tb = tid; tb < T; tb += 2 * (epg_i64)nt) {
-    epg_u64 ranks[2] = {0, 0};
-    for (int j0 = 0; j0 < K; j0 += 8) {
-      int e[2][8];
+  for (epg_i64 t = tid; t < T; t += nt) {
+    int* h = t < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (one atomic per id; summed below)
+    epg_u64 ranks = 0;
+    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids loaded before any is used
+      int e[8];
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const epg_i64 t = tb + u * (epg_i64)nt;
-          e[u][q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
+      for (int q = 0; q < 8; ++q)
+        if (e[q] >= 0 && e[q] < a.num_experts) {
+          epg_atomic_add_dev(&h[e[q]], 1);
+          ranks |= 1ull << (e[q] / E);
         }
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        int* h = tb + u * (epg_i64)nt < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (summed below)
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          if (e[u][q] >= 0 && e[u][q] < a.num_experts) {
-            epg_atomic_add_dev(&h[e[u][q]], 1);
-            ranks[u] |= 1ull << (e[u][q] / E);
-          }
-      }
     }
-    for (int u = 0; u < 2; ++u) {
-      int* h = tb + u * (epg_i64)nt < t0 ? sh.hb : sh.ht;
-      for (int r = 0; ranks[u]; ++r, ranks[u] >>= 1)
-        if (ranks[u] & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
-    }
+    for (int r = 0; ranks; ++r, ranks >>= 1)
+      if (ranks & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
   }
   epg_syncthreads();
   for (int i = tid; i < NX + W; i += nt) sh.ht[i] += sh.hb[i];  // all tokens
