@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from runtime.config import load_specs
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from tests.support.ep_oracle import random_routing
 from tests.support.configs import dist_config
@@ -362,8 +363,12 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
         with EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="native", **kw)) as op, \
                 EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="torch", **kw)) as ref:
             be = op._backend
-            assert be.plan.direct and "dispatch_direct" in be.k
+            # the kernel's (rank, expert) and per-rank counters must fit its shared memory: past that (700 experts
+            # at 4 ranks) the op refuses the direct kernel and "always" runs the separate passes, checked as "never"
+            fits = W * epr + W <= dict(load_specs().arglists["ep"].limits)["direct_buckets"]
+            assert be.plan.direct == fits and (not fits or "dispatch_direct" in be.k), (W, epr)
             be.direct = direct
+            exact = direct == "always" and fits  # the direct kernel runs: the torch backend's numbering
             launched = []
             launch = be.k.launch
             be.k.launch = lambda role, *a, **k: launched.append(role) or launch(role, *a, **k)
@@ -375,7 +380,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
                 idx = random_routing(g, n, K, epr * W)
                 launched.clear()
                 lay, h = op.dispatch_grouped(x.cuda(), w.cuda(), None, idx.cuda())
-                if direct == "always":
+                if exact:
                     assert launched == ["dispatch_direct"] and be._placed, launched
                 else:
                     assert "dispatch_direct" not in launched and launched[0] == "dispatch", launched
@@ -384,7 +389,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
                 rlay, rh = ref.dispatch_grouped(x.to(ref.device), w.to(ref.device), None, idx.to(ref.device))
                 total = int(op._backend.total_recv)
                 assert total == rh.total_recv, (total, rh.total_recv)
-                same = _exact if direct == "always" else _same_groups
+                same = _exact if exact else _same_groups
                 same(lay, rlay, total, K, f"{n} tokens", op, rh)
                 y = expert_rows(lay, _payload(mode), op.config.combine_dtype, dist.get_rank() * epr)
                 ry = expert_rows(rlay, _payload(mode), ref.config.combine_dtype, dist.get_rank() * epr)
