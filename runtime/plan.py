@@ -70,7 +70,8 @@ def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool
 
 
 # the most ranks at which dispatch_grouped takes the direct kernel by default (mode "auto"): measured at one rank;
-# past two its count tables' W x W reads are not yet measured (docs/PERF.md)
+# past two its time is not yet measured (its count tables are read in one pass since 6f7102f, correct at 4 and 8
+# ranks sharing one GPU; docs/PERF.md)
 DIRECT_AUTO_MAX_WORLD = 2
 DIRECT_MODES = ("auto", "always", "never")
 

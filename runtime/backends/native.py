@@ -415,8 +415,8 @@ class NativeBackend:
         plan.DIRECT_AUTO_MAX_WORLD (plan.direct_call). One kernel where there were three, faster at every size
         measured: 15.8 against 19.6 µs of kernels at 128 tokens and 181.6 against 207.5 at 4096, W = 1 on one H200
         (results/2026-12-04-1xH200-W1-direct-tagged-86351a9/, …-direct-auto-ac9e2c2/; eager host time 49.6 against
-        69.7 µs per call at 128 tokens). Above two ranks its count tables cost W x W dependent reads before any row
-        moves (docs/PERF.md), not yet measured: those ops keep the three kernels until it is."""
+        69.7 µs per call at 128 tokens). Above two ranks its time is not yet measured (correct at 4 and 8 ranks
+        sharing one GPU; docs/PERF.md): those ops keep the three kernels until it is."""
         return direct_call(self.direct, self.plan.direct, call["protocol"], layout_out is not None,
                            bool(call["replay"]), self.config.world_size)
 
