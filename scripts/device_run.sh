@@ -30,7 +30,7 @@
 # installed first from the wheels in TITAN_WHEELS, default .titan-wheels, when that folder is there: the machine has no
 # index; pip download --no-deps -d .titan-wheels torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard typing_extensions
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
-# GPU 0, W = 1: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
+# GPU 0, W = 1 unless TRAIN_NPROC: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
 # "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
 # PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
 # dispatch_direct's with --forms direct, records of kind
@@ -165,7 +165,8 @@ titan_install() {  # torchtitan from the carried wheels (the machine has no inde
 }
 if [ -n "${TRAIN:-}" ]; then  # the MoE layer's forward + backward, eager, against torchtitan's all-to-all dispatcher (W = 1)
   titan_install
-  CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node 1 scripts/train_layer.py ${TRAIN_ARGS:-} \
+  CUDA_VISIBLE_DEVICES=$([ "${TRAIN_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
+    torchrun --nproc-per-node ${TRAIN_NPROC:-1} scripts/train_layer.py ${TRAIN_ARGS:-} \
     --out "$OUT/train_layer.jsonl" 2>&1 | tee "$OUT/train_layer.log" | grep -vE "^(W|\*)" | tail -24; status[train]=${PIPESTATUS[0]}
 fi
 if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton; the shim covers torch 2.11)
