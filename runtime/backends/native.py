@@ -388,7 +388,8 @@ class NativeBackend:
         """Does a grouped leg ("dispatch" / "combine") of this protocol run as one kernel (grouped_tail.j2, combine_ll's
         push) rather than the EP kernel and the separate passes? self.one_kernel: "always" / "never" (tests,
         scripts/grouped_profile.py) or "auto":
-        - combine_grouped: one kernel under both protocols. combine_ll forms each row from its pairs as it pushes it
+        - combine_grouped: one kernel under both protocols where the op can stage (grouped_staged: not a scatter
+          combine, not a dequantizing layout). combine_ll forms each row from its pairs as it pushes it
           (7.7 µs against 6.3 + 2.9 for combine_ll and grouped_reduce at one token, 8.2 against 7.2 + 3.3 at eight,
           results/2026-12-04-1xH200-W1-one-kernel-combine-d70606d/); the gather combine stages each row from its
           pairs with 128 bytes of loads in flight per thread (25dc3de): per layer in a graph 66.1 against 68.1 µs
