@@ -441,6 +441,52 @@ EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& s
   }
 }
 
+// Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
+EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
+  int lo = 0, hi = (int)g.num_local;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
+  }
+  return lo < g.num_local && r < sh.start[lo] + sh.kept[lo];
+}
+
+// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
+// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is (but see epg_grouped_zero).
+EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
+  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
+    if (!epg_grouped_filled(g, sh, r)) {
+      g.src[r] = -1;
+      g.m_indices[r] = -1;
+      g.weights[r] = 0.f;
+    }
+  }
+}
+
+// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
+// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
+// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
+EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
+  const epg_i64 to = max_recv * g.k;
+  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
+       p += (epg_i64)epg_nblocks() * epg_block_dim())
+    g.pair_pos[p] = -1;
+}
+
+// Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
+// (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
+// (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
+EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 out_row_bytes) {
+  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
+  const epg_i64 n16 = out_row_bytes / 16;
+  epg_vec16 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (epg_i64 r = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; r < g.capacity; r += (epg_i64)epg_nblocks() * waves) {
+    if (epg_grouped_filled(g, sh, r)) continue;  // wave-uniform
+    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(g.out_x + r * out_row_bytes + 16 * b, z);
+  }
+}
+
 // A small batch's placement with its rows loaded first (grouped_place with count_here): the source row of pair p is
 // p / k whatever the numbering says, so each wave loads its chunk of its pair's row before the counts are read and
 // the groups worked out, and stores it once they are (the row's memory round trip overlaps theirs). One unit
@@ -488,53 +534,6 @@ EPG_DEVICE void epg_grouped_place_prefetched(const EpgGrouped& g, const EpgGroup
     g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
   if (lane == 0) epg_grouped_note(g, f.p, row);
 }
-
-// Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
-EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
-  int lo = 0, hi = (int)g.num_local;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (sh.end[mid] > r) hi = mid; else lo = mid + 1;
-  }
-  return lo < g.num_local && r < sh.start[lo] + sh.kept[lo];
-}
-
-// Mark, one thread per grouped row below `upto`: a row without a pair (a group's padding, or past the last
-// group) gets src = m_indices = -1, weights = 0. Its payload is left as it is (but see epg_grouped_zero).
-EPG_DEVICE void epg_grouped_mark(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 upto) {
-  for (epg_i64 r = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); r < upto; r += (epg_i64)epg_nblocks() * epg_block_dim()) {
-    if (!epg_grouped_filled(g, sh, r)) {
-      g.src[r] = -1;
-      g.m_indices[r] = -1;
-      g.weights[r] = 0.f;
-    }
-  }
-}
-
-// A fresh pair map (zero_padding: the layout's tensors are the call's own, never written before): the pairs of
-// the rows past total_recv, up to max_recv, get -1, one thread each (the place pass writes those of the
-// received rows), so every entry of the map [max_recv * k] is defined for whoever reads it whole.
-EPG_DEVICE void epg_grouped_unpaired(const EpgGrouped& g, epg_i64 max_recv) {
-  const epg_i64 to = max_recv * g.k;
-  for (epg_i64 p = (epg_i64)*g.total_recv * g.k + (epg_i64)epg_block() * epg_block_dim() + epg_thread(); p < to;
-       p += (epg_i64)epg_nblocks() * epg_block_dim())
-    g.pair_pos[p] = -1;
-}
-
-// Zero, one wave per grouped row of the whole buffer (capacity): a row without a pair gets its payload
-// (out_row_bytes, 16-byte stores) zeroed; its scales are left as they are. For a fresh output buffer
-// (dispatch_grouped under autograd: a grouped GEMM over the padding then sees zeros, never stale rows).
-EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 out_row_bytes) {
-  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
-  const epg_i64 n16 = out_row_bytes / 16;
-  epg_vec16 z;
-  z.x = z.y = z.z = z.w = 0u;
-  for (epg_i64 r = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; r < g.capacity; r += (epg_i64)epg_nblocks() * waves) {
-    if (epg_grouped_filled(g, sh, r)) continue;  // wave-uniform
-    for (epg_i64 b = lane; b < n16; b += EPG_WAVE) epg_st16(g.out_x + r * out_row_bytes + 16 * b, z);
-  }
-}
-
 EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x,
     const char* __restrict__ recv_scales,
     const float* __restrict__ recv_w,

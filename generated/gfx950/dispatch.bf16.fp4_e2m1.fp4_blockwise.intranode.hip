@@ -777,54 +777,6 @@ EPG_DEVICE void epg_grouped_place(const EpgGrouped& g, const EpgGroupedShared& s
   }
 }
 
-// A small batch's placement with its rows loaded first (grouped_place with count_here): the source row of pair p is
-// p / k whatever the numbering says, so each wave loads its chunk of its pair's row before the counts are read and
-// the groups worked out, and stores it once they are (the row's memory round trip overlaps theirs). One unit
-// (pair, chunk of up to EPG_PREFETCH_VECS vectors per lane: held through the counting, in registers within the
-// kernel's two blocks per SM; 8 spilled on sm_90) per wave, planned over the op's most pairs (max_pairs: rows past
-// total_recv are read and never stored); epg_grouped_prefetch says false where that plan has more units than the
-// grid has waves: then the plain placement runs after the bounds.
-constexpr int EPG_PREFETCH_VECS = 4;
-struct EpgPlacePrefetch {
-  epg_vec16 v[EPG_PREFETCH_VECS];
-  epg_i64 p;    // the wave's pair, -1 none
-  int lo, n;    // its chunk: first vector, vectors
-};
-EPG_DEVICE bool epg_grouped_prefetch(const EpgGrouped& g, epg_i64 max_pairs, EpgPlacePrefetch& f) {
-  const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
-  const epg_i64 all_waves = (epg_i64)epg_nblocks() * waves;
-  const int n16 = (int)(g.row_bytes / 16), per = EPG_PREFETCH_VECS * EPG_WAVE;
-  const int chunks = (n16 + per - 1) / per;  // chunks of at most `per` vectors: EPG_PREFETCH_VECS per lane
-  if (max_pairs * chunks > all_waves) return false;  // uniform over the grid
-  const epg_i64 u = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE;
-  f.p = u < max_pairs * chunks ? u / chunks : -1;
-  f.lo = (int)(u % chunks) * per;
-  f.n = f.p >= 0 ? (n16 - f.lo < per ? n16 - f.lo : per) : 0;
-  const char* src = g.recv_x + (f.p >= 0 ? f.p / g.k : 0) * g.row_bytes + 16 * (epg_i64)f.lo;
-#pragma unroll
-  for (int i = 0; i < EPG_PREFETCH_VECS; ++i)
-    if (lane + i * EPG_WAVE < f.n) f.v[i] = epg_ld16(src + 16 * (epg_i64)(lane + i * EPG_WAVE));
-  return true;
-}
-EPG_DEVICE void epg_grouped_place_prefetched(const EpgGrouped& g, const EpgGroupedShared& sh, const EpgPlacePrefetch& f) {
-  const int lane = epg_lane();
-  if (f.p < 0 || f.p >= (epg_i64)*g.total_recv * g.k) return;  // wave-uniform
-  const int row = epg_grouped_row(g, sh, f.p);
-  if (row < 0) {
-    if (f.lo == 0 && lane == 0) g.pair_pos[f.p] = -1;
-    return;
-  }
-  char* dst = g.out_x + (epg_i64)row * g.row_bytes + 16 * (epg_i64)f.lo;
-#pragma unroll
-  for (int i = 0; i < EPG_PREFETCH_VECS; ++i)
-    if (lane + i * EPG_WAVE < f.n) epg_st16(dst + 16 * (epg_i64)(lane + i * EPG_WAVE), f.v[i]);
-  if (f.lo != 0) return;
-  const epg_i64 from = f.p / g.k;
-  for (epg_i64 b = lane; b < g.scale_bytes; b += EPG_WAVE)
-    g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
-  if (lane == 0) epg_grouped_note(g, f.p, row);
-}
-
 // Does grouped row r hold a pair? (the first group ending past r, by bisection over the bounds)
 EPG_DEVICE bool epg_grouped_filled(const EpgGrouped& g, const EpgGroupedShared& sh, epg_i64 r) {
   int lo = 0, hi = (int)g.num_local;

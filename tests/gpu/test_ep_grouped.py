@@ -313,7 +313,7 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, to
     run_collective(check)
 
 
-def _exact(lay, rlay, total, k, what, op=None, rh=None):
+def _exact(lay, rlay, total, k, what):
     """The native layout equals the torch backend's bit for bit: received rows in (source rank, token) order."""
     keep = rlay.src >= 0
     for name in ("offs", "counts", "src", "m_indices", "weights"):
@@ -325,7 +325,7 @@ def _exact(lay, rlay, total, k, what, op=None, rh=None):
     assert torch.equal(lay.pair_pos.cpu()[:n].long(), rlay.pair_pos.cpu()[:n].long()), what
 
 
-def _same_groups(lay, rlay, total, k, what, op, rh):
+def _same_groups(lay, rlay, k, what, op, rh):
     """The native layout holds the torch backend's groups, its rows numbered in arrival order: offsets, counts and
     drops equal, each group the same set of (source token, column) rows with the same bytes, weight and expert."""
     for name in ("offs", "counts"):
@@ -389,8 +389,12 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
                 rlay, rh = ref.dispatch_grouped(x.to(ref.device), w.to(ref.device), None, idx.to(ref.device))
                 total = int(op._backend.total_recv)
                 assert total == rh.total_recv, (total, rh.total_recv)
-                same = _exact if exact else _same_groups
-                same(lay, rlay, total, K, f"{n} tokens", op, rh)
+                def same(got, what):  # the direct kernel's numbering, or the separate passes' arrival order
+                    if exact:
+                        _exact(got, rlay, total, K, what)
+                    else:
+                        _same_groups(got, rlay, K, what, op, rh)
+                same(lay, f"{n} tokens")
                 y = expert_rows(lay, _payload(mode), op.config.combine_dtype, dist.get_rank() * epr)
                 ry = expert_rows(rlay, _payload(mode), ref.config.combine_dtype, dist.get_rank() * epr)
                 got, want = op.combine_grouped(y, h)[0].cpu(), ref.combine_grouped(ry, rh)[0].cpu()
@@ -399,7 +403,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
                     assert int(lay.dropped) > 0, "the small buffer dropped nothing"
                 # a replay of this routing takes the separate passes (a handle given): the same layout
                 op.dispatch(x.cuda(), w.cuda(), None, idx.cuda(), routing=h)
-                same(op.grouped_layout(), rlay, total, K, f"{n} tokens, replayed", op, rh)
+                same(op.grouped_layout(), f"{n} tokens, replayed")
     run_collective(check)
 
 
