@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from generator.abi import STATE_SIZE
-from runtime.backends.native import PHASE_BOTH, PHASE_RECV, PHASE_SEND, NativeBackend
+from runtime.backends.native import PHASE_BOTH, PHASE_RECV, PHASE_SEND, NativeBackend, SlotMaps
 from runtime.routing import RoutingHandle
 from tests.support.configs import make_config
 
@@ -35,6 +35,7 @@ def _backend(protocol, scatter=False, slots=2):
     nb.config, nb.protocol, nb.capped, nb.id_check, nb.device = cfg, protocol, False, "off", torch.device("cpu")
     nb._error_words, nb._late_words, nb._bad_seen = [0] * 8, 0, 0
     nb.k = Launches()
+    nb._slot_maps = SlotMaps(nb.device)
     nb.plan = types.SimpleNamespace(scatter=scatter)
     nb._launch_geometry = lambda role, tokens, items: (7, 256, False)
     nb._slots = []
@@ -126,3 +127,26 @@ def test_one_kernel_legs_auto_policy(monkeypatch, capturing):
     assert not nb.one_kernel_legs("ll", "combine")
     nb.one_kernel = "always"
     assert nb.one_kernel_legs("bw", "dispatch") and nb.one_kernel_legs("bw", "combine")
+
+
+def test_slot_maps_hand_out_memory_of_their_own():
+    """Each dispatch's slot map and row count (kept by its routing handle past later dispatches) are memory no
+    other call gets, cut from batches bounded in bytes; many token counts keep at most TOKEN_COUNTS batches."""
+    maps = SlotMaps(torch.device("cpu"))
+    first = maps.take(3, 8)
+    first[0].fill_(7)
+    first[1].fill_(9)
+    taken = [first] + [maps.take(3, 8) for _ in range(2 * SlotMaps.BATCH + 5)]
+    addrs = [a for s, t in taken for a in (s.data_ptr(), t.data_ptr())]
+    assert len(set(addrs)) == len(addrs)
+    assert all(s.shape == (3, 8) and s.is_contiguous() and s.dtype == torch.int32 and t.shape == (1,)
+               for s, t in taken)
+    for s, t in taken[1:]:
+        s.fill_(-1)
+        t.fill_(-1)
+    assert bool((first[0] == 7).all()) and int(first[1]) == 9  # nothing handed out twice
+    big = maps.take(4096, 8)  # a batch of about BATCH_BYTES: fewer calls per batch
+    assert big[0]._base.shape[0] == SlotMaps.BATCH_BYTES // (4 * (4096 * 8 + 1))
+    for T in range(1, SlotMaps.TOKEN_COUNTS + 3):
+        maps.take(T, 2)
+    assert len(maps._free) <= SlotMaps.TOKEN_COUNTS
