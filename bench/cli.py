@@ -84,9 +84,6 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     layer.add_argument("--layer-paths", nargs="+", default=["epgen", "a2a"], choices=["epgen", "a2a", "vdev2d"],
                        help="vdev2d needs the NVSHMEM backend: a process without epgen (and without --ceiling/--layer-loop)")
     layer.add_argument("--layer-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    layer.add_argument("--grouped-combine", nargs="+", default=["reduce"], choices=["reduce", "fused"],
-                       help="--layer: combine_grouped's forms to run epgen with (config grouped_combine; \"fused\" "
-                            "on bandwidth-protocol runs only)")
     layer.add_argument("--intermediate", type=int, default=2048, help="--layer: expert intermediate size")
     layer.add_argument("--graph-layers", type=int, default=4, help="--layer: layers per captured graph")
     layer.add_argument("--layer-iters", type=int, default=20, help="--layer: eager iterations (a quarter at >= 2048 tokens)")

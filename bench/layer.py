@@ -55,8 +55,7 @@ def run(args, emit=lambda recs: None) -> list[dict]:
                 for T in args.tokens or LAYER_TOKENS:
                     add(run_layer_point(T, hidden, args.topk, args.experts, inter, mode, args.layer_paths,
                                         graph_layers=args.graph_layers, eager_iters=args.layer_iters, weights=weights,
-                                        protocols=protocols, grouped_combines=getattr(args, "grouped_combine", None)
-                                        or ["reduce"]))
+                                        protocols=protocols))
                     if dev.type == "cuda":  # the point's graph pools back to the device: no growth across points,
                         torch.cuda.empty_cache()  # and room for the next op's workspace (cudaMalloc, outside torch)
         except GateError as e:  # raised on every rank alike: the layer points stop, the ceiling still runs

@@ -154,19 +154,18 @@ def make_weights(epr, hidden, inter, device, seed=0):
 class EpgenPath:
     name, capturable = "epgen", True
 
-    def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw", grouped_combine: str = "reduce"):
+    def __init__(self, p: Problem, backend: str = "native", protocol: str = "bw"):
         self.p = p
-        self.op = EpDispatchCombineOp(self.config(p, backend, protocol, grouped_combine))
+        self.op = EpDispatchCombineOp(self.config(p, backend, protocol))
 
     @staticmethod
-    def config(p: Problem, backend: str = "native", protocol: str = "bw",
-               grouped_combine: str = "reduce") -> EpDispatchCombineConfig:
+    def config(p: Problem, backend: str = "native", protocol: str = "bw") -> EpDispatchCombineConfig:
         return EpDispatchCombineConfig(rank=p.rank, world_size=p.world, hidden_dim=p.H, max_num_inp_token_per_rank=p.T,
                                        num_experts_per_rank=p.epr, num_experts_per_token=p.k, data_type=torch.bfloat16,
                                        kernel_backend=backend, intranode_protocol=protocol,
                                        dispatch_quant_type="fp8_blockwise" if p.mode == "fp8" else "none",
                                        enable_grouped_layout=True, expert_alignment=GROUP_ALIGN,
-                                       grouped_combine=grouped_combine, grouped_dequantize=p.mode == "fp8")
+                                       grouped_dequantize=p.mode == "fp8")
 
     def __call__(self) -> torch.Tensor:
         p, op = self.p, self.op
@@ -309,11 +308,10 @@ def layer_iters(T: int, base: int) -> int:
 
 def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode: str, paths=("epgen", "a2a"),
                     graph_layers: int = 4, reps: int = 10, eager_iters: int = 20, backend: str = "native",
-                    weights=None, protocols=("bw",), grouped_combines=("reduce",)) -> list[dict]:
+                    weights=None, protocols=("bw",)) -> list[dict]:
     """One MoE-layer point, every path on the same problem; collective; one record per path, epgen once per
     intranode wire protocol in `protocols` (field intranode_protocol; "ll" only where the config allows it:
-    up to LL_MAX_TOKENS tokens per rank, verbatim payloads, so not the fp8 mode's in-kernel quantization)
-    and combine_grouped form in `grouped_combines` (field grouped_combine; "fused" with "bw" only);
+    up to LL_MAX_TOKENS tokens per rank, verbatim payloads, so not the fp8 mode's in-kernel quantization);
     the a2a reference runs first: it gates the others and places the tokens of expert_us."""
     if mode not in LAYER_DTYPES:
         raise ValueError(f"mode must be one of {LAYER_DTYPES}, got {mode!r}")
@@ -342,15 +340,14 @@ def run_layer_point(T: int, hidden: int, k: int, experts: int, inter: int, mode:
                               "before the shuffle); experts in bf16, combine in bf16"}[mode]}
     records = []
     ll_ok = EpgenPath.config(p, backend).ll_unavailable() is None  # e.g. not above LL_MAX_TOKENS, not fp8_blockwise
-    runs = [(name, proto, form) for name in paths
-            for proto in ([q for q in protocols if q != "ll" or ll_ok] if name == "epgen" else [None])
-            for form in ([f for f in grouped_combines if f == "reduce" or proto == "bw"] if name == "epgen" else [None])]
-    for name, proto, form in runs:
+    runs = [(name, proto) for name in paths
+            for proto in ([q for q in protocols if q != "ll" or ll_ok] if name == "epgen" else [None])]
+    for name, proto in runs:
         rec = dict(base, path=name, backend=backend if name == "epgen" else "torch.distributed", error=None,
-                   intranode_protocol=proto, protocol=None, grouped_combine=form)
+                   intranode_protocol=proto, protocol=None)
         path = ref_path if name == "a2a" else None
         if path is None:
-            path, reason = collective_try(lambda: EpgenPath(p, backend, proto, form) if name == "epgen"
+            path, reason = collective_try(lambda: EpgenPath(p, backend, proto) if name == "epgen"
                                           else PATH_CLASSES[name](p))
             if reason:
                 records.append(_failed(rec, reason))

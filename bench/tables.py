@@ -110,7 +110,8 @@ def requested_protocol(r: dict) -> str:
 
 def layer_column(r: dict) -> str:
     """A layer record's path as tables and plots show it: epgen with the low-latency protocol is "epgen_ll",
-    with the fused grouped combine (grouped_combine "fused") "epgen_fused"."""
+    with the fused grouped combine (grouped_combine "fused": records taken before that form was removed)
+    "epgen_fused"."""
     if r["path"] == "epgen" and requested_protocol(r) == "ll":
         return "epgen_ll"
     return "epgen_fused" if r["path"] == "epgen" and r.get("grouped_combine") == "fused" else r["path"]

@@ -30,12 +30,7 @@ Grouped-GEMM layout (``enable_grouped_layout=True``, every payload, intranode): 
 expert) pairs as rows grouped per local expert, contiguous, each group padded to a multiple of
 ``expert_alignment`` rows (1..1024; 16 suits torch._grouped_mm, 128 DeepGEMM's m-grouped contiguous
 layout), in a buffer of ``grouped_capacity`` rows (0: the worst case, ``resolved_grouped_capacity``); see
-``EpDispatchCombineOp.grouped_layout`` / ``combine_grouped`` and runtime/grouped.py. ``grouped_combine``
-picks combine_grouped's form on the native backend, the same on every rank (a config field, never a
-per-call count, since each rank's combine reads the peers' buffers): "reduce" (the default: one reduce pass
-into the combine buffer, then combine) or "fused" (gather combine only, bandwidth-protocol calls: the
-combine reads the peers' grouped expert rows itself, no reduce pass; low-latency calls of
-intranode_protocol "auto" take "reduce"). Both give the same bits; the torch backend has one form.
+``EpDispatchCombineOp.grouped_layout`` / ``combine_grouped`` and runtime/grouped.py.
 ``grouped_dequantize=True`` (with ``dispatch_quant_type`` "fp8_blockwise" or "fp4_blockwise"): the grouped
 layout holds the rows dequantized into ``data_type`` (the placement kernel decodes them as it places them;
 ``scales`` None), for grouped GEMMs in bf16/fp32 fed by a quantized wire; the bits are those of
@@ -92,7 +87,6 @@ KERNEL_BACKENDS = ("native", "torch")
 INTERNODE_KERNELS = ("v2", "v2_ll", "auto")
 INTRANODE_PROTOCOLS = ("auto", "ll", "bw")
 COMBINE_MODES = ("gather", "scatter")
-GROUPED_COMBINES = ("reduce", "fused")
 DISPATCH_QUANT_TYPES = ("none", "fp8_blockwise", "fp4_blockwise")
 SCALE_TYPE_SIZES = (1, 4)  # 1: e8m0 bytes (torch.uint8), 4: torch.float32
 
@@ -191,7 +185,6 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
     enable_grouped_layout: bool = False  # grouped-GEMM layout buffers and kernels (op.grouped_layout)
     expert_alignment: int = 16  # grouped layout: each group padded to a multiple of this many rows
     grouped_capacity: int = 0  # grouped layout: rows of its buffer (a multiple of expert_alignment); 0: worst case
-    grouped_combine: str = "reduce"  # combine_grouped's form: "reduce" (a reduce pass, then combine) | "fused"
     grouped_dequantize: bool = False  # grouped layout of a quantized dispatch: rows dequantized into data_type
     max_inflight: int = 1  # operations in flight at once (split-phase calls): workspace slots, each a full set
     # the seed library's fields (aliases.SEED_FIELDS): launch geometry aliases, or accepted and ignored
@@ -352,8 +345,7 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise self._fail(f, "must be an int")
-        for f in ("quant_type", "dispatch_quant_type", "internode_kernel", "intranode_protocol", "launch_rows",
-                  "grouped_combine"):
+        for f in ("quant_type", "dispatch_quant_type", "internode_kernel", "intranode_protocol", "launch_rows"):
             if not isinstance(getattr(self, f), str):
                 raise self._fail(f, "must be a str")
         for f in ("combine_mode", "kernel_backend"):
@@ -449,8 +441,6 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
             raise self._fail("internode_kernel", f"must be one of {', '.join(map(repr, INTERNODE_KERNELS))}")
         if self.intranode_protocol not in INTRANODE_PROTOCOLS:
             raise self._fail("intranode_protocol", f"must be one of {', '.join(map(repr, INTRANODE_PROTOCOLS))}")
-        if self.grouped_combine not in GROUPED_COMBINES:
-            raise self._fail("grouped_combine", f"must be one of {', '.join(map(repr, GROUPED_COMBINES))}")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise self._fail("kernel_backend", f"must be one of {', '.join(map(repr, KERNEL_BACKENDS))} or None")
         env = os.environ.get(BACKEND_ENV)
@@ -633,11 +623,6 @@ class EpDispatchCombineConfig(aliases.SeedConfigMembers):
             why = self.ll_unavailable()
             if why is not None:
                 raise ConfigError(f"intranode_protocol='ll': the low-latency protocol cannot run this config: {why}")
-        if self.grouped_combine == "fused" and self.enable_grouped_layout and (
-                self.resolved_combine_mode != "gather" or self.intranode_protocol == "ll"):
-            raise ConfigError(f"grouped_combine='fused': the fused grouped combine is the bandwidth protocol's gather "
-                              f"combine; this config has combine_mode={self.resolved_combine_mode!r}, "
-                              f"intranode_protocol={self.intranode_protocol!r} (use grouped_combine='reduce')")
         if self.grouped_dequantize and not (self.enable_grouped_layout and self.dispatch_quant_type != "none"):
             raise ConfigError(f"grouped_dequantize=True: dequantizes the grouped layout of a dispatch quantized in the "
                               f"kernel; this config has enable_grouped_layout={self.enable_grouped_layout}, "

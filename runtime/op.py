@@ -70,7 +70,7 @@ class EpDispatchCombineOp:
         self._last: dict | None = None  # the last returned dispatch's outputs (MoE integration)
         self._packed: dict | None = None  # the last std-MoE conversion of that dispatch
         # per workspace slot (config max_inflight; runtime/pending.py): the last received dispatch's outputs, its
-        # grouped layout, grouped_out_view's buffer where the backend has none, the views handed out
+        # grouped layout, grouped_out_view's buffer, the views handed out
         self._by_slot: dict[int, dict] = {}
         self._grouped_by: dict[int, grouped.GroupedLayout] = {}
         self._grouped_out: dict[int, torch.Tensor] = {}
@@ -262,17 +262,12 @@ class EpDispatchCombineOp:
     def combine_grouped_send(self, expert_out, routing, apply_weights: bool = True, *, stream=None,
                              previous_event=None) -> Pending:
         """The send half of combine_grouped: the reduce pass into the combine input, then combine_send's work;
-        -> a Pending whose receive() returns what combine_grouped returns. grouped_combine="fused" calls are
-        deferred (the receive half runs the fused kernel)."""
+        -> a Pending whose receive() returns what combine_grouped returns."""
         self._check_open("combine_grouped_send")
         layout, slot = self._combine_grouped_begin("combine_grouped_send", expert_out, routing, apply_weights)
         order = StreamOrder("combine_grouped_send", self.device, stream, previous_event, (expert_out,))
 
         def halves():
-            fused = getattr(self._backend, "grouped_fused", None)
-            if fused is not None and fused(routing):  # not split: the receive half runs the fused kernel
-                return self._combined_after(slot, lambda: self._backend.combine_grouped_fused(
-                    expert_out, routing, apply_weights)), True
             rows = self._grouped_rows(expert_out, layout, slot, apply_weights)
             return self._combine_halves(rows, None, None, routing)
         return self._send("combine_grouped", slot, order, halves)
@@ -706,19 +701,13 @@ class EpDispatchCombineOp:
         times its dispatch weight (apply_weights=True, the default: a token's result is then sum_j w_j *
         expert_j(x), as with convert_combine_input; 1.0 when dispatch had no weights) or as they are
         (apply_weights=False: the expert already applied them), rounded once to the combine dtype (written
-        straight into the combine buffer by the native backend); then combine(that, routing=routing).
-        With config grouped_combine="fused" the native backend does both in one kernel (the combine reads
-        the peers' grouped rows itself; same bits); expert_out written into grouped_out_view() is not staged.
+        straight into the combine buffer by the native backend); then combine(that, routing=routing). The
+        native backend does both in one combine kernel where it can (its staging forms each received row from
+        its pairs' grouped rows: one_kernel_legs); the same bits.
         -> combine's (combined [num_tokens, hidden_dim], None).
         """
         self._check_open("combine_grouped")
         layout, slot = self._combine_grouped_begin("combine_grouped", expert_out, routing, apply_weights)
-        fused = getattr(self._backend, "grouped_fused", None)
-        if fused is not None and fused(routing):  # config grouped_combine="fused", a bandwidth-protocol call
-            try:
-                return self._backend.combine_grouped_fused(expert_out, routing, apply_weights)
-            finally:
-                self._slots.combined(slot)
         staged = getattr(self._backend, "grouped_staged", None)
         if staged is not None and staged(routing):  # one combine kernel, which forms the rows from the groups
             try:
@@ -763,21 +752,17 @@ class EpDispatchCombineOp:
 
     def grouped_out_view(self, routing=None) -> torch.Tensor:
         """A [resolved_grouped_capacity, hidden_dim] combine-dtype tensor the grouped GEMMs may write their
-        output into for combine_grouped: with grouped_combine="fused" (native backend) it lies in the
-        peer-mapped workspace and the fused combine reads it in place (no staging copy); otherwise a buffer
-        of the op's own. Write it between a dispatch and the combine that follows (as combine_in_view)."""
+        output into for combine_grouped, a buffer of the op's own per workspace slot. Write it between a
+        dispatch and the combine that follows (as combine_in_view)."""
         self._check_open("grouped_out_view")
         self._need_grouped("grouped_out_view")
         slot = self._slot_of(routing)
         self._select(slot)
-        own = getattr(self._backend, "grouped_out_view", None)
-        view = own() if own is not None else None
-        if view is None:
-            if slot not in self._grouped_out:
-                cfg = self.config
-                self._grouped_out[slot] = torch.empty((cfg.resolved_grouped_capacity, cfg.hidden_dim),
-                                                      dtype=cfg.combine_dtype, device=self.device)
-            view = self._grouped_out[slot]
+        if slot not in self._grouped_out:
+            cfg = self.config
+            self._grouped_out[slot] = torch.empty((cfg.resolved_grouped_capacity, cfg.hidden_dim),
+                                                  dtype=cfg.combine_dtype, device=self.device)
+        view = self._grouped_out[slot]
         self._views.setdefault(slot, set()).add(view.data_ptr())
         return view
 

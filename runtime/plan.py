@@ -14,8 +14,7 @@ rank, W = world, P = grouped rows):
   signal [W] i32 | counter [2 + 2W] i32 (claims, arrivals) | low latency (when the op may take it):
   ll_cnt, ll_x, ll_c, ll_map (runtime/ll.py) | recv_x [R, wire row] | recv_scales [R, scale row] |
   recv_w [R, k] f32 | recv_idx [R, k] i32 | recv_src [R] i32 | gather: comb_x [R, H] comb_w [R, k] |
-  scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k] |
-  fused grouped combine: grp_y [P, H] grp_pos [16 B + R*k i32]
+  scatter: scat_x [T*W, wire row] scat_s [T*W, scale row] scat_w [T*W, k]
 With max_inflight = N > 1 that whole list is laid out N times, one workspace slot per operation in flight
 (slot s > 0's regions are named NAME@s), then the local buffers N times likewise: slot_layout() gives one
 slot's offsets by the plain names.
@@ -50,23 +49,17 @@ def _elem_bits(dtype: torch.dtype) -> int:
     return 4 if dtype == torch.float4_e2m1fn_x2 else torch.empty((), dtype=dtype).element_size() * 8
 
 
-def fused_grouped(cfg: EpDispatchCombineConfig) -> bool:
-    """Does this op's combine_grouped take the fused form on bandwidth-protocol calls (config grouped_combine)?"""
-    return cfg.enable_grouped_layout and cfg.grouped_combine == "fused"
-
-
 def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool:
     """Can this op's bandwidth dispatch_grouped run as one direct kernel (templates/kernels/dispatch_direct.j2: the
     rows stored straight into the destinations' groups)? Intranode, the grouped layout without decoding, bf16 / fp32
-    rows moved as they are (no quantization, no scales), no receive cap (every row fits), the reduce form of
-    combine_grouped, top-k within a wave, and the per-(rank, expert) counters within the kernel's shared memory.
+    rows moved as they are (no quantization, no scales), no receive cap (every row fits), top-k within a wave, and the per-(rank, expert) counters within the kernel's shared memory.
     Such an op keeps its grouped rows, their pair ids / experts / weights, its pair map and a count table in the
     symmetric workspace (its peers write them)."""
     W, E, k = cfg.world_size, cfg.num_experts_per_rank, cfg.num_experts_per_token
     buckets = dict(load_specs().arglists["ep"].limits)["direct_buckets"]
     return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize
             and cfg.dispatch_data_type is None and cfg.dispatch_quant_type == "none" and act in ("bf16", "fp32")
-            and not capped and not fused_grouped(cfg) and k <= 32 and W <= 64 and W * E + W <= buckets)
+            and not capped and k <= 32 and W <= 64 and W * E + W <= buckets)
 
 
 # the most ranks at which dispatch_grouped takes the direct kernel by default (mode "auto"): measured at one rank;
@@ -186,8 +179,6 @@ class Plan:
         if cfg.enable_grouped_layout:
             roles += [("grouped_count", "grouped_count.i32"), ("grouped_place", place),
                       ("grouped_reduce", f"grouped_reduce.{comb}"), ("grouped_scale", f"grouped_scale.{comb}")]
-            if fused_grouped(cfg):
-                roles.append(("combine_grouped", f"combine_grouped.{comb}.intranode"))
         direct = direct_grouped(cfg, act, capped)
         if direct:
             roles.append(("dispatch_direct", f"dispatch_direct.{act}.intranode"))
@@ -254,9 +245,6 @@ class Plan:
             ws += [("scat_x", cells * self.scat_row), ("scat_s", cells * self.scat_scale_row), ("scat_w", cells * k * 4)]
         else:
             ws += [("comb_x", R * self.comb_row), ("comb_w", R * k * 4)]
-        fused = fused_grouped(cfg)
-        if fused:  # the fused grouped combine reads the peers' grouped expert rows and pair maps
-            ws += [("grp_y", P * self.comb_row), ("grp_pos", 16 + R * k * 4)]
         if self.direct:  # the direct dispatch's peers write the grouped rows, their src / m_indices / weights, the pair map
             ws += [("grouped_x", P * self.grouped_row), ("grouped_rows", 12 * P), ("grouped_map", 4 * R * k)]
         local = []
@@ -265,10 +253,10 @@ class Plan:
         if cfg.enable_grouped_layout and self.direct:  # pair_rel per (row, k); offs, counts, raw counts; the drops
             local += [("grouped_scales", 0), ("grouped_meta", 4 * R * k + 12 * E + 4)]
         elif cfg.enable_grouped_layout:
-            # src, m_indices, weights per grouped row; pair_rel (and pair_pos unless it is in the workspace)
-            # per (row, k); offs, counts, raw counts per expert; the drop count
+            # src, m_indices, weights per grouped row; pair_rel and pair_pos per (row, k); offs, counts, raw
+            # counts per expert; the drop count
             local += [("grouped_x", P * self.grouped_row), ("grouped_scales", P * self.grouped_scale_row),
-                      ("grouped_meta", 12 * P + (4 if fused else 8) * R * k + 12 * E + 4)]
+                      ("grouped_meta", 12 * P + 8 * R * k + 12 * E + 4)]
         return tuple(Region(n, b, WORKSPACE) for n, b in ws) + tuple(Region(n, b, LOCAL) for n, b in local)
 
     def layout(self, cfg: EpDispatchCombineConfig, ll_tokens: int | None = None) -> dict[str, int]:
@@ -294,8 +282,7 @@ NATIVE_WORKSPACE_FORMULA = (
     "per rank, bytes = 12*W + 8 + R*(wire_row + scale_row + 8k + 4) + (gather: R*(H*c + 4k); scatter: "
     "T*W*(scat_row + scat_scale_row + 4k)) + std-MoE E_local*C*H*d + grouped layout P*(wire_row + scale_row) "
     "(with grouped_dequantize: P*H*a, the rows decoded into data_type, a bytes each, no scales) + "
-    "(12P + 8Rk + 12E_local + 4) (+ with grouped_combine='fused': grp_y P*H*c, grp_pos 16 + 4Rk in the workspace, "
-    "grouped_meta's 8Rk then 4Rk; an op the direct dispatch may serve (direct_grouped) has grouped_x, grouped_rows "
+    "(12P + 8Rk + 12E_local + 4) (an op the direct dispatch may serve (direct_grouped) has grouped_x, grouped_rows "
     "12P, grouped_map 4Rk and grouped_cnt 16W(E_local + 1) in the workspace, grouped_meta 4Rk + 12E_local + 4), "
     "every region rounded up to 256 bytes, all of it times max_inflight (one "
     "workspace slot per operation in flight; slot s > 0's regions named NAME@s) "

@@ -10,7 +10,7 @@
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
 # tokens 1..8192 x hidden 7168/4096 x bf16/fp8 with the torch backend, $OUT/sweep.jsonl; scripts/sweep_table.py prints
 # the sweep table of docs/BENCH.md), LAYER=1 (docs/LAYER.md: the layer loop, the MoE layer on epgen and the all_to_all_single shuffle
-# and the link's ceiling, $OUT/layer.jsonl, epgen with each protocol in LAYER_PROTOCOLS (default: ll bw) and each combine_grouped form in LAYER_GROUPED (default: reduce; "reduce fused" adds the fused form); then at 16 experts per rank epgen, all_to_all_single and all_to_all_vdev_2d
+# and the link's ceiling, $OUT/layer.jsonl, epgen with each protocol in LAYER_PROTOCOLS (default: ll bw); then at 16 experts per rank epgen, all_to_all_single and all_to_all_vdev_2d
 # (in a process of its own: NVSHMEM), $OUT/layer_vdev2d.jsonl; the tables (scripts/layer_table.py) and the example's GPU test),
 # SMS=1 (equal SMs: 4096 tokens at 24/32/128 blocks, combine at 512/768/1024 threads, gather and scatter, $OUT/bench_sms.jsonl,
 # and the ceiling at those SM counts, $OUT/ceiling_sms.jsonl), LL=1 (bench of the low-latency and bandwidth protocols, --protocol ll bw at tokens 1 8 32 128, bf16,
@@ -21,7 +21,7 @@
 # $OUT/kernel_profile.jsonl; the GPU tests of both, tests/gpu/test_floor.py, are in the default EP suite), LAYER1=1 (the
 # layer loop and the MoE layer at one rank on GPU 0, W = 1: the glue's cost with no link in it, $OUT/layer_w1.jsonl; never
 # a 2-GPU figure), GPROF=1 (scripts/grouped_profile.py: every kernel of the grouped layer's dispatch_grouped ->
-# identity expert -> combine_grouped in a graph, forms reduce and fused, at one rank on GPU 0 (W = 1) unless GPROF_NPROC;
+# identity expert -> combine_grouped in a graph, at one rank on GPU 0 (W = 1) unless GPROF_NPROC;
 # GPROF_ARGS: its options; $OUT/grouped_profile.jsonl), FLOOR1=1 (bench --floor at one rank on GPU 0, W = 1: the rank is
 # its own partner, so the launch and a local flag with no link; $OUT/floor_w1.jsonl), OVERLAP=1 (scripts/overlap_profile.py at
 # one rank on GPU 0: each leg's send half, a GEMM, its receive half under kineto, records of kind "overlap";
@@ -116,7 +116,7 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
       | tee "$OUT/sweep.log" | grep -vE "^(W|\*)" | tail -34; status[sweep]=${PIPESTATUS[0]}
   fi
   if [ -n "${LAYER:-}" ]; then
-    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench --layer-loop --ceiling --layer --protocol ${LAYER_PROTOCOLS:-ll bw} --grouped-combine ${LAYER_GROUPED:-reduce} --out "$OUT/layer.jsonl" \
+    timeout 300 torchrun --nproc-per-node "$NPROC" -m bench --layer-loop --ceiling --layer --protocol ${LAYER_PROTOCOLS:-ll bw} --out "$OUT/layer.jsonl" \
       2>&1 | tee "$OUT/layer.log" | grep -vE "^(W|\*)" | tail -50; status[layer]=${PIPESTATUS[0]}
     # torch's all_to_all_vdev_2d takes at most 16 experts per rank: the three paths meet at 16 per rank, in a file of
     # their own (epgen and all_to_all_single here, then all_to_all_vdev_2d in a process of its own: NVSHMEM)
@@ -137,7 +137,7 @@ if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
 fi
 if [ -n "${LAYER1:-}" ]; then  # one rank on GPU 0 (W = 1): the layer's glue with no link in the way, never a 2-GPU figure
   CUDA_VISIBLE_DEVICES=0 timeout 300 torchrun --nproc-per-node 1 -m bench --layer-loop --layer --protocol ${LAYER_PROTOCOLS:-ll bw} \
-    --grouped-combine ${LAYER_GROUPED:-reduce fused} --out "$OUT/layer_w1.jsonl" 2>&1 | tee "$OUT/layer_w1.log" \
+    --out "$OUT/layer_w1.jsonl" 2>&1 | tee "$OUT/layer_w1.log" \
     | grep -vE "^(W|\*)" | tail -30; status[layer_w1]=${PIPESTATUS[0]}
   python3 scripts/layer_table.py "$OUT/layer_w1.jsonl" > "$OUT/layer_w1_table.md" && cat "$OUT/layer_w1_table.md"
 fi

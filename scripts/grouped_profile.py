@@ -1,12 +1,12 @@
 """Where the grouped layer's communication time goes: every device kernel of dispatch_grouped ->
 (identity expert) -> combine_grouped, inside a CUDA-graph replay, by kernel name.
 
-  torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096] [--forms reduce fused]
+  torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096]
                                                          [--legs auto one separate] [--protocol auto ll bw]
                                                          [--launch-blocks 0 8] [--launch-threads 0 128]
                                                          [--hidden 7168] [--topk 8] [--experts 256] [--out F]
 
-Per (tokens, form, legs, launch geometry): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
+Per (tokens, legs, launch geometry, direct, protocol): L = --layers layers of dispatch_grouped -> expert_out.copy_(layout.x) (the identity
 expert: bf16) -> combine_grouped, captured in one graph; --reps replays timed (per layer: replay / L), then
 profiled by kineto (bench/graphprof.py). The identity copy is the expert GEMMs' stand-in (what it costs is
 printed on its own row, "copy"); everything else is what the layer's communication runs on the device.
@@ -51,25 +51,22 @@ def _name(kernel: str) -> str:
 LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the native backend's one_kernel
 
 
-def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
+def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
           threads: int = 0, direct: str = "auto", protocol: str = "auto") -> dict:
-    """One (tokens, form) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
+    """One (tokens, legs, geometry, direct, protocol) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
     unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
     the profiler."""
     rank, world = dist.get_rank(), dist.get_world_size()
     geometry = {key: v for key, v in (("launch_blocks", blocks), ("launch_threads", threads)) if v}
     base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16, geometry=geometry)
-    cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, grouped_combine=form,
-                                  intranode_protocol=protocol)
+    cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, intranode_protocol=protocol)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
     op._backend.one_kernel = LEGS[legs]  # the grouped legs as one kernel each, or the EP kernels and the passes
     op._backend.direct = direct  # dispatch_grouped's direct kernel where the op allows it (plan.direct), or "never"
     s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
-    view = op.grouped_out_view() if form == "fused" else None
-    y = view if view is not None else torch.empty(cfg.resolved_grouped_capacity, args.hidden,
-                                                  dtype=torch.bfloat16, device=op.device)
+    y = torch.empty(cfg.resolved_grouped_capacity, args.hidden, dtype=torch.bfloat16, device=op.device)
 
     def layer():
         layout, h = op.dispatch_grouped(x, w, None, idx)
@@ -98,7 +95,7 @@ def point(T: int, form: str, args, meta: dict, keep: list, legs: str = "auto", b
     replays = graphprof.split_replays(events, len(events) // profiled)
     summary = graphprof.summarize(replays, _name)
     rows = {r: {"per_layer": v["calls"] / args.layers, "median_us": v["median_us"]} for r, v in summary["roles"].items()}
-    return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "grouped_combine": form, "legs": legs,
+    return {**meta, "kind": "grouped_profile", "tokens_per_rank": T, "legs": legs,
             "launch_blocks": blocks, "launch_threads": threads,
             "direct": "always" if any("dispatch_direct" in k for k in rows) else "never", "world_size": world,
             "protocol_choice": protocol, "protocol": op._backend.last_protocol,
@@ -196,7 +193,8 @@ def table(rec: dict) -> list[str]:
                   if rec.get(key))
     legs = f", legs {rec['legs']}" if isinstance(rec.get("legs"), str) else ""
     legs += f", {rec['protocol']} protocol" if rec.get("protocol") else ""
-    out = [f"T={rec['tokens_per_rank']} {rec['grouped_combine']}{legs}{geo}: {rec['per_layer_us']:.1f} µs per layer "
+    form = f" {rec['grouped_combine']}" if rec.get("grouped_combine") else ""  # records before the fused form went
+    out = [f"T={rec['tokens_per_rank']}{form}{legs}{geo}: {rec['per_layer_us']:.1f} µs per layer "
            f"(graph, W={rec['world_size']}); median gap between kernels {rec['gap_us'] or 0:.1f} µs",
            "| kernel | per layer | median µs | µs per layer |", "|---|---|---|---|"]
     ks = sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["per_layer"] * kv[1]["median_us"])
@@ -214,7 +212,6 @@ def table(rec: dict) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 4096])
-    p.add_argument("--forms", nargs="+", default=["reduce", "fused"], choices=["reduce", "fused"])
     p.add_argument("--legs", nargs="+", default=["auto"], choices=list(LEGS),
                    help="the grouped legs: the op's own choice, one kernel each, or the EP kernels and separate passes")
     p.add_argument("--launch-blocks", type=int, nargs="+", default=[0],
@@ -246,15 +243,15 @@ def main() -> int:
                                                               meta["host_primitives_us"].items()), flush=True)
     keep: list = []
     for T in args.tokens:
-        for form, legs, blocks, threads, direct, protocol in itertools.product(
-                args.forms, args.legs, args.launch_blocks, args.launch_threads, args.direct, args.protocol):
+        for legs, blocks, threads, direct, protocol in itertools.product(
+                args.legs, args.launch_blocks, args.launch_threads, args.direct, args.protocol):
             try:
-                rec = point(T, form, args, meta, keep, legs, blocks, threads, direct, protocol)
+                rec = point(T, args, meta, keep, legs, blocks, threads, direct, protocol)
             except EpgenError as e:  # a config or geometry the op refuses (the same on every rank): the next point
                 if isinstance(e, EpTimeoutError):
                     raise
                 if dist.get_rank() == 0:
-                    print(f"skipped: {T} tokens, {form}, legs {legs}, blocks {blocks}, threads {threads}, "
+                    print(f"skipped: {T} tokens, legs {legs}, blocks {blocks}, threads {threads}, "
                           f"protocol {protocol}: {e}", flush=True)
                 continue
             emit_point(rec, table(rec), args.out)

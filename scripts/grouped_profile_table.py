@@ -2,11 +2,12 @@
 
 python scripts/grouped_profile_table.py results/<date>-<machine>-<commit>/grouped_profile.jsonl [...]
 
-One row per record (tokens per rank, grouped_combine form, and "one legs" / "separate legs" where the record forced
-the one-kernel legs on or off), in the order of the files and their lines: the
-layer's µs in the graph replay and each kernel's µs per layer (calls per layer x median): the dispatch, the
-grouped layout's two kernels (count, place), the identity expert's copy, grouped_reduce and the combine (the
-"reduce" form) or the one combine_grouped kernel (the "fused" form), and the rest summed ("other"). CPU only.
+One row per record (tokens per rank, the form: "reduce", or "fused" in records taken before that form of
+combine_grouped was removed, and "one legs" / "separate legs" where the record forced the one-kernel legs on or
+off), in the order of the files and their lines: the layer's µs in the graph replay and each kernel's µs per
+layer (calls per layer x median): the dispatch, the grouped layout's two kernels (count, place), the identity
+expert's copy, grouped_reduce and the combine, or the old fused form's one combine_grouped kernel, and the rest
+summed ("other"). CPU only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def row(rec: dict) -> str:
         seen.add(name)
     cells = [f"{us[n]:.1f}" if n in seen else "–" for n, _ in COLUMNS]
     legs = rec.get("legs", "auto")  # records before 2026-12-04's geometry options may hold a dict here (a bug)
-    form = rec["grouped_combine"] + ("" if legs == "auto" else f" ({legs} legs)" if isinstance(legs, str)
+    form = rec.get("grouped_combine", "reduce") + ("" if legs == "auto" else f" ({legs} legs)" if isinstance(legs, str)
                                      else " (legs not recorded)")
     geo = ", ".join(f"{name} {rec[key]}" for key, name in (("launch_blocks", "blocks"), ("launch_threads", "threads"))
                     if rec.get(key))

@@ -7,9 +7,9 @@ receives, with twice its local pairs).
 Native op, bf16, top-8 of 128 local experts (distinct per token), the grouped buffer at its worst case.
 Per point: the mean of --iters back-to-back eager calls between two CUDA events (host launch cost
 included) of dispatch, grouped_layout (grouped_count + grouped_place), the grouped reduce alone
-(combine_grouped's kernel, into the combine buffer) and combine; then combine_grouped whole in both forms
-(config grouped_combine "reduce": reduce + combine; "fused": one kernel reading grouped_out_view in place).
-At world size 1 every read of the fused form is local: its cost over the link is not measured here.
+(combine_grouped's reduce pass, into the combine buffer) and combine; then combine_grouped whole (the op's
+choice: one combine kernel staging the rows from the groups where it can, runtime/backends/native.py
+one_kernel_legs).
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     H, K, E = args.hidden, args.topk, args.experts
     for T in args.tokens:
-        for form in ("reduce", "fused"):
-            time_point(args, T, H, K, E, form)
+        time_point(args, T, H, K, E)
     dist.destroy_process_group()
 
 
-def time_point(args, T: int, H: int, K: int, E: int, form: str) -> None:
+def time_point(args, T: int, H: int, K: int, E: int) -> None:
     cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=H, max_num_inp_token_per_rank=T,
                                   num_experts_per_rank=E, num_experts_per_token=K, kernel_backend="native",
-                                  enable_grouped_layout=True, grouped_combine=form)
+                                  enable_grouped_layout=True)
     with EpDispatchCombineOp(cfg) as op:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -66,12 +65,11 @@ def time_point(args, T: int, H: int, K: int, E: int, form: str) -> None:
         view.copy_(y)
         times = {"dispatch": mean_us(lambda: op.dispatch(x, w, None, idx), args.iters),
                  "grouped_layout": mean_us(op.grouped_layout, args.iters)}
-        if form == "reduce":
-            times["grouped_reduce"] = mean_us(lambda: op._backend.grouped_reduce(y, True), args.iters)
-            times["combine"] = mean_us(lambda: op.combine(op.combine_in_view(), routing=h), args.iters)
+        times["grouped_reduce"] = mean_us(lambda: op._backend.grouped_reduce(y, True), args.iters)
+        times["combine"] = mean_us(lambda: op.combine(op.combine_in_view(), routing=h), args.iters)
         _, h = op.dispatch_grouped(x, w, None, idx)  # combine_grouped takes the last grouped dispatch
-        times[f"combine_grouped {form}"] = mean_us(lambda: op.combine_grouped(view, h), args.iters)
-        print(f"T={T} [{form}]: pairs {T * K}, grouped rows {int(layout.offs[-1])} of {layout.rows}: "
+        times["combine_grouped"] = mean_us(lambda: op.combine_grouped(view, h), args.iters)
+        print(f"T={T}: pairs {T * K}, grouped rows {int(layout.offs[-1])} of {layout.rows}: "
               + ", ".join(f"{name} {us:.1f} us" for name, us in times.items()), flush=True)
 
 

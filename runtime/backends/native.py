@@ -30,7 +30,7 @@ from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 from .. import collectives, errors, grouped, kernels, workspace
 from ..config import EpDispatchCombineConfig, load_specs
 from ..errors import ConfigError, EpgenError, InputError
-from ..plan import Plan, direct_call, fused_grouped, slot_name
+from ..plan import Plan, direct_call, slot_name
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped)
@@ -205,9 +205,6 @@ class NativeBackend:
         for store in self._slots:
             store["dargs"].trace = at_dispatch
             store["cargs"].trace = at_combine
-            fused = (store["_grp"] or {}).get("fargs")
-            if fused is not None:
-                fused.trace = at_combine
         self._trace = buf  # kept alive while the kernels may write it
 
     def select_slot(self, slot: int) -> None:
@@ -633,7 +630,7 @@ class NativeBackend:
                                                        if plan.scales_dtype != torch.uint8 else scales)
         rows = self._grouped_direct_rows() if plan.direct else {
             "src": torch.full((P,), -1, **i32), "m_indices": torch.full((P,), -1, **i32),
-            "weights": torch.zeros(P, dtype=torch.float32, device=dev), **self._grouped_fused_setup()}
+            "weights": torch.zeros(P, dtype=torch.float32, device=dev), "pair_pos": torch.full((Rk,), -1, **i32)}
         return {
             "x": x, "scales": scales, "x_view": x_view, "scales_view": scales_view,
             "out_row": x.shape[1] * x.element_size(),
@@ -654,24 +651,6 @@ class NativeBackend:
         pair_pos = view("grouped_map", torch.int32, (Rk,))
         pair_pos.fill_(-1)
         return {"src": src, "m_indices": m_indices, "weights": weights, "pair_pos": pair_pos}
-
-    def _grouped_fused_setup(self) -> dict:
-        """The pair map (in the workspace when the fused combine reads it from the peers), and the fused
-        combine's kernel, argument block and expert-output view [P, H] (grouped_out_view)."""
-        cfg, lay = self.config, self._slot_lay
-        Rk = cfg.max_recv_tokens * cfg.num_experts_per_token
-        if not fused_grouped(cfg):
-            return {"pair_pos": torch.full((Rk,), -1, dtype=torch.int32, device=self.device)}
-        pos = self.buf[lay["grp_pos"]:lay["grp_pos"] + 16 + 4 * Rk].view(torch.int32)
-        pos.fill_(-1)
-        P, H = cfg.resolved_grouped_capacity, cfg.hidden_dim
-        y = self.buf[lay["grp_y"]:lay["grp_y"] + P * self.plan.comb_row].view(cfg.combine_dtype).view(P, H)
-        args = self.k.struct("combine_grouped")
-        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.cargs), ctypes.sizeof(args))
-        args.off_comb_x, args.off_comb_w, args.expert_rows = lay["grp_y"], lay["grp_pos"], P
-        args.expert_weights = args.out_weights = 0
-        self._check_geometry((("combine", self.k["combine_grouped"]),))  # the combine role's geometry, at its own occupancy
-        return {"pair_pos": pos[4:], "out_view": y, "fargs": args, "fused": True, "geo": {}}
 
     def _grouped_launchers(self, g: dict) -> dict:
         """The grouped layout's kernels with the op's persistent buffers and sizes bound once (host time per call:
@@ -734,8 +713,7 @@ class NativeBackend:
         """The tensors of a layout of the call's own (op.dispatch_grouped(fresh=True)): x (out_x, else a new one),
         scales, and one int32 block holding offs, counts, src, m_indices, dropped and the pair map
         (grouped.block_parts), weights float32 [P]: three or four allocations, written whole by the placing
-        kernel (no stale entry: zero_padding), so nothing is copied out of the op's buffers afterwards. With the
-        fused combine the pair map stays in the workspace (its peers read it there) and is copied out. Made before
+        kernel (no stale entry: zero_padding), so nothing is copied out of the op's buffers afterwards. Made before
         the call's slot is selected: nothing here is a slot's (_fresh_outputs names the kernels' targets then)."""
         cfg, g = self.config, self._grp
         E, P = cfg.num_experts_per_rank, cfg.resolved_grouped_capacity
@@ -748,11 +726,9 @@ class NativeBackend:
                 "parts": grouped.block_parts(block, E, P)}
 
     def _fresh_outputs(self, out: dict) -> tuple:
-        """What the placing kernels write for fresh layout `out` on the selected slot, in _aim_tail's order: its
-        tensors, but the selected slot's workspace pair map with the fused combine."""
+        """What the placing kernels write for fresh layout `out`, in _aim_tail's order: its tensors."""
         offs, counts, src, m_idx, dropped, pair_pos = out["parts"]
-        kernel_pos = self._grp["pair_pos"] if self._grp.get("fused") else pair_pos
-        return out["x"], out["scales"], kernel_pos, offs, counts, src, m_idx, out["weights"], dropped
+        return out["x"], out["scales"], pair_pos, offs, counts, src, m_idx, out["weights"], dropped
 
     def grouped_layout(self, seq: int = 0, out: dict | None = None) -> grouped.GroupedLayout:
         """The layout the last dispatch placed in its kernel (dispatch_grouped), or two launches on the current
@@ -767,9 +743,9 @@ class NativeBackend:
                 g["place_launch"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=g["x"],
                                          zero_padding=0)
             else:
-                x, scales, kernel_pos, offs, counts, src, m_idx, weights, dropped = self._fresh_outputs(out)
+                x, scales, pair_pos, offs, counts, src, m_idx, weights, dropped = self._fresh_outputs(out)
                 g["place_fresh"].launch(2 * self.num_sms, BLOCK, has_weights=int(self._had_weights), out_x=x,
-                                        out_scales=scales, pair_pos=kernel_pos, offs=offs, kept_counts=counts,
+                                        out_scales=scales, pair_pos=pair_pos, offs=offs, kept_counts=counts,
                                         src=src, m_indices=m_idx, weights=weights, dropped=dropped)
         if out is None:
             return grouped.GroupedLayout(x=g["x_view"], scales=g["scales_view"], offs=g["offs"], counts=g["counts"],
@@ -777,8 +753,6 @@ class NativeBackend:
                                          dropped=g["dropped_view"], pair_pos=g["pair_pos"], seq=seq)
         self._placed = False  # the op's buffers do not hold this layout: a later grouped_layout() places again
         offs, counts, src, m_idx, dropped, pair_pos = out["parts"]
-        if g.get("fused"):  # the fused combine's map, in the workspace: this layout's copy
-            pair_pos.copy_(g["pair_pos"])
         return grouped.GroupedLayout(x=out["x"], scales=out["scales"], offs=offs, counts=counts, src=src,
                                      m_indices=m_idx, weights=out["weights"], dropped=dropped.view(()),
                                      pair_pos=pair_pos, seq=seq, block=out["block"])
@@ -839,31 +813,6 @@ class NativeBackend:
                     src=src, out=out, dot=dot, rows=P, hidden=H, apply_weights=int(w is not None),
                     want_dot=int(y is not None), k=k, pair_pos=pair_pos, recv_rows=recv_rows)
         return out, dot
-
-    def grouped_out_view(self) -> torch.Tensor | None:
-        """[P, H] in the workspace when the fused combine reads the expert rows from there (None otherwise)."""
-        return self._grp.get("out_view")
-
-    def grouped_fused(self, routing) -> bool:
-        """Does combine_grouped take the fused form for this routing? (config grouped_combine = "fused", and
-        the dispatch took the bandwidth protocol: the same on every rank of a call)."""
-        return "fused" in self._grp and routing.extra.get("protocol", "bw") == "bw"
-
-    def combine_grouped_fused(self, expert_out, routing, apply_weights: bool):
-        """Grouped expert outputs [P, H] -> combined rows, one launch (templates/kernels/combine_grouped.j2)."""
-        self.check(ids="warn")
-        cfg, g = self.config, self._grp
-        slots = routing.extra["slots"]
-        T = slots.shape[0]
-        out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
-        a = g["fargs"]
-        a.slots, a.num_tokens, a.out = slots.data_ptr(), T, out.data_ptr()
-        a.expert_out, a.has_weights = expert_out.data_ptr(), int(apply_weights and self._had_weights)
-        geo = g["geo"].get(T) or g["geo"].setdefault(T, self._geometry("combine", T, T, self.k["combine_grouped"]))
-        self._stream = self.k.launch("combine_grouped", *geo, a)
-        self._last, self.last_protocol = "combine", "bw"
-        self.check(ids="skip")
-        return out, None
 
     def std_moe_dropped(self) -> torch.Tensor:
         """(row, k) pairs past an expert's capacity in the last conversion (device int32 scalar)."""

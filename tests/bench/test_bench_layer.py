@@ -211,31 +211,30 @@ def test_tables_with_the_low_latency_protocol():
 
 
 def test_tables_with_the_fused_grouped_combine():
-    """grouped_combine "fused" records: an epgen column of their own (the a2a / epgen ratio stays the
-    reduce form's); the CLI flag reaches the points."""
+    """grouped_combine "fused" records (taken before that form was removed): an epgen column of their own (the
+    a2a / epgen ratio stays the reduce form's); the CLI no longer offers the form."""
     recs = [_layer("epgen", 8, 120.0, 100.0, intranode_protocol="bw", grouped_combine="reduce"),
             _layer("a2a", 8, 300.0, 100.0), _layer("epgen", 8, 105.0, 100.0, intranode_protocol="bw", grouped_combine="fused")]
     assert [tables.layer_column(r) for r in recs] == ["epgen", "a2a", "epgen_fused"]
     layer = tables.layer_table(recs)
     assert "fused grouped combine" in layer[0] and layer[0].count("|") == layer[1].count("|") == layer[2].count("|")
     assert layer[2] == "| bf16 | 8 | 100.0 | 120.0 (20.0) | 300.0 (200.0) | – | 105.0 (5.0) | 2.50× |"
-    args = cli.build_parser().parse_args(["--layer", "--grouped-combine", "reduce", "fused"])
-    assert args.grouped_combine == ["reduce", "fused"]
-    assert cli.build_parser().parse_args(["--layer"]).grouped_combine == ["reduce"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--layer", "--grouped-combine", "fused"])
+    assert not hasattr(cli.build_parser().parse_args(["--layer"]), "grouped_combine")
 
 
-def scn_layer_forms(rank, world):
+def scn_layer_protocols(rank, world):
     return M.run_layer_point(8, SMALL["hidden"], SMALL["k"], SMALL["experts"], SMALL["inter"], "bf16", ["epgen", "a2a"],
-                             reps=2, eager_iters=2, backend="torch", protocols=("bw", "ll"),
-                             grouped_combines=("reduce", "fused"))
+                             reps=2, eager_iters=2, backend="torch", protocols=("bw", "ll"))
 
 
-def test_layer_point_runs_each_grouped_combine_form():
-    """One epgen record per (protocol, form), "fused" with the bandwidth protocol only."""
-    for recs in get_world(2).run(scn_layer_forms, timeout=180):
-        runs = [(r["path"], r["intranode_protocol"], r["grouped_combine"]) for r in recs]
-        assert runs == [("epgen", "bw", "reduce"), ("epgen", "bw", "fused"), ("epgen", "ll", "reduce"),
-                        ("a2a", None, None)]
+def test_layer_point_runs_each_protocol():
+    """One epgen record per intranode protocol asked for, then the a2a reference's; no combine_grouped form."""
+    for recs in get_world(2).run(scn_layer_protocols, timeout=180):
+        runs = [(r["path"], r["intranode_protocol"]) for r in recs]
+        assert runs == [("epgen", "bw"), ("epgen", "ll"), ("a2a", None)]
+        assert not any("grouped_combine" in r for r in recs)
         assert all(r["error"] is None and r["gate_max_rel_err"] <= M.LAYER_TOL["bf16"] for r in recs)
 
 

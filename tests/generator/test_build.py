@@ -43,10 +43,10 @@ def test_every_variant_compiles_and_verifies(all_results, specs):
     ("gfx942/grouped_place_fp8.bf16.fp8_e4m3fnuz.fp8_blockwise", "v_cvt_pk_f32_fp8"),
     ("gfx950/grouped_place_fp4.bf16.fp4_e2m1.fp4_blockwise", "v_cvt_scalef32_pk_f32_fp4"),
     ("gfx1250/grouped_place_fp4.fp32.fp4_e2m1.fp4_blockwise", "v_cvt_scale_pk8_f32_fp4"),
-    # the fused grouped combine: peer rows read in 16-byte vectors, ordered at system scope, every target
-    ("sm_90/combine_grouped.bf16.intranode", "MEMBAR.SC.SYS"), ("gfx942/combine_grouped.bf16.intranode", "flat_load_dwordx4"),
-    ("gfx950/combine_grouped.fp32.intranode", "buffer_inv sc0 sc1"),
-    ("gfx1250/combine_grouped.bf16.intranode", "global_inv scope:SCOPE_SYS"),
+    # the gather combine (and its grouped staging): peer rows read in 16-byte vectors, ordered at system scope
+    ("sm_90/combine_gather.bf16.intranode", "MEMBAR.SC.SYS"), ("gfx942/combine_gather.bf16.intranode", "flat_load_dwordx4"),
+    ("gfx950/combine_gather.fp32.intranode", "buffer_inv sc0 sc1"),
+    ("gfx1250/combine_gather.bf16.intranode", "global_inv scope:SCOPE_SYS"),
 ])
 def test_spec_expectations_hold(all_results, key, mnemonic):
     """The spec-driven checks cover the instructions the issue names (the spec is the source)."""

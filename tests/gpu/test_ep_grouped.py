@@ -182,16 +182,16 @@ def test_grouped_round_in_a_cuda_graph(protocol, tokens):
     run_collective(check)  # its all-gather is the closing barrier
 
 
-# --- the fused grouped combine (config grouped_combine="fused", templates/kernels/combine_grouped.j2) ---------
-def _round_fused(op, x, w, s, idx, mode, routing=None):
-    """The fused form three ways: expert rows written into grouped_out_view (read in place), then the
-    same rows from a tensor of their own (staged after the entry barrier), weighted and unweighted."""
+# --- grouped_out_view: the expert rows in a buffer of the op's own -------------------------------------------
+def _round_view(op, x, w, s, idx, mode, routing=None):
+    """combine_grouped with the expert rows written into grouped_out_view, then with the same rows from a tensor of
+    their own, weighted and unweighted."""
     layout, h = op.dispatch_grouped(x, w, s, idx, routing=routing)
-    y = expert_rows(layout, mode, op.config.combine_dtype, dist.get_rank() * EPR)
+    y = expert_rows(layout, _payload(mode), op.config.combine_dtype, dist.get_rank() * EPR)
     view = op.grouped_out_view()
     view.copy_(y)
-    in_place = op.combine_grouped(view, h)[0]
-    return layout, h, in_place, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
+    in_view = op.combine_grouped(view, h)[0]
+    return layout, h, in_view, op.combine_grouped(y, h)[0], op.combine_grouped(y, h, apply_weights=False)[0]
 
 
 @pytest.mark.parametrize("mode,recv_cap,gcap,tokens", [
@@ -199,55 +199,48 @@ def _round_fused(op, x, w, s, idx, mode, routing=None):
     ("bf16", 120, 128, T),       # receive cap and a small grouped buffer: dropped pairs never combined
     ("bf16", 2000, 0, 1024),
 ])
-def test_fused_grouped_combine_is_bit_exact(mode, recv_cap, gcap, tokens):
-    """Fused == the reduce form (native) == the torch backend, bit for bit, eager, with routing replay."""
+def test_combine_grouped_from_grouped_out_view_is_bit_exact(mode, recv_cap, gcap, tokens):
+    """Expert rows in grouped_out_view or in a tensor of their own: the same bits as each other and as the torch
+    backend, eager, with routing replay."""
     def check():
         kw = dict(max_total_recv_tokens=recv_cap, grouped_capacity=gcap, tokens=tokens)
-        with EpDispatchCombineOp(_cfg("native", mode, grouped_combine="fused", **kw)) as fop, \
-                EpDispatchCombineOp(_cfg("native", mode, **kw)) as op, \
-                EpDispatchCombineOp(_cfg("torch", mode, **kw)) as ref:
-            assert fop._backend.grouped_out_view() is not None and op._backend.grouped_out_view() is None
-            handles = (None, None, None)
+        with EpDispatchCombineOp(_cfg("native", mode, **kw)) as op, EpDispatchCombineOp(_cfg("torch", mode, **kw)) as ref:
+            handles, idx0 = (None, None), None
             for attempt, seed in enumerate((1, 2)):
                 x, w, s, idx = _inputs(seed, mode, "cuda", tokens)
                 if attempt:
                     idx = idx0
-                _, hf, fused, staged, unweighted = _round_fused(fop, x, w, s, idx, mode, handles[0])
-                _, hn, want, want_u = _round(op, x, w, s, idx, mode, handles[1])
+                _, hn, in_view, own, unweighted = _round_view(op, x, w, s, idx, mode, handles[0])
                 torch.cuda.synchronize()
                 cpu = (None if t is None else t.to(ref.device) for t in (x, w, s, idx))
-                _, hr, rcomb, rcomb_u = _round(ref, *cpu, mode, handles[2])
+                _, hr, rcomb, rcomb_u = _round(ref, *cpu, mode, handles[1])
                 if not attempt:
-                    handles, idx0 = (hf, hn, hr), idx
-                for got in (fused, staged):
-                    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-                    assert torch.equal(got.cpu(), rcomb.cpu())
-                assert torch.equal(unweighted, want_u) and torch.equal(unweighted.cpu(), rcomb_u.cpu())
-                assert fop._backend.last_protocol == "bw"
+                    handles, idx0 = (hn, hr), idx
+                assert torch.equal(in_view, own), (in_view.float() - own.float()).abs().max()
+                assert torch.equal(own.cpu(), rcomb.cpu()) and torch.equal(unweighted.cpu(), rcomb_u.cpu())
     run_collective(check)  # its all-gather is the closing barrier
 
 
-def test_fused_grouped_combine_in_a_cuda_graph():
-    """The fused round captured (the expert rows written into grouped_out_view inside the graph) replays
-    to the reduce form's eager bits."""
+def test_combine_grouped_from_grouped_out_view_in_a_cuda_graph():
+    """The round captured (the expert rows written into grouped_out_view inside the graph) replays to the eager
+    bits of another op."""
     def check():
         mode = "bf16"
-        with EpDispatchCombineOp(_cfg("native", mode, grouped_combine="fused")) as fop, \
-                EpDispatchCombineOp(_cfg("native", mode)) as op:
+        with EpDispatchCombineOp(_cfg("native", mode)) as gop, EpDispatchCombineOp(_cfg("native", mode)) as op:
             x, w, _, idx = _inputs(7, mode, "cuda")
             sx, sw, sidx = x.clone(), w.clone(), idx.clone()
-            g, (_, _, res, res_staged, _) = _captured(lambda: _round_fused(fop, sx, sw, None, sidx, mode))
+            g, (_, _, res, res_own, _) = _captured(lambda: _round_view(gop, sx, sw, None, sidx, mode))
             for rep in range(3):
                 x, w, _, idx = _inputs(60 + rep, mode, "cuda")
                 sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
                 g.replay()
                 torch.cuda.synchronize()
-                got, got_staged = res.clone(), res_staged.clone()
+                got, got_own = res.clone(), res_own.clone()
                 dist.barrier()
                 want = _round(op, x, w, None, idx, mode)[2]
                 torch.cuda.synchronize()
                 assert torch.equal(got, want), f"replay {rep}: {(got.float() - want.float()).abs().max()}"
-                assert torch.equal(got_staged, want)
+                assert torch.equal(got_own, want)
                 dist.barrier()
     run_collective(check)  # its all-gather is the closing barrier
 
@@ -407,25 +400,24 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
     run_collective(check)
 
 
-@pytest.mark.parametrize("mode,protocol,one_kernel,give_x,combine,tokens", [
-    ("bf16", "bw", "never", True, "reduce", T), ("bf16", "ll", "always", False, "reduce", T),
-    ("bf16", "bw", "always", True, "reduce", T), ("fp8_blockwise", "bw", "never", False, "reduce", T),
-    ("fp8", "ll", "always", True, "reduce", T), ("fp32", "bw", "never", False, "reduce", T),
-    ("bf16", "bw", "never", False, "fused", T), ("bf16", "bw", "always", False, "fused", T),
+@pytest.mark.parametrize("mode,protocol,one_kernel,give_x,tokens", [
+    ("bf16", "bw", "never", True, T), ("bf16", "ll", "always", False, T),
+    ("bf16", "bw", "always", True, T), ("fp8_blockwise", "bw", "never", False, T),
+    ("fp8", "ll", "always", True, T), ("fp32", "bw", "never", False, T),
+    ("bf16", "bw", "always", False, T),
     # few pairs: the low-latency dispatch's receive straight into the groups
-    ("bf16", "ll", "always", False, "reduce", 8), ("fp8", "ll", "always", True, "reduce", 8),
+    ("bf16", "ll", "always", False, 8), ("fp8", "ll", "always", True, 8),
 ])
-def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x, combine, tokens):
+def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x, tokens):
     """dispatch_grouped(fresh=True) / (out_x=...) on both placements (the standalone grouped_place, the dispatch
     kernel's tail): every tensor of the layout is the call's own, written whole although each was filled with 0x7f
     bytes first (an int32 0x7f7f7f7f, a huge float): every kept row and every int32 bit-identical to the op's own
     buffers after a replay, every row without a pair zeroed, the pair map -1 past the received rows; the combine
     reads the fresh layout's pair map (the op's own is wiped first); a later grouped_layout() places into the op's
-    buffers again. Groups padded to 3 rows: padding inside the groups. With the fused combine (its peers read the
-    pair map in the workspace) the kernels write the map there and the fresh layout holds a copy of it."""
+    buffers again. Groups padded to 3 rows: padding inside the groups."""
     def check():
-        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol, expert_alignment=3,
-                                      grouped_combine=combine)) as op:
+        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol,
+                                      expert_alignment=3)) as op:
             be = op._backend
             be.one_kernel = one_kernel
             made = be.fresh_grouped
@@ -442,7 +434,7 @@ def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x
             out = torch.empty(shape, dtype=dtype, device="cuda") if give_x else None
             lay, h = op.dispatch_grouped(x, w, s, idx, out_x=out, fresh=True)
             assert lay.block is not None and (lay.x is out if give_x else lay.x.data_ptr() != be._grp["x"].data_ptr())
-            assert lay.pair_pos.data_ptr() != be._grp["pair_pos"].data_ptr() or be._grp.get("fused")
+            assert lay.pair_pos.data_ptr() != be._grp["pair_pos"].data_ptr()
             assert not bool((lay.block == 0x7F7F7F7F).any()), "an int32 of the fresh layout was left unwritten"
             fresh = _snapshot(lay)
             pad = (lay.src < 0).cpu()
@@ -451,10 +443,7 @@ def test_dispatch_grouped_into_a_fresh_layout(mode, protocol, one_kernel, give_x
             rows = int(be.total_recv)
             assert bool((lay.pair_pos[rows * op.config.num_experts_per_token:] == -1).all())
             y = expert_rows(lay, mode, op.config.combine_dtype, dist.get_rank() * EPR)
-            if combine == "fused":  # the workspace's map is this layout's: the fused combine reads it there
-                assert torch.equal(be._grp["pair_pos"], lay.pair_pos)
-            else:
-                be._grp["pair_pos"].fill_(-1)  # the combine must take the fresh layout's map, not the op's buffer
+            be._grp["pair_pos"].fill_(-1)  # the combine must take the fresh layout's map, not the op's buffer
             got = op.combine_grouped(y, h)[0].clone()
             op.dispatch(x, w, s, idx, routing=h)  # replay into the op's own buffers
             own = _snapshot(op.grouped_layout())

@@ -20,7 +20,7 @@ FIELD_ORDER = ("rank", "world_size", "hidden_dim", "max_num_inp_token_per_rank",
                "scale_type_size", "combine_mode", "quant_type", "dispatch_quant_type", "enable_std_moe", "max_total_recv_tokens",
                "gpu_per_node", "internode_kernel", "internode_auto_ll_max_tokens", "intranode_protocol", "kernel_backend",
                "timeout_s", "expert_capacity", "strict_capacity", "launch_blocks", "launch_threads", "launch_rows",
-               "enable_grouped_layout", "expert_alignment", "grouped_capacity", "grouped_combine", "grouped_dequantize", "max_inflight",
+               "enable_grouped_layout", "expert_alignment", "grouped_capacity", "grouped_dequantize", "max_inflight",
                # the seed library's fields (runtime/aliases.py)
                "dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block",
                "schedule", "num_qp_per_pe", "dispatch_rdma_block_num", "combine_rdma_block_num",
@@ -57,7 +57,7 @@ def test_fields_in_order_with_defaults():
     assert (c.internode_kernel, c.internode_auto_ll_max_tokens, c.kernel_backend) == ("auto", 512, None)
     assert c.timeout_s == 30.0
     assert (c.expert_capacity, c.strict_capacity, c.resolved_expert_capacity) == (0, False, 32)
-    assert (c.enable_grouped_layout, c.grouped_combine, c.grouped_dequantize) == (False, "reduce", False)
+    assert (c.enable_grouped_layout, c.grouped_dequantize) == (False, False)
 
 
 def test_frozen_kw_only_hashable():

@@ -270,47 +270,23 @@ def test_grouped_memory_formula(monkeypatch):
     assert "grouped_x" not in native_workspace(plain)["regions"]
 
 
-def test_grouped_combine_field(monkeypatch):
-    """grouped_combine: validated where it enters; "fused" only with the gather combine and a protocol that
-    has bandwidth calls; the torch backend (one form) gives the same bits under both values, and
-    grouped_out_view is a [P, H] buffer combine_grouped takes like any other tensor."""
+def test_grouped_out_view_and_no_fused_form(monkeypatch):
+    """grouped_out_view is a [P, H] buffer of the op's own that combine_grouped takes like any other tensor (the
+    same bits); the fused form of combine_grouped is gone with its config field (an unknown keyword) and its
+    workspace regions."""
     from runtime.op import native_workspace
 
     monkeypatch.delenv("EPGEN_KERNEL_BACKEND", raising=False)
-    with pytest.raises(ConfigError, match=r"^grouped_combine='sum': must be one of 'reduce', 'fused'"):
-        _cfg(0, 1, "bf16", grouped_combine="sum")
-    with pytest.raises(ConfigError, match=r"^grouped_combine=1: must be a str"):
-        _cfg(0, 1, "bf16", grouped_combine=1)
-    with pytest.raises(ConfigError, match=r"grouped_combine='fused'.*combine_mode='scatter'"):
-        _cfg(0, 1, "bf16", grouped_combine="fused", combine_mode="scatter")
-    with pytest.raises(ConfigError, match=r"grouped_combine='fused'.*intranode_protocol='ll'"):
-        _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="ll")
-    assert _cfg(0, 1, "bf16", grouped_combine="fused", intranode_protocol="auto").grouped_combine == "fused"
+    with pytest.raises(TypeError, match="grouped_combine"):
+        _cfg(0, 1, "bf16", grouped_combine="fused")
     x, w, _, idx = _inputs(3, 0, 9, "bf16", EPR1)
-    results = []
-    for form in ("reduce", "fused"):
-        with EpDispatchCombineOp(_cfg(0, 1, "bf16", grouped_combine=form)) as op:
-            layout, h = op.dispatch_grouped(x, w, None, idx)
-            y = expert_rows(layout, "bf16", torch.bfloat16, 0)
-            view = op.grouped_out_view()
-            assert view.shape == (op.config.resolved_grouped_capacity, 32) and view.dtype == torch.bfloat16
-            assert op.grouped_out_view() is view
-            view.copy_(y)
-            results.append((op.combine_grouped(view, h)[0], op.combine_grouped(y, h)[0]))
-    assert all(torch.equal(r, results[0][0]) for pair in results for r in pair)
-    up = lambda n: -(-n // 256) * 256  # noqa: E731
-    cfg = _cfg(0, 1, "bf16", grouped_combine="fused")
-    R, P = cfg.max_recv_tokens, cfg.resolved_grouped_capacity
-    nat = native_workspace(cfg)["regions"]
-    assert (nat["grp_y"], nat["grp_pos"], nat["grouped_meta"]) == \
-        (up(P * 32 * 2), up(16 + 4 * R * K), up(12 * P + 4 * R * K + 12 * EPR1 + 4))
-    assert "grp_y" not in native_workspace(_cfg(0, 1, "bf16"))["regions"]
-    from runtime.plan import Plan
-    from runtime.config import load_specs
-
-    plan = Plan.of(cfg, load_specs().targets["sm_90"])
-    lay = plan.layout(cfg)  # the native workspace holds both regions, sized as the formula says
-    names = sorted((n for n in lay if n != "total"), key=lambda n: lay[n])
-    ends = dict(zip(names, [lay[n] for n in names[1:]] + [lay["total"]]))
-    assert (ends["grp_y"] - lay["grp_y"], ends["grp_pos"] - lay["grp_pos"]) == (nat["grp_y"], nat["grp_pos"])
-    assert "grp_y" not in plan.layout(_cfg(0, 1, "bf16"))
+    with EpDispatchCombineOp(_cfg(0, 1, "bf16")) as op:
+        layout, h = op.dispatch_grouped(x, w, None, idx)
+        y = expert_rows(layout, "bf16", torch.bfloat16, 0)
+        view = op.grouped_out_view()
+        assert view.shape == (op.config.resolved_grouped_capacity, 32) and view.dtype == torch.bfloat16
+        assert op.grouped_out_view() is view and view.data_ptr() != y.data_ptr()
+        view.copy_(y)
+        assert torch.equal(op.combine_grouped(view, h)[0], op.combine_grouped(y, h)[0])
+    regions = native_workspace(_cfg(0, 1, "bf16"))["regions"]
+    assert "grp_y" not in regions and "grp_pos" not in regions

@@ -174,7 +174,6 @@ GROUPED = dict(BASE, hidden_dim=256, enable_grouped_layout=True)
     (dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16, scale_dim=2,
           scale_type_size=4), False),                           # a pre-quantized payload with scales
     (dict(max_total_recv_tokens=100), False),                   # a receive cap: rows may be dropped on arrival
-    (dict(grouped_combine="fused"), False),                     # the fused combine keeps its own pair map
     (dict(num_experts_per_rank=700), True),                     # 1402 counters of 1536
     (dict(num_experts_per_rank=800), False),                    # 1602: past the kernel's shared memory
     (dict(enable_grouped_layout=False), False),
@@ -205,8 +204,7 @@ def test_direct_grouped_dispatch_plan(fields, direct):
     layout = plan.layout(cfg)
     assert layout["counter"] < layout["grouped_cnt"] < layout["recv_x"]
     # moved, not added: the direct op's grouped bytes are the other layout's plus the table
-    other = Plan.of(attrs.evolve(cfg, grouped_combine="reduce"), load_specs().targets["sm_90"])
-    plain = {r.name: r.nbytes for r in attrs.evolve(other, direct=False).slot_regions(cfg)}
+    plain = {r.name: r.nbytes for r in attrs.evolve(plan, direct=False).slot_regions(cfg)}
     mine = {r.name: r.nbytes for r in plan.slot_regions(cfg)}
     assert sum(mine.values()) == sum(plain.values()) + regions["grouped_cnt"].nbytes
 
