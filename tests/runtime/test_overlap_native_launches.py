@@ -150,3 +150,23 @@ def test_slot_maps_hand_out_memory_of_their_own():
     for T in range(1, SlotMaps.TOKEN_COUNTS + 3):
         maps.take(T, 2)
     assert len(maps._free) <= SlotMaps.TOKEN_COUNTS
+
+
+def test_dispatch_tail_fields_follow_each_call():
+    """The dispatch tail's layout fields (dargs grp_*) are written only when they change, so what each launch sees
+    must still be its own call's: the op's buffers, then none (a plain dispatch), then the op's buffers again,
+    then a fresh layout's, then the op's again."""
+    nb = _backend("ll")
+    own = tuple(range(101, 110))
+    nb._grp = {"tail": own}
+    nb._fresh_outputs = lambda out: out["tensors"]
+    seen = []
+    nb.k.launch = lambda role, grid, block, args=None, /, **kw: seen.append(
+        (args.grp_x, args.grp_dropped, args.grp_zero_padding if args.grp_x else None)) or 0
+    fresh = {"tensors": [torch.zeros(1) for _ in range(9)]}
+    first, last = fresh["tensors"][0].data_ptr(), fresh["tensors"][-1].data_ptr()
+    for layout, out in ((True, None), (False, None), (True, None), (True, fresh), (True, None)):
+        call = nb._dispatch_prepare(*_inputs(), None)
+        call.update(layout=layout, layout_out=out, direct=False)
+        nb._dispatch_launch(call, PHASE_BOTH)
+    assert seen == [(101, 109, 0), (0, 109, None), (101, 109, 0), (first, last, 1), (101, 109, 0)]
