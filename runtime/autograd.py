@@ -165,7 +165,7 @@ def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
 def _handle_tensor(handle_id: int, saved: _Saved) -> torch.Tensor:
     """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device),
     kept with the routing it names for the combine's setup (_remember)."""
-    t = torch.tensor(handle_id, dtype=torch.int64)
+    t = torch.scalar_tensor(handle_id, dtype=torch.int64)
     saved.named = (handle_id, t)
     return t
 
@@ -219,7 +219,7 @@ def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None 
         # may name that routing by another id than handle_id (a selective checkpoint's replay hands the first
         # forward's routing to a new id): _routing_of then takes it by that id, the same routing. Never a new
         # tensor here on one run and none on another: a checkpoint's replay must see the forward's torch ops.
-        handle_t = saved.named[1] if saved.named is not None else torch.tensor(handle_id, dtype=torch.int64)
+        handle_t = saved.named[1] if saved.named is not None else torch.scalar_tensor(handle_id, dtype=torch.int64)
     return handle_t
 
 
