@@ -49,7 +49,7 @@ declare -A status
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
 tail -3 "$OUT/build.log"
 if [ -z "${NO_TESTS:-}" ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py tests/gpu/test_readme_gpu.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py tests/gpu/test_readme_gpu.py tests/gpu/test_slot_maps.py 2>&1 | tee "$OUT/quant.log" | tail -15; status[quant]=${PIPESTATUS[0]}
 fi
 if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
   # oversubscribed runs name each test as it ends and dump every rank's Python stacks when one outlasts FH_TIMEOUT s

@@ -94,24 +94,28 @@ class SlotMaps:
     (int32 [1]), which its routing handle keeps past later dispatches (replays, backwards). Cut from batches: one
     allocation and one unbind per batch of calls (up to BATCH calls, about BATCH_BYTES each), where a call of its own
     took an allocation and three views (~15 us of an eager dispatch's host time on the lent H200 host). Every
-    pair handed out is memory no other call gets; a batch is freed by torch once none of its pairs is held."""
+    pair handed out is memory no other call gets; a batch is freed by torch once none of its pairs is held. A batch
+    serves the calls of the stream it was allocated on (torch's allocator hands a freed block back to that stream
+    alone: a batch used on another stream could be reused there while that stream's kernels still write it)."""
 
-    BATCH, BATCH_BYTES, TOKEN_COUNTS = 64, 1 << 20, 16
+    BATCH, BATCH_BYTES, KEYS = 64, 1 << 20, 16
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._free: dict[tuple[int, int], list] = {}  # (T, k) -> pairs not yet handed out, the next one last
+        self._free: dict[tuple[int, int, int], list] = {}  # (stream, T, k) -> pairs not yet handed out, next last
 
     def take(self, T: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        free = self._free.get((T, k))
+        stream = kernels.current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
+        key = (stream, T, k)
+        free = self._free.get(key)
         if not free:
             n = max(1, min(self.BATCH, self.BATCH_BYTES // (4 * (T * k + 1))))
             block = torch.empty((n, T * k + 1), dtype=torch.int32, device=self.device)
             free = list(zip(block[:, :T * k].view(n, T, k).unbind(0), block[:, T * k:].unbind(0)))
             free.reverse()
-            if (T, k) not in self._free and len(self._free) >= self.TOKEN_COUNTS:  # many token counts: the oldest goes
+            if key not in self._free and len(self._free) >= self.KEYS:  # many streams or token counts: the oldest goes
                 del self._free[next(iter(self._free))]
-            self._free[(T, k)] = free
+            self._free[key] = free
         return free.pop()
 
 

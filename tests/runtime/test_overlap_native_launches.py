@@ -131,7 +131,7 @@ def test_one_kernel_legs_auto_policy(monkeypatch, capturing):
 
 def test_slot_maps_hand_out_memory_of_their_own():
     """Each dispatch's slot map and row count (kept by its routing handle past later dispatches) are memory no
-    other call gets, cut from batches bounded in bytes; many token counts keep at most TOKEN_COUNTS batches."""
+    other call gets, cut from batches bounded in bytes; many token counts keep at most KEYS batches."""
     maps = SlotMaps(torch.device("cpu"))
     first = maps.take(3, 8)
     first[0].fill_(7)
@@ -147,9 +147,9 @@ def test_slot_maps_hand_out_memory_of_their_own():
     assert bool((first[0] == 7).all()) and int(first[1]) == 9  # nothing handed out twice
     big = maps.take(4096, 8)  # a batch of about BATCH_BYTES: fewer calls per batch
     assert big[0]._base.shape[0] == SlotMaps.BATCH_BYTES // (4 * (4096 * 8 + 1))
-    for T in range(1, SlotMaps.TOKEN_COUNTS + 3):
+    for T in range(1, SlotMaps.KEYS + 3):
         maps.take(T, 2)
-    assert len(maps._free) <= SlotMaps.TOKEN_COUNTS
+    assert len(maps._free) <= SlotMaps.KEYS
 
 
 def test_dispatch_tail_fields_follow_each_call():

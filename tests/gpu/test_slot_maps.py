@@ -1,0 +1,29 @@
+"""The native dispatch's slot maps on the GPU (runtime/backends/native.py SlotMaps): each stream takes its slot maps
+from a batch allocated on that stream (torch's allocator hands a freed block back to its own stream only).
+
+Run on the GPU machine: python -m pytest -m gpu tests/gpu/test_slot_maps.py
+"""
+
+import pytest
+import torch
+
+from runtime.backends.native import SlotMaps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+def _batch(pair) -> int:
+    return pair[0].untyped_storage().data_ptr()
+
+
+def test_each_stream_takes_from_a_batch_of_its_own():
+    maps = SlotMaps(torch.device("cuda", torch.cuda.current_device()))
+    here = maps.take(2, 8)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        there = maps.take(2, 8)
+        there_again = maps.take(2, 8)
+    again = maps.take(2, 8)
+    assert _batch(here) == _batch(again) and _batch(there) == _batch(there_again)
+    assert _batch(here) != _batch(there)
+    assert len({p[0].data_ptr() for p in (here, there, there_again, again)}) == 4
