@@ -96,7 +96,9 @@ class SlotMaps:
     took an allocation and three views (~15 us of an eager dispatch's host time on the lent H200 host). Every
     pair handed out is memory no other call gets; a batch is freed by torch once none of its pairs is held. A batch
     serves the calls of the stream it was allocated on (torch's allocator hands a freed block back to that stream
-    alone: a batch used on another stream could be reused there while that stream's kernels still write it)."""
+    alone: a batch used on another stream could be reused there while that stream's kernels still write it). Inside
+    graph capture every call allocates its own, from the graph's pool as before: a captured kernel writes its slot
+    map at every replay, so that memory must live as long as the graph, not as long as a batch's handles."""
 
     BATCH, BATCH_BYTES, KEYS = 64, 1 << 20, 16
 
@@ -105,7 +107,11 @@ class SlotMaps:
         self._free: dict[tuple[int, int, int], list] = {}  # (stream, T, k) -> pairs not yet handed out, next last
 
     def take(self, T: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = kernels.current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            held = torch.empty(T * k + 1, dtype=torch.int32, device=self.device)
+            return held[:T * k].view(T, k), held[T * k:]
+        stream = kernels.current_raw_stream(self.device.index) if cuda else 0
         key = (stream, T, k)
         free = self._free.get(key)
         if not free:
