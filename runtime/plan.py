@@ -52,9 +52,9 @@ def _elem_bits(dtype: torch.dtype) -> int:
 def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool:
     """Can this op's bandwidth dispatch_grouped run as one direct kernel (templates/kernels/dispatch_direct.j2: the
     rows stored straight into the destinations' groups)? Intranode, the grouped layout without decoding, bf16 / fp32
-    rows moved as they are (no quantization, no scales), no receive cap (every row fits), top-k within a wave, and the per-(rank, expert) counters within the kernel's shared memory.
-    Such an op keeps its grouped rows, their pair ids / experts / weights, its pair map and a count table in the
-    symmetric workspace (its peers write them)."""
+    rows moved as they are (no quantization, no scales), no receive cap (every row fits), top-k within a wave, and
+    the per-(rank, expert) counters within the kernel's shared memory. Such an op keeps its grouped rows, their pair
+    ids / experts / weights, its pair map and a count table in the symmetric workspace (its peers write them)."""
     W, E, k = cfg.world_size, cfg.num_experts_per_rank, cfg.num_experts_per_token
     buckets = dict(load_specs().arglists["ep"].limits)["direct_buckets"]
     return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize

@@ -53,9 +53,9 @@ LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the n
 
 def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
           threads: int = 0, direct: str = "auto", protocol: str = "auto") -> dict:
-    """One (tokens, legs, geometry, direct, protocol) point. The op stays open (in `keep`) until every point is taken: a closed op's kernels
-    unload, and a later op's module loaded at the same address would be reported under the old kernel's name by
-    the profiler."""
+    """One (tokens, legs, geometry, direct, protocol) point. The op stays open (in `keep`) until every point is
+    taken: a closed op's kernels unload, and a later op's module loaded at the same address would be reported under
+    the old kernel's name by the profiler."""
     rank, world = dist.get_rank(), dist.get_world_size()
     geometry = {key: v for key, v in (("launch_blocks", blocks), ("launch_threads", threads)) if v}
     base = point_config(rank, world, T, args.hidden, args.topk, args.experts, torch.bfloat16, geometry=geometry)

@@ -106,12 +106,12 @@ class SlotMaps:
         self.device = device
         self._free: dict[tuple[int, int, int], list] = {}  # (stream, T, k) -> pairs not yet handed out, next last
 
-    def take(self, T: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cuda = self.device.type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():
+    def take(self, T: int, k: int, capturing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pair for a call of T tokens of top-k; capturing: the call is being captured into a graph."""
+        if capturing:
             held = torch.empty(T * k + 1, dtype=torch.int32, device=self.device)
             return held[:T * k].view(T, k), held[T * k:]
-        stream = kernels.current_raw_stream(self.device.index) if cuda else 0
+        stream = kernels.current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
         key = (stream, T, k)
         free = self._free.get(key)
         if not free:
@@ -418,7 +418,7 @@ class NativeBackend:
         Every grouped op but the dequantizing ones (their placement decodes rows: grouped_place_fp8 / _fp4)."""
         return self._grp is not None and "tail" in self._grp
 
-    def one_kernel_legs(self, protocol: str, leg: str = "dispatch") -> bool:
+    def one_kernel_legs(self, protocol: str, leg: str = "dispatch", capturing: bool | None = None) -> bool:
         """Does a grouped leg ("dispatch" / "combine") of this protocol run as one kernel (grouped_tail.j2, combine_ll's
         push) rather than the EP kernel and the separate passes? self.one_kernel: "always" / "never" (tests,
         scripts/grouped_profile.py) or "auto":
@@ -438,7 +438,9 @@ class NativeBackend:
             return self.one_kernel == "always"
         if leg == "combine":
             return True
-        return protocol == "ll" and not torch.cuda.is_current_stream_capturing()
+        if capturing is None:  # (a dispatch's caller knows it already: _dispatch_prepare's "capturing")
+            capturing = torch.cuda.is_current_stream_capturing()
+        return protocol == "ll" and not capturing
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def direct_dispatch(self, call: dict, layout_out) -> bool:
@@ -460,7 +462,8 @@ class NativeBackend:
         one-call launches only), into layout_out (fresh_grouped()'s tensors) when given."""
         call = self._dispatch_prepare(x, weights, scales, indices, routing)
         call["direct"] = layout and self.direct_dispatch(call, layout_out)
-        call["layout"] = layout and not call["direct"] and self.one_kernel_legs(call["protocol"])
+        call["layout"] = layout and not call["direct"] and self.one_kernel_legs(call["protocol"],
+                                                                                capturing=call["capturing"])
         call["layout_out"] = layout_out
         self._dispatch_launch(call, PHASE_BOTH)
         return self._dispatch_outputs(call)
@@ -483,7 +486,8 @@ class NativeBackend:
         self.check(ids="warn")
         cfg = self.config
         T, k = x.shape[0], cfg.num_experts_per_token
-        if self.id_check == "sync" and routing is None and not torch.cuda.is_current_stream_capturing():
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # asked once per call
+        if self.id_check == "sync" and routing is None and not capturing:
             check_expert_ids(cfg, indices)
         protocol = routing.extra["protocol"] if routing is not None else self.protocol
         if routing is not None:  # replay: the handle's slots and row count, no claims
@@ -491,10 +495,11 @@ class NativeBackend:
         elif self.capped and protocol == "bw":  # below the worst case: (source rank, token) order decides who is dropped
             slots, total = self._ordered_slots(indices)
         else:  # the low-latency dispatch numbers its rows in (source rank, token) order itself
-            slots, total = self._slot_maps.take(T, k)
+            slots, total = self._slot_maps.take(T, k, capturing)
         self._had_weights = weights is not None
         return {"x": x, "weights": weights, "scales": scales, "indices": indices, "slots": slots, "total": total,
-                "protocol": protocol, "replay": int(routing is not None or (self.capped and protocol == "bw"))}
+                "protocol": protocol, "replay": int(routing is not None or (self.capped and protocol == "bw")),
+                "capturing": capturing}
 
     def _dispatch_launch(self, call: dict, phase: int) -> None:
         cfg, a = self.config, self.dargs

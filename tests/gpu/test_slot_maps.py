@@ -30,15 +30,16 @@ def test_each_stream_takes_from_a_batch_of_its_own():
 
 
 def test_a_captured_dispatch_allocates_its_own_from_the_graph_pool():
-    """Inside capture nothing comes from a batch: the captured kernels write their slot map at every replay, so it
-    lives in the graph's pool (a batch could be freed with its last handle while the graph still writes it)."""
+    """Inside capture (the dispatch says so: capturing=True) nothing comes from a batch: the captured kernels write
+    their slot map at every replay, so it lives in the graph's pool (a batch could be freed with its last handle
+    while the graph still writes it)."""
     maps = SlotMaps(torch.device("cuda", torch.cuda.current_device()))
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         eager = maps.take(2, 8)  # a batch on the capture stream, with pairs left
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=side):
-        captured = maps.take(2, 8)
+        captured = maps.take(2, 8, torch.cuda.is_current_stream_capturing())
         captured[0].fill_(3)
     assert _batch(captured) != _batch(eager)
     assert captured[0].untyped_storage().nbytes() == 4 * (2 * 8 + 1)  # its own allocation, not a batch
