@@ -94,6 +94,11 @@ def _params_of(args: tuple) -> ctypes.Array:
     return (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
 
 
+def struct_params(s: ctypes.Structure) -> ctypes.Array:
+    """The driver's argument array of one argument block (kept on the block: built once)."""
+    return _params_of((s,))
+
+
 def current_raw_stream(device_index: int | None = None) -> int:
     """torch's current stream on the current device (or on device `device_index`), as the driver's handle (the
     cheap way: no Stream object)."""

@@ -80,6 +80,7 @@ class EpDispatchCombineOp:
         self._generation = 0  # reset() and close() make pending handles void
         self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
+        self._steady = self._steady_signature()
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -667,6 +668,10 @@ class EpDispatchCombineOp:
         pair is zeroed (a grouped GEMM over the padding sees zeros) and every entry written (on the native backend
         by the placing kernel itself: no copies). out_x: a contiguous tensor of the layout's x shape and dtype
         (grouped_x_spec()) for the rows; it implies fresh=True."""
+        if self._steady is not None and routing is None and scales is None and (fresh is False or fresh is True):
+            done = self._steady_dispatch_grouped(x, weights, indices, fresh or out_x is not None, out_x)
+            if done is not None:
+                return done
         self._check_open("dispatch_grouped")
         self._need_grouped("dispatch_grouped")
         if out_x is not None:
@@ -706,6 +711,10 @@ class EpDispatchCombineOp:
         its pairs' grouped rows: one_kernel_legs); the same bits.
         -> combine's (combined [num_tokens, hidden_dim], None).
         """
+        if self._steady is not None:
+            done = self._steady_combine_grouped(expert_out, routing, apply_weights)
+            if done is not None:
+                return done
         self._check_open("combine_grouped")
         layout, slot = self._combine_grouped_begin("combine_grouped", expert_out, routing, apply_weights)
         staged = getattr(self._backend, "grouped_staged", None)
@@ -749,6 +758,81 @@ class EpDispatchCombineOp:
         cfg = self.config
         return grouped.reduce(expert_out, layout, self._by_slot[slot]["out_w"], cfg.max_recv_tokens,
                               cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
+
+    # --- the steady path: the common eager grouped call with the least host work ---------------------------------
+    def _steady_signature(self) -> tuple | None:
+        """What a call must match to take the steady path (_steady_dispatch_grouped, _steady_combine_grouped), or None
+        where this op never takes it: a backend without steady launches (steady_dispatch), no grouped layout, a payload
+        with scales, the seed's weight fold, routed counts under a receive cap, strict capacity (a device read)."""
+        cfg, b = self.config, self._backend
+        if not hasattr(b, "steady_dispatch") or not cfg.enable_grouped_layout or cfg.dispatch_scales_dtype is not None \
+                or self._combine_weights != "values" or (self._count_routed and self._capped) or cfg.strict_capacity:
+            return None
+        return (cfg.dispatch_dtype, b.device, cfg.dispatch_payload_cols, cfg.max_num_inp_token_per_rank,
+                cfg.num_experts_per_token, cfg.combine_dtype, (cfg.resolved_grouped_capacity, cfg.hidden_dim),
+                self.grouped_x_spec())
+
+    def _steady_dispatch_grouped(self, x, weights, indices, fresh: bool, out_x):
+        """dispatch_grouped(x, weights, None, indices, fresh=fresh, out_x=out_x) as the full path runs it, with the
+        least host work (the same launches, state and results: tests/runtime/test_steady_path.py holds them equal),
+        where the call is the common one: inputs as the checks want them, a backend ready for it (steady_ready: no
+        error to report, no numbering under a cap, no host id check). -> None otherwise: the full path then runs
+        (and says what is wrong)."""
+        dtype, device, cols, most, k = self._steady[:5]
+        if self._closed or not (type(x) is torch.Tensor and x.dtype == dtype and x.device == device and x.dim() == 2
+                                and x.shape[1] == cols and x.shape[0] <= most and x.is_contiguous()):
+            return None
+        T = x.shape[0]
+        if not (type(indices) is torch.Tensor and indices.dtype == torch.int32 and indices.device == device
+                and indices.shape == (T, k) and indices.is_contiguous()):
+            return None
+        if weights is not None and not (type(weights) is torch.Tensor and weights.dtype == torch.float32 and
+                                        weights.device == device and weights.shape == (T, k) and
+                                        weights.is_contiguous()):
+            return None
+        if out_x is not None:
+            shape, out_dtype = self._steady[7]
+            if not (type(out_x) is torch.Tensor and out_x.dtype == out_dtype and out_x.device == device and
+                    out_x.shape == shape and out_x.is_contiguous()):
+                return None
+        b = self._backend
+        if not b.steady_ready():
+            return None
+        out = b.fresh_grouped(out_x) if fresh else None  # before the slot: nothing of it is a slot's
+        slot = self._slots.for_dispatch("dispatch", True)
+        self._forget(slot)
+        b.select_slot(slot)
+        self._follow(slot)
+        *outs, fields = b.steady_dispatch(x, weights, indices, T, out)
+        handle = self._dispatch_end(slot, outs, fields, T, True, None, None)[-1]
+        layout = self._grouped_by[slot] = b.grouped_layout(seq=self._seq, out=out)
+        return layout, handle
+
+    def _steady_combine_grouped(self, expert_out, routing, apply_weights):
+        """combine_grouped(expert_out, routing, apply_weights) as the full path runs it (as _steady_dispatch_grouped),
+        where the call is the common one: a handle of this op whose dispatch's layout is the slot's, expert rows as
+        the checks want them, one combine kernel for the leg (grouped_staged). -> None otherwise."""
+        if self._closed or type(routing) is not RoutingHandle or routing.op_uid != self.uid or \
+                routing.config_key is not self.config.key or (apply_weights is not True and apply_weights is not False):
+            return None
+        device, dtype, shape = self._steady[1], self._steady[5], self._steady[6]
+        if not (type(expert_out) is torch.Tensor and expert_out.dtype == dtype and expert_out.device == device and
+                expert_out.shape == shape and expert_out.is_contiguous()):
+            return None
+        slot = routing.slot
+        layout = self._grouped_by.get(slot) if 0 <= slot < self._slots.n else None
+        b = self._backend
+        if layout is None or routing.seq != layout.seq or slot not in self._by_slot or not b.steady_ready() or \
+                not b.grouped_staged(routing):
+            return None
+        self._slots.for_combine("combine_grouped", routing)
+        self._check_view_slot("combine_grouped", expert_out, slot)
+        b.select_slot(slot)
+        self._follow(slot)
+        try:
+            return b.steady_combine_grouped(expert_out, routing, apply_weights, layout.pair_pos)
+        finally:
+            self._slots.combined(slot)
 
     def grouped_out_view(self, routing=None) -> torch.Tensor:
         """A [resolved_grouped_capacity, hidden_dim] combine-dtype tensor the grouped GEMMs may write their

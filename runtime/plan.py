@@ -345,9 +345,17 @@ class KernelSet:
         """Launch `role`'s kernel on torch's current stream (its declared arguments: runtime/kernels.py Kernel)."""
         return self._k[role].launch(grid, block, args, **kw)
 
+    def launch_struct(self, role: str, grid: int, block: int, args) -> int:
+        """launch(role, grid, block, args) of an EP kernel's argument block made by struct(role) (not checked again:
+        the eager calls' launch, host time)."""
+        return self._k[role].raw.launch_params(grid, block, args._epg_params)
+
     def struct(self, role: str, **fields):
-        """A fresh argument struct of `role`'s kernel (its family's struct list), fields set by name."""
-        return kernels.struct_type(self._k[role].signature)(**fields)
+        """A fresh argument struct of `role`'s kernel (its family's struct list), fields set by name, with the
+        driver's argument array on it (kernels.struct_params)."""
+        s = kernels.struct_type(self._k[role].signature)(**fields)
+        kernels.struct_params(s)
+        return s
 
     def symbols(self, *roles: str) -> tuple[str, ...]:
         return tuple(self._k[r].symbol for r in roles or self._k if r in self._k)

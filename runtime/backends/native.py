@@ -154,6 +154,9 @@ class NativeBackend:
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
+        self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh)
+        self._site_memo: dict[tuple, tuple] = {}  # _combine_site's per (protocol, tokens, staged)
+        self._steady_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # the combine's, for steady calls
         peer_bases = self._setup_workspace()
         self._trace = None  # trace_phases()'s buffer (diagnostics)
         self._slots: list[dict] = []  # per workspace slot (config max_inflight): the values of SLOT_ATTRS
@@ -468,6 +471,98 @@ class NativeBackend:
         self._dispatch_launch(call, PHASE_BOTH)
         return self._dispatch_outputs(call)
 
+    # --- the steady path (op._steady_dispatch_grouped / _steady_combine_grouped) ------------------------------
+    def steady_ready(self) -> bool:
+        """May the next call take the steady path? Not while an error word is up (the full path reports it), nor where
+        a dispatch numbers its slots first (a receive cap under the bandwidth protocol) or checks ids on the host."""
+        words = self._error_words
+        return not (words[0] or words[7]) and self.id_check != "sync" and not (self.capped and self.protocol == "bw")
+
+    def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None):
+        """dispatch(x, weights, None, indices, None, layout=fuses_layout, layout_out=out) of a call the op checked
+        (steady_ready held): the same launch and state, its decisions (direct kernel, placing tail, geometry) made
+        once per (token count, capture, fresh layout, modes) and the argument block's changing fields alone
+        written."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None)
+        how = self._steady_how.get(key)
+        if how is None or how[0] != modes:
+            layout, protocol = self.fuses_layout, self.protocol
+            direct = layout and direct_call(self.direct, self.plan.direct, protocol, out is not None, False,
+                                            self.config.world_size)
+            placed = layout and not direct and self.one_kernel_legs(protocol, capturing=capturing)
+            how = self._steady_how[key] = (modes, direct, placed,
+                                           *self._dispatch_site(protocol, T, PHASE_BOTH, placed, direct))
+        _, direct, placed, role, grid, threads, block_rows = how
+        slots, total = self._slot_maps.take(T, self.config.num_experts_per_token, capturing)
+        a = self.dargs
+        a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), \
+            total.data_ptr(), 0
+        a.weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
+        a.scales, a.num_tokens, a.phase = 0, T, PHASE_BOTH
+        if placed or direct:
+            self._aim_tail(self._grp["tail"] if out is None else _layout_ptrs(*self._fresh_outputs(out)))
+            if placed:
+                a.grp_zero_padding = int(out is not None)
+        else:
+            a.grp_x, a.aimed = 0, None
+        if block_rows is not None:
+            a.block_rows = block_rows
+        self._had_weights, self._placed = weights is not None, placed or direct
+        self._stream = self.k.launch_struct(role, grid, threads, a)
+        self._last, self.last_protocol = "dispatch", self.protocol
+        if self._error_words[0]:
+            self.check(ids="skip")
+        return self.recv_x, (None if weights is None else self.recv_w), self.recv_scales, self.recv_idx, \
+            self.total_recv, {"extra": {"slots": slots, "total": total, "protocol": self.protocol,
+                                        "recv_src": self.recv_src}}
+
+    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor):
+        """combine_grouped_staged(expert_out, routing, apply_weights, pair_pos) of a call the op checked (steady_ready
+        and grouped_staged held): the same launch and state, the argument block's changing fields alone written."""
+        extra, a = routing.extra, self.cargs
+        slots = extra["slots"]
+        T = slots.shape[0]
+        hidden, dtype, rows = self._steady_shape
+        out = torch.empty((T, hidden), dtype=dtype, device=self.device)
+        protocol = extra.get("protocol", "bw")
+        a.slots, a.num_tokens, a.out, a.out_weights = slots.data_ptr(), T, out.data_ptr(), 0
+        a.grp_pair_pos = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
+        a.grp_apply_weights = int(apply_weights and self._had_weights)
+        a.expert_out, a.expert_rows, a.expert_weights, a.has_weights = expert_out.data_ptr(), rows, 0, 0
+        a.phase = PHASE_BOTH
+        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, True), a)
+        self._last, self.last_protocol = "combine", protocol
+        if self._error_words[0]:
+            self.check(ids="skip")
+        return out, None
+
+    def _dispatch_site(self, protocol: str, T: int, phase: int, placed: bool, direct: bool) -> tuple:
+        """(role, grid, threads, block_rows or None) of a dispatch launch: the direct kernel on every resident block
+        (up to one per multiprocessor), dispatch_ll on its own grid (with the layout too: few pairs), the bandwidth
+        dispatch on its tuned grid, every resident block where it places the layout, one block for its receive half
+        (block 0's wait for the arrivals alone, templates/kernels/dispatch.j2)."""
+        if direct:
+            threads = self.k["dispatch_direct"].max_threads
+            return "dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)), threads, None
+        if protocol == "ll":
+            return ("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], None)
+        blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * self.config.world_size)
+        blocks = self._resident("dispatch", threads) if placed else blocks
+        return "dispatch", 1 if phase == PHASE_RECV else blocks, threads, int(block_rows)
+
+    def _combine_site(self, protocol: str, T: int, staged: bool) -> tuple:
+        """(role, grid, threads) of a combine launch, worked out once per (protocol, tokens, staged): a grouped staging
+        (staged) runs the gather combine on every resident block (its staging pass sums pairs), the low-latency one
+        on its own grid (each pushing wave sums its row's pairs)."""
+        site = self._site_memo.get((protocol, T, staged))
+        if site is None:
+            role = "combine_ll" if protocol == "ll" else "combine"
+            blocks, threads, _ = self._launch_geometry(role, T, T)
+            site = self._site_memo[(protocol, T, staged)] = \
+                (role, self._resident(role, threads) if staged and role == "combine" else blocks, threads)
+        return site
+
     def dispatch_send(self, x, weights, scales, indices, routing) -> dict:
         """The send half: the rows leave for their destinations (both protocols), nothing waits for them;
         -> the call, for dispatch_receive."""
@@ -502,7 +597,7 @@ class NativeBackend:
                 "capturing": capturing}
 
     def _dispatch_launch(self, call: dict, phase: int) -> None:
-        cfg, a = self.config, self.dargs
+        a = self.dargs
         x, weights, scales, slots = call["x"], call["weights"], call["scales"], call["slots"]
         T = x.shape[0]
         a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), call["indices"].data_ptr(), slots.data_ptr(), \
@@ -520,20 +615,14 @@ class NativeBackend:
             a.grp_x, a.aimed = 0, None
         if phase != PHASE_SEND:
             self._placed = layout
-        if call.get("direct") and phase == PHASE_BOTH:  # counts, then the rows straight into the groups: one kernel
+        direct = bool(call.get("direct")) and phase == PHASE_BOTH
+        if direct:  # counts, then the rows straight into the groups: one kernel
             self._aim_tail(self._grp["tail"])
             self._placed = True
-            threads = self.k["dispatch_direct"].max_threads
-            self._stream = self.k.launch("dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)),
-                                         threads, a)
-        elif call["protocol"] == "ll":  # with the layout too, its own grid: few pairs
-            self._stream = self.k.launch("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], a)
-        else:
-            blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * cfg.world_size)
-            blocks = self._resident("dispatch", threads) if layout else blocks
-            a.block_rows = int(block_rows)
-            # the receive half is block 0's wait for the arrivals alone (templates/kernels/dispatch.j2)
-            self._stream = self.k.launch("dispatch", 1 if phase == PHASE_RECV else blocks, threads, a)
+        role, grid, threads, block_rows = self._dispatch_site(call["protocol"], T, phase, layout, direct)
+        if block_rows is not None:
+            a.block_rows = block_rows
+        self._stream = self.k.launch_struct(role, grid, threads, a)
         if phase != PHASE_SEND:
             self._last, self.last_protocol = "dispatch", call["protocol"]
         self.check(ids="skip")
@@ -928,10 +1017,7 @@ class NativeBackend:
         a.expert_out, a.expert_rows = expert_out.data_ptr(), self.config.max_recv_tokens if stage else expert_out.shape[0]
         a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.phase = phase
-        role = "combine_ll" if call["protocol"] == "ll" else "combine"
-        blocks, threads, _ = self._launch_geometry(role, T, T)
-        self._stream = self.k.launch(role, self._resident(role, threads) if stage and role == "combine" else blocks,
-                                     threads, a)
+        self._stream = self.k.launch_struct(*self._combine_site(call["protocol"], T, bool(stage)), a)
         if phase != PHASE_SEND:
             self._last, self.last_protocol = "combine", call["protocol"]
         self.check(ids="skip")

@@ -363,8 +363,9 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
             be.direct = direct
             exact = direct == "always" and fits  # the direct kernel runs: the torch backend's numbering
             launched = []
-            launch = be.k.launch
+            launch, launch_struct = be.k.launch, be.k.launch_struct  # the passes, the EP kernels
             be.k.launch = lambda role, *a, **k: launched.append(role) or launch(role, *a, **k)
+            be.k.launch_struct = lambda role, *a: launched.append(role) or launch_struct(role, *a)
             g = torch.Generator().manual_seed(11 + dist.get_rank())
             dt = fields.get("data_type", torch.bfloat16)
             for n in (tokens, max(1, tokens // 8)):

@@ -27,6 +27,8 @@ class Launches:
         self.log.append((role, grid, block, args.phase, args))
         return 0
 
+    launch_struct = launch
+
 
 def _backend(protocol, scatter=False, slots=2):
     cfg = make_config(0, 1, hidden_dim=H, max_num_inp_token_per_rank=T, num_experts_per_token=K,
@@ -38,6 +40,7 @@ def _backend(protocol, scatter=False, slots=2):
     nb._slot_maps = SlotMaps(nb.device)
     nb.plan = types.SimpleNamespace(scatter=scatter)
     nb._launch_geometry = lambda role, tokens, items: (7, 256, False)
+    nb._site_memo, nb._steady_how = {}, {}
     nb._slots = []
     R = cfg.max_recv_tokens
     for _ in range(slots):  # what _setup_slot makes, stood in
@@ -161,7 +164,7 @@ def test_dispatch_tail_fields_follow_each_call():
     nb._grp = {"tail": own}
     nb._fresh_outputs = lambda out: out["tensors"]
     seen = []
-    nb.k.launch = lambda role, grid, block, args=None, /, **kw: seen.append(
+    nb.k.launch_struct = lambda role, grid, block, args: seen.append(
         (args.grp_x, args.grp_dropped, args.grp_zero_padding if args.grp_x else None)) or 0
     fresh = {"tensors": [torch.zeros(1) for _ in range(9)]}
     first, last = fresh["tensors"][0].data_ptr(), fresh["tensors"][-1].data_ptr()

@@ -1,0 +1,44 @@
+"""The eager grouped legs' host work, counted on the native backend's host side over stand-ins for the device
+(scripts/host_cost.py): each leg one launch, and no more Python function calls than the budgets below. The counts do
+not depend on the machine; a change that adds a layer to the eager path fails here and must say why in the budget."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import host_cost  # noqa: E402
+
+from tests.support.host_standin import standin_device  # noqa: E402
+
+#: Python-level calls per eager call (sys.setprofile "call" events), at 1 token (low-latency protocol) and 128 (the
+#: bandwidth protocol's direct dispatch). Before the steady path (2026-12-04): 52 / 37 and 55 / 41.
+BUDGET = {"dispatch_grouped": 20, "combine_grouped": 17}
+FRESH_BUDGET = 45  # dispatch_grouped(fresh=True): the training forward's call (its own layout's allocations)
+
+
+@pytest.mark.parametrize("tokens,protocol", [(1, "ll"), (128, "bw")])
+def test_each_eager_grouped_leg_is_one_launch_within_its_call_budget(tokens, protocol):
+    with standin_device(record_args=False) as log:
+        rec = host_cost.point(tokens, "auto", 100, 0, log)
+    assert rec["protocol"] == protocol
+    legs = rec["legs"]
+    for name, most in BUDGET.items():
+        assert legs[name]["launches"] == 1, (name, legs[name]["kernels"])
+        assert legs[name]["py_calls"] <= most, (name, legs[name]["py_calls"], most)
+    assert legs["dispatch_grouped_fresh"]["py_calls"] <= FRESH_BUDGET
+
+
+def test_host_cost_script_writes_its_records(tmp_path, capsys):
+    out = tmp_path / "host.jsonl"
+    assert host_cost.main(["--tokens", "1", "--iters", "100", "--profile", "3", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 1 and recs[0]["kind"] == "host_cost" and recs[0]["tokens_per_rank"] == 1
+    leg = recs[0]["legs"]["dispatch_grouped"]
+    assert leg["us"] > 0 and len(leg["host_top"]) == 3 and {"commit", "host_cpu", "torch"} <= set(recs[0])
+    printed = capsys.readouterr().out
+    assert "| 1 | ll | dispatch_grouped | 1 |" in printed
