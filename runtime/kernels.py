@@ -99,12 +99,15 @@ def struct_params(s: ctypes.Structure) -> ctypes.Array:
     return _params_of((s,))
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # looked up once: every eager launch asks
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def current_raw_stream(device_index: int | None = None) -> int:
     """torch's current stream on the current device (or on device `device_index`), as the driver's handle (the
     cheap way: no Stream object)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(_CURRENT_DEVICE() if device_index is None else device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
@@ -191,9 +194,11 @@ class CudaKernel:
         Kernel, by its declared arguments.)"""
         return self.launch_params(grid, block, _params_of(args))
 
-    def launch_params(self, grid: int, block: int, params) -> int:
-        """Launch with a ready array of parameter addresses."""
-        stream = current_raw_stream()
+    def launch_params(self, grid: int, block: int, params, stream: int | None = None) -> int:
+        """Launch with a ready array of parameter addresses, on `stream` (a driver handle the caller looked up for
+        this call) or torch's current stream."""
+        if stream is None:
+            stream = current_raw_stream()
         if self._fast is not None:  # the driver's entry point through ctypes: a few us less per launch
             err = self._fast(grid, block, stream, params)
             if err == self._no_context:  # a thread with no context yet: once more, in this kernel's context
@@ -256,8 +261,9 @@ class HipKernel:
     def launch(self, grid: int, block: int, *args: ctypes._SimpleCData | ctypes.Structure) -> int:
         return self.launch_params(grid, block, _params_of(args))
 
-    def launch_params(self, grid: int, block: int, params) -> int:
-        stream = current_raw_stream()
+    def launch_params(self, grid: int, block: int, params, stream: int | None = None) -> int:
+        if stream is None:
+            stream = current_raw_stream()
         self._check(self._hip.hipModuleLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream,
                                                     ctypes.addressof(params), None), f"hipModuleLaunchKernel({self.symbol})")
         return stream

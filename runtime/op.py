@@ -420,12 +420,12 @@ class EpDispatchCombineOp:
                                  f"handle is slot {slot}'s: write them into combine_in_view(handle) / "
                                  f"grouped_out_view(handle) of the handle they are combined with")
 
-    def _follow(self, slot: int) -> None:
+    def _follow(self, slot: int) -> int | None:
         """Order this half after the slot's last half when they run on different streams (a slot's kernels rely on
         their order: each leg's buffers are free once the one before it ran). Inside graph capture the caller's
-        fork / join orders the streams."""
+        fork / join orders the streams. -> the current stream (the driver's handle; None off a GPU)."""
         if self.device.type != "cuda":
-            return
+            return None
         # the driver's stream handles: a Stream object per call costs microseconds of every eager leg
         now = kernels.current_raw_stream(self.device.index)
         last = self._slot_streams.get(slot)
@@ -433,6 +433,7 @@ class EpDispatchCombineOp:
             dev = self.device
             torch.cuda.ExternalStream(now, device=dev).wait_stream(torch.cuda.ExternalStream(last, device=dev))
         self._slot_streams[slot] = now
+        return now
 
     def _select(self, slot: int) -> None:
         select = getattr(self._backend, "select_slot", None)
@@ -802,8 +803,7 @@ class EpDispatchCombineOp:
         slot = self._slots.for_dispatch("dispatch", True)
         self._forget(slot)
         b.select_slot(slot)
-        self._follow(slot)
-        *outs, fields = b.steady_dispatch(x, weights, indices, T, out)
+        *outs, fields = b.steady_dispatch(x, weights, indices, T, out, self._follow(slot))
         handle = self._dispatch_end(slot, outs, fields, T, True, None, None)[-1]
         layout = self._grouped_by[slot] = b.grouped_layout(seq=self._seq, out=out)
         return layout, handle
@@ -828,9 +828,9 @@ class EpDispatchCombineOp:
         self._slots.for_combine("combine_grouped", routing)
         self._check_view_slot("combine_grouped", expert_out, slot)
         b.select_slot(slot)
-        self._follow(slot)
+        stream = self._follow(slot)
         try:
-            return b.steady_combine_grouped(expert_out, routing, apply_weights, layout.pair_pos)
+            return b.steady_combine_grouped(expert_out, routing, apply_weights, layout.pair_pos, stream)
         finally:
             self._slots.combined(slot)
 

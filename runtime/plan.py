@@ -345,10 +345,10 @@ class KernelSet:
         """Launch `role`'s kernel on torch's current stream (its declared arguments: runtime/kernels.py Kernel)."""
         return self._k[role].launch(grid, block, args, **kw)
 
-    def launch_struct(self, role: str, grid: int, block: int, args) -> int:
+    def launch_struct(self, role: str, grid: int, block: int, args, stream: int | None = None) -> int:
         """launch(role, grid, block, args) of an EP kernel's argument block made by struct(role) (not checked again:
-        the eager calls' launch, host time)."""
-        return self._k[role].raw.launch_params(grid, block, args._epg_params)
+        the eager calls' launch, host time), on `stream` (the call's, looked up once) or torch's current one."""
+        return self._k[role].raw.launch_params(grid, block, args._epg_params, stream)
 
     def struct(self, role: str, **fields):
         """A fresh argument struct of `role`'s kernel (its family's struct list), fields set by name, with the

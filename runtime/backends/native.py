@@ -89,40 +89,78 @@ def check_plan(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
                              f"placement kernel keeps the group bounds in shared memory), got {cfg.num_experts_per_rank}")
 
 
+class SlotMap:
+    """One dispatch's slot map (int32 [T, k]: position * world + destination rank per pair, -1 none) and row count
+    (int32 [1]), which its routing handle keeps past later dispatches (replays, backwards): the device addresses the
+    kernels take (slots_ptr, total_ptr) and, made when asked for, the tensors (slots, total). It holds the memory
+    they lie in: a row of a SlotMaps batch, or tensors of their own (SlotMap.of)."""
+
+    __slots__ = ("T", "k", "slots_ptr", "total_ptr", "_held", "_row")
+
+    def __init__(self, held: torch.Tensor, row: int, T: int, k: int, ptr: int):
+        """Row `row` of batch `held` (int32 [n, T * k + 1]), whose device address is `ptr`."""
+        self.T, self.k, self.slots_ptr, self.total_ptr = T, k, ptr, ptr + 4 * T * k
+        self._held, self._row = held, row
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, total: torch.Tensor) -> "SlotMap":
+        """A slot map over tensors of its own (contiguous int32 [T, k] and [1]: a numbering under a receive cap, a
+        handle the seed's API rebuilt from tensors)."""
+        m = cls.__new__(cls)
+        m.T, m.k = slots.shape
+        m.slots_ptr, m.total_ptr, m._held, m._row = slots.data_ptr(), total.data_ptr(), (slots, total), None
+        return m
+
+    @property
+    def slots(self) -> torch.Tensor:
+        if self._row is None:
+            return self._held[0]
+        return self._held[self._row, :self.T * self.k].view(self.T, self.k)
+
+    @property
+    def total(self) -> torch.Tensor:
+        if self._row is None:
+            return self._held[1]
+        return self._held[self._row, self.T * self.k:]
+
+
 class SlotMaps:
-    """Each dispatch's own slot map (int32 [T, k]: position * world + destination rank per pair) and row count
-    (int32 [1]), which its routing handle keeps past later dispatches (replays, backwards). Cut from batches: one
-    allocation and one unbind per batch of calls (up to BATCH calls, about BATCH_BYTES each), where a call of its own
-    took an allocation and three views (~15 us of an eager dispatch's host time on the lent H200 host). Every
-    pair handed out is memory no other call gets; a batch is freed by torch once none of its pairs is held. A batch
-    serves the calls of the stream it was allocated on (torch's allocator hands a freed block back to that stream
-    alone: a batch used on another stream could be reused there while that stream's kernels still write it). Inside
-    graph capture every call allocates its own, from the graph's pool as before: a captured kernel writes its slot
-    map at every replay, so that memory must live as long as the graph, not as long as a batch's handles."""
+    """Each dispatch's own SlotMap, cut from batches: one allocation per batch of calls (up to BATCH calls, about
+    BATCH_BYTES each) and no tensor per call (the kernels take addresses; a handle's tensors are made when asked
+    for), where a call of its own took an allocation and three views (~15 us of an eager dispatch's host time on
+    the lent H200 host). Every map handed out is memory no other call gets; a batch is freed by torch once no map of
+    it is held. A batch serves the calls of the stream it was allocated on (torch's allocator hands a freed block
+    back to that stream alone: a batch used on another stream could be reused there while that stream's kernels
+    still write it). Inside graph capture every call allocates its own, from the graph's pool: a captured kernel
+    writes its slot map at every replay, so that memory must live as long as the graph, not as long as a batch's
+    handles."""
 
     BATCH, BATCH_BYTES, KEYS = 64, 1 << 20, 16
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._free: dict[tuple[int, int, int], list] = {}  # (stream, T, k) -> pairs not yet handed out, next last
+        # (stream, T, k) -> [batch, next row, rows, its address, bytes per row]
+        self._batches: dict[tuple[int, int, int], list] = {}
 
-    def take(self, T: int, k: int, capturing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pair for a call of T tokens of top-k; capturing: the call is being captured into a graph."""
+    def take(self, T: int, k: int, capturing: bool = False, stream: int | None = None) -> SlotMap:
+        """The slot map of a call of T tokens of top-k; capturing: the call is being captured into a graph; stream:
+        the call's current stream (the driver's handle), if the caller has it."""
         if capturing:
-            held = torch.empty(T * k + 1, dtype=torch.int32, device=self.device)
-            return held[:T * k].view(T, k), held[T * k:]
-        stream = kernels.current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
+            held = torch.empty((1, T * k + 1), dtype=torch.int32, device=self.device)
+            return SlotMap(held, 0, T, k, held.data_ptr())
+        if stream is None:
+            stream = kernels.current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
         key = (stream, T, k)
-        free = self._free.get(key)
-        if not free:
+        batch = self._batches.get(key)
+        if batch is None or batch[1] == batch[2]:
             n = max(1, min(self.BATCH, self.BATCH_BYTES // (4 * (T * k + 1))))
             block = torch.empty((n, T * k + 1), dtype=torch.int32, device=self.device)
-            free = list(zip(block[:, :T * k].view(n, T, k).unbind(0), block[:, T * k:].unbind(0)))
-            free.reverse()
-            if key not in self._free and len(self._free) >= self.KEYS:  # many streams or token counts: the oldest goes
-                del self._free[next(iter(self._free))]
-            self._free[key] = free
-        return free.pop()
+            if key not in self._batches and len(self._batches) >= self.KEYS:  # many streams or token counts
+                del self._batches[next(iter(self._batches))]  # the oldest goes
+            batch = self._batches[key] = [block, 0, n, block.data_ptr(), 4 * (T * k + 1)]
+        row = batch[1]
+        batch[1] = row + 1
+        return SlotMap(batch[0], row, T, k, batch[3] + row * batch[4])
 
 
 def _layout_ptrs(*tensors) -> tuple:
@@ -478,11 +516,11 @@ class NativeBackend:
         words = self._error_words
         return not (words[0] or words[7]) and self.id_check != "sync" and not (self.capped and self.protocol == "bw")
 
-    def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None):
+    def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None, stream: int | None = None):
         """dispatch(x, weights, None, indices, None, layout=fuses_layout, layout_out=out) of a call the op checked
         (steady_ready held): the same launch and state, its decisions (direct kernel, placing tail, geometry) made
         once per (token count, capture, fresh layout, modes) and the argument block's changing fields alone
-        written."""
+        written; stream: the call's current stream (op._follow's), or None to look it up."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None)
         how = self._steady_how.get(key)
@@ -494,10 +532,10 @@ class NativeBackend:
             how = self._steady_how[key] = (modes, direct, placed,
                                            *self._dispatch_site(protocol, T, PHASE_BOTH, placed, direct))
         _, direct, placed, role, grid, threads, block_rows = how
-        slots, total = self._slot_maps.take(T, self.config.num_experts_per_token, capturing)
+        sm = self._slot_maps.take(T, self.config.num_experts_per_token, capturing, stream)
         a = self.dargs
-        a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), slots.data_ptr(), \
-            total.data_ptr(), 0
+        a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), sm.slots_ptr, \
+            sm.total_ptr, 0
         a.weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
         a.scales, a.num_tokens, a.phase = 0, T, PHASE_BOTH
         if placed or direct:
@@ -509,29 +547,30 @@ class NativeBackend:
         if block_rows is not None:
             a.block_rows = block_rows
         self._had_weights, self._placed = weights is not None, placed or direct
-        self._stream = self.k.launch_struct(role, grid, threads, a)
+        self._stream = self.k.launch_struct(role, grid, threads, a, stream)
         self._last, self.last_protocol = "dispatch", self.protocol
         if self._error_words[0]:
             self.check(ids="skip")
         return self.recv_x, (None if weights is None else self.recv_w), self.recv_scales, self.recv_idx, \
-            self.total_recv, {"extra": {"slots": slots, "total": total, "protocol": self.protocol,
-                                        "recv_src": self.recv_src}}
+            self.total_recv, {"extra": {"map": sm, "protocol": self.protocol, "recv_src": self.recv_src}}
 
-    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor):
+    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor,
+                               stream: int | None = None):
         """combine_grouped_staged(expert_out, routing, apply_weights, pair_pos) of a call the op checked (steady_ready
-        and grouped_staged held): the same launch and state, the argument block's changing fields alone written."""
+        and grouped_staged held): the same launch and state, the argument block's changing fields alone written;
+        stream: as steady_dispatch's."""
         extra, a = routing.extra, self.cargs
-        slots = extra["slots"]
-        T = slots.shape[0]
+        sm = extra["map"]
+        T = sm.T
         hidden, dtype, rows = self._steady_shape
         out = torch.empty((T, hidden), dtype=dtype, device=self.device)
         protocol = extra.get("protocol", "bw")
-        a.slots, a.num_tokens, a.out, a.out_weights = slots.data_ptr(), T, out.data_ptr(), 0
+        a.slots, a.num_tokens, a.out, a.out_weights = sm.slots_ptr, T, out.data_ptr(), 0
         a.grp_pair_pos = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
         a.grp_apply_weights = int(apply_weights and self._had_weights)
         a.expert_out, a.expert_rows, a.expert_weights, a.has_weights = expert_out.data_ptr(), rows, 0, 0
         a.phase = PHASE_BOTH
-        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, True), a)
+        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, True), a, stream)
         self._last, self.last_protocol = "combine", protocol
         if self._error_words[0]:
             self.check(ids="skip")
@@ -586,22 +625,21 @@ class NativeBackend:
             check_expert_ids(cfg, indices)
         protocol = routing.extra["protocol"] if routing is not None else self.protocol
         if routing is not None:  # replay: the handle's slots and row count, no claims
-            slots, total = routing.extra["slots"], routing.extra["total"]
+            sm = routing.extra["map"]
         elif self.capped and protocol == "bw":  # below the worst case: (source rank, token) order decides who is dropped
-            slots, total = self._ordered_slots(indices)
+            sm = SlotMap.of(*self._ordered_slots(indices))
         else:  # the low-latency dispatch numbers its rows in (source rank, token) order itself
-            slots, total = self._slot_maps.take(T, k, capturing)
+            sm = self._slot_maps.take(T, k, capturing)
         self._had_weights = weights is not None
-        return {"x": x, "weights": weights, "scales": scales, "indices": indices, "slots": slots, "total": total,
+        return {"x": x, "weights": weights, "scales": scales, "indices": indices, "map": sm,
                 "protocol": protocol, "replay": int(routing is not None or (self.capped and protocol == "bw")),
                 "capturing": capturing}
 
     def _dispatch_launch(self, call: dict, phase: int) -> None:
         a = self.dargs
-        x, weights, scales, slots = call["x"], call["weights"], call["scales"], call["slots"]
+        x, weights, scales, sm = call["x"], call["weights"], call["scales"], call["map"]
         T = x.shape[0]
-        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), call["indices"].data_ptr(), slots.data_ptr(), \
-            call["total"].data_ptr()
+        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), call["indices"].data_ptr(), sm.slots_ptr, sm.total_ptr
         a.replay = call["replay"]
         a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
         a.scales = scales.data_ptr() if scales is not None else 0
@@ -633,7 +671,7 @@ class NativeBackend:
             raise_if_dropped(cfg, self.dropped_count())
         out_w = self.recv_w if call["weights"] is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"slots": call["slots"], "total": call["total"], "protocol": call["protocol"],
+            {"extra": {"map": call["map"], "protocol": call["protocol"],
                        "recv_src": self.recv_src}}
 
     def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -993,21 +1031,21 @@ class NativeBackend:
     def _combine_prepare(self, expert_out, weights, routing) -> dict:
         self.check(ids="warn")
         cfg = self.config
-        slots = routing.extra.get("slots")
-        if slots is None:
+        sm = routing.extra.get("map")
+        if not isinstance(sm, SlotMap):
             raise InputError("combine: the routing handle carries no native slot map")
-        T, k = slots.shape
+        T, k = sm.T, sm.k
         out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
         out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
         # the protocol of the dispatch: its slots and buffers
-        return {"expert_out": expert_out, "weights": weights, "slots": slots, "out": out, "out_w": out_w,
+        return {"expert_out": expert_out, "weights": weights, "map": sm, "out": out, "out_w": out_w,
                 "protocol": routing.extra.get("protocol", "bw"), "deferred": False}
 
     def _combine_launch(self, call: dict, phase: int) -> None:
-        a, slots, out, out_w = self.cargs, call["slots"], call["out"], call["out_w"]
+        a, sm, out, out_w = self.cargs, call["map"], call["out"], call["out_w"]
         expert_out, weights = call["expert_out"], call["weights"]
-        T = slots.shape[0]
-        a.slots, a.num_tokens = slots.data_ptr(), T
+        T = sm.T
+        a.slots, a.num_tokens = sm.slots_ptr, T
         a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R; the gather
         # combine runs on every resident block (its staging pass sums pairs), the low-latency one on its own grid

@@ -472,7 +472,7 @@ class EpDispatchCombineOp:
             slot = slot_of.gather(1, dest.clamp(min=0))
             entry = torch.where(send & (slot >= 0), dest * R + slot, self._null())
         else:  # native: slots [n, k] = row * W + destination, -1 for none
-            s = eh.extra["slots"][:n].long()
+            s = eh.extra["map"].slots[:n].long()
             entry = torch.where(s >= 0, (s % W) * R + s // W, self._null())
         flat[:n * k] = entry.reshape(-1).to(torch.int32)
         return flat
@@ -530,7 +530,8 @@ class EpDispatchCombineOp:
         common = dict(op_uid=core.uid, config_key=core.config.key, num_tokens=n)
         if core.backend_name != "torch":
             slots = torch.where(kept, slot * W + dst, -1).to(torch.int32)
-            return RoutingHandle(**common, extra={"slots": slots, "total": total, "protocol": "bw"})
+            from ..backends.native import SlotMap
+            return RoutingHandle(**common, extra={"map": SlotMap.of(slots, total), "protocol": "bw"})
         plan = []
         for d in range(W):
             tok, col = ((dst == d) & kept).nonzero(as_tuple=True)

@@ -365,7 +365,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
             launched = []
             launch, launch_struct = be.k.launch, be.k.launch_struct  # the passes, the EP kernels
             be.k.launch = lambda role, *a, **k: launched.append(role) or launch(role, *a, **k)
-            be.k.launch_struct = lambda role, *a: launched.append(role) or launch_struct(role, *a)
+            be.k.launch_struct = lambda role, *a, **k: launched.append(role) or launch_struct(role, *a, **k)
             g = torch.Generator().manual_seed(11 + dist.get_rank())
             dt = fields.get("data_type", torch.bfloat16)
             for n in (tokens, max(1, tokens // 8)):

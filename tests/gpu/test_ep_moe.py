@@ -78,7 +78,7 @@ def test_cap_drops_exactly_the_counted_rows():
                 out, ow, _, oi, total, h = op.dispatch(x, w, None, idx, return_routing=True)
                 torch.cuda.synchronize()
                 n, dropped = int(total.item()), int(op.dropped_count())
-                got = (out[:n].clone(), oi[:n].clone(), h.extra["slots"].clone())
+                got = (out[:n].clone(), oi[:n].clone(), h.extra["map"].slots.clone())
                 if first is None:
                     first = got
                 assert all(torch.equal(a, b) for a, b in zip(got, first)), f"attempt {attempt} differs"

@@ -12,8 +12,8 @@ from runtime.backends.native import SlotMaps
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def _batch(pair) -> int:
-    return pair[0].untyped_storage().data_ptr()
+def _batch(m) -> int:
+    return m.slots.untyped_storage().data_ptr()
 
 
 def test_each_stream_takes_from_a_batch_of_its_own():
@@ -26,7 +26,7 @@ def test_each_stream_takes_from_a_batch_of_its_own():
     again = maps.take(2, 8)
     assert _batch(here) == _batch(again) and _batch(there) == _batch(there_again)
     assert _batch(here) != _batch(there)
-    assert len({p[0].data_ptr() for p in (here, there, there_again, again)}) == 4
+    assert len({m.slots_ptr for m in (here, there, there_again, again)}) == 4
 
 
 def test_a_captured_dispatch_allocates_its_own_from_the_graph_pool():
@@ -40,6 +40,6 @@ def test_a_captured_dispatch_allocates_its_own_from_the_graph_pool():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=side):
         captured = maps.take(2, 8, torch.cuda.is_current_stream_capturing())
-        captured[0].fill_(3)
+        captured.slots.fill_(3)
     assert _batch(captured) != _batch(eager)
-    assert captured[0].untyped_storage().nbytes() == 4 * (2 * 8 + 1)  # its own allocation, not a batch
+    assert captured.slots.untyped_storage().nbytes() == 4 * (2 * 8 + 1)  # its own allocation, not a batch

@@ -289,7 +289,8 @@ GPU_SCRIPTS = ("scripts/device_run.sh", "scripts/host_profile.py", "scripts/grou
 RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/grouped_profile_table.py",
                   "scripts/plot_bench.py")  # records -> tables and plots
 WRITES_RESULTS = ("scripts/plot_bench.py",)  # writes a .png beside its records: run in a copy
-CPU_SCRIPTS = ("scripts/memory_table.py",)  # tables computed from the specs and the plan: no GPU, no records
+CPU_SCRIPTS = ("scripts/memory_table.py",  # tables computed from the specs and the plan: no GPU, no records
+               "scripts/host_cost.py")  # the eager legs' host side over stand-ins for the device
 
 
 def plan(cmd: str):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from generator.abi import STATE_SIZE
-from runtime.backends.native import PHASE_BOTH, PHASE_RECV, PHASE_SEND, NativeBackend, SlotMaps
+from runtime.backends.native import PHASE_BOTH, PHASE_RECV, PHASE_SEND, NativeBackend, SlotMap, SlotMaps
 from runtime.routing import RoutingHandle
 from tests.support.configs import make_config
 
@@ -134,25 +134,32 @@ def test_one_kernel_legs_auto_policy(monkeypatch, capturing):
 
 def test_slot_maps_hand_out_memory_of_their_own():
     """Each dispatch's slot map and row count (kept by its routing handle past later dispatches) are memory no
-    other call gets, cut from batches bounded in bytes; many token counts keep at most KEYS batches."""
+    other call gets, cut from batches bounded in bytes; the addresses the kernels take are the tensors' the handle
+    gives; many token counts keep at most KEYS batches."""
     maps = SlotMaps(torch.device("cpu"))
     first = maps.take(3, 8)
-    first[0].fill_(7)
-    first[1].fill_(9)
+    first.slots.fill_(7)
+    first.total.fill_(9)
     taken = [first] + [maps.take(3, 8) for _ in range(2 * SlotMaps.BATCH + 5)]
-    addrs = [a for s, t in taken for a in (s.data_ptr(), t.data_ptr())]
-    assert len(set(addrs)) == len(addrs)
-    assert all(s.shape == (3, 8) and s.is_contiguous() and s.dtype == torch.int32 and t.shape == (1,)
-               for s, t in taken)
-    for s, t in taken[1:]:
-        s.fill_(-1)
-        t.fill_(-1)
-    assert bool((first[0] == 7).all()) and int(first[1]) == 9  # nothing handed out twice
+    for m in taken:
+        assert (m.slots.data_ptr(), m.total.data_ptr()) == (m.slots_ptr, m.total_ptr) and (m.T, m.k) == (3, 8)
+        assert m.slots.shape == (3, 8) and m.slots.is_contiguous() and m.slots.dtype == torch.int32
+        assert m.total.shape == (1,) and m.total.dtype == torch.int32
+    spans = sorted((m.slots_ptr, m.total_ptr + 4) for m in taken)  # [first byte, past the last) of each map
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    for m in taken[1:]:
+        m.slots.fill_(-1)
+        m.total.fill_(-1)
+    assert bool((first.slots == 7).all()) and int(first.total) == 9  # nothing handed out twice
     big = maps.take(4096, 8)  # a batch of about BATCH_BYTES: fewer calls per batch
-    assert big[0]._base.shape[0] == SlotMaps.BATCH_BYTES // (4 * (4096 * 8 + 1))
+    assert big.slots._base.shape[0] == SlotMaps.BATCH_BYTES // (4 * (4096 * 8 + 1))
     for T in range(1, SlotMaps.KEYS + 3):
         maps.take(T, 2)
-    assert len(maps._free) <= SlotMaps.KEYS
+    assert len(maps._batches) <= SlotMaps.KEYS
+    own = SlotMap.of(torch.full((2, 4), 5, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    assert (own.T, own.k, own.slots_ptr, own.total_ptr) == (2, 4, own.slots.data_ptr(), own.total.data_ptr())
+    captured = maps.take(2, 8, capturing=True)  # a map of its own, not a batch's row
+    assert captured.slots.untyped_storage().nbytes() == 4 * (2 * 8 + 1)
 
 
 def test_dispatch_tail_fields_follow_each_call():
@@ -164,7 +171,7 @@ def test_dispatch_tail_fields_follow_each_call():
     nb._grp = {"tail": own}
     nb._fresh_outputs = lambda out: out["tensors"]
     seen = []
-    nb.k.launch_struct = lambda role, grid, block, args: seen.append(
+    nb.k.launch_struct = lambda role, grid, block, args, stream=None: seen.append(
         (args.grp_x, args.grp_dropped, args.grp_zero_padding if args.grp_x else None)) or 0
     fresh = {"tensors": [torch.zeros(1) for _ in range(9)]}
     first, last = fresh["tensors"][0].data_ptr(), fresh["tensors"][-1].data_ptr()

@@ -109,7 +109,9 @@ def _run(op, log: list, steps, steady: bool) -> list:
                         out_x = torch.empty(shape, dtype=dtype)
                     layout, h = op.dispatch_grouped(x, w, None, idx, fresh=what == "fresh", out_x=out_x)
                     handles[key] = (layout, h)
-                    held[key] = [(f"{i}.slots", h.extra["slots"], False), (f"{i}.total", h.extra["total"], False)]
+                    sm = h.extra["map"]
+                    held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False)]
+                    assert (sm.slots_ptr, sm.total_ptr) == (sm.slots.data_ptr(), sm.total.data_ptr())
                     if what != "dispatch":  # offs, counts, src, ...: views of its block
                         held[key] += [(f"{i}.layout.x", layout.x, False), (f"{i}.layout.weights", layout.weights, False),
                                       (f"{i}.layout.block", layout.block, True)]

@@ -56,7 +56,7 @@ class StandInRaw:
         from runtime import kernels
         return self.launch_params(grid, block, kernels._params_of(args))
 
-    def launch_params(self, grid, block, params):
+    def launch_params(self, grid, block, params, stream=None):
         if not self._record:
             self.log.append((self.symbol, grid, block, None))
             return 0
