@@ -197,6 +197,11 @@ class EpDispatchCombineOp:
         name for x. _replay_of (runtime/autograd.py's backward replays): a handle of this op whose routing the
         caller replays with tensors it made itself to this op's shapes (x [num_tokens, cols] of dispatch_dtype,
         contiguous; indices the forward's, weights and scales None): their checks are skipped."""
+        if self._steady is not None and routing is None and scales is None and input is None and not _layout and \
+                _replay_of is None:
+            done = self._steady_dispatch(x, weights, indices, return_routing)
+            if done is not None:
+                return done
         self._check_open("dispatch")
         if _replay_of is not None:
             num_tokens, return_routing, slot = self._replay_begin(_replay_of)
@@ -217,6 +222,10 @@ class EpDispatchCombineOp:
     def combine(self, expert_out=None, weights=None, indices=None, routing=None, *, input=None):
         """-> (combined [num_tokens, hidden_dim], combined_weights [num_tokens, k] or None). ``input``: the seed's
         name for expert_out; ``weights``: see combine_weights in __init__."""
+        if self._steady is not None and input is None:
+            done = self._steady_combine(expert_out, weights, indices, routing)
+            if done is not None:
+                return done
         self._check_open("combine")
         expert_out, weights, indices, slot = self._combine_begin("combine", expert_out, weights, indices, routing,
                                                                  input)
@@ -669,7 +678,8 @@ class EpDispatchCombineOp:
         pair is zeroed (a grouped GEMM over the padding sees zeros) and every entry written (on the native backend
         by the placing kernel itself: no copies). out_x: a contiguous tensor of the layout's x shape and dtype
         (grouped_x_spec()) for the rows; it implies fresh=True."""
-        if self._steady is not None and routing is None and scales is None and (fresh is False or fresh is True):
+        if self._steady is not None and self._steady.grouped_shape is not None and routing is None and \
+                scales is None and (fresh is False or fresh is True):
             done = self._steady_dispatch_grouped(x, weights, indices, fresh or out_x is not None, out_x)
             if done is not None:
                 return done
@@ -712,7 +722,7 @@ class EpDispatchCombineOp:
         its pairs' grouped rows: one_kernel_legs); the same bits.
         -> combine's (combined [num_tokens, hidden_dim], None).
         """
-        if self._steady is not None:
+        if self._steady is not None and self._steady.grouped_shape is not None:
             done = self._steady_combine_grouped(expert_out, routing, apply_weights)
             if done is not None:
                 return done
@@ -760,28 +770,30 @@ class EpDispatchCombineOp:
         return grouped.reduce(expert_out, layout, self._by_slot[slot]["out_w"], cfg.max_recv_tokens,
                               cfg.num_experts_per_token, cfg.combine_dtype, apply_weights)
 
-    # --- the steady path: the common eager grouped call with the least host work ---------------------------------
-    def _steady_signature(self) -> tuple | None:
-        """What a call must match to take the steady path (_steady_dispatch_grouped, _steady_combine_grouped), or None
-        where this op never takes it: a backend without steady launches (steady_dispatch), no grouped layout, a payload
-        with scales, the seed's weight fold, routed counts under a receive cap, strict capacity (a device read)."""
+    # --- the steady path: the common eager call with the least host work ---------------------------------------
+    def _steady_signature(self) -> "_Steady | None":
+        """What a call must match to take the steady path (_steady_dispatch, _steady_combine and their grouped forms),
+        or None where this op never takes it: a backend without steady launches (steady_dispatch), a payload with
+        scales, routed counts under a receive cap, strict capacity (a device read)."""
         cfg, b = self.config, self._backend
-        if not hasattr(b, "steady_dispatch") or not cfg.enable_grouped_layout or cfg.dispatch_scales_dtype is not None \
-                or self._combine_weights != "values" or (self._count_routed and self._capped) or cfg.strict_capacity:
+        if not hasattr(b, "steady_dispatch") or cfg.dispatch_scales_dtype is not None or \
+                (self._count_routed and self._capped) or cfg.strict_capacity:
             return None
-        return (cfg.dispatch_dtype, b.device, cfg.dispatch_payload_cols, cfg.max_num_inp_token_per_rank,
-                cfg.num_experts_per_token, cfg.combine_dtype, (cfg.resolved_grouped_capacity, cfg.hidden_dim),
-                self.grouped_x_spec())
+        grouped_on = cfg.enable_grouped_layout
+        return _Steady(cfg.dispatch_dtype, b.device, cfg.dispatch_payload_cols, cfg.max_num_inp_token_per_rank,
+                       cfg.num_experts_per_token, cfg.combine_dtype, cfg.hidden_dim, cfg.max_recv_tokens,
+                       self._combine_weights == "fold",
+                       (cfg.resolved_grouped_capacity, cfg.hidden_dim) if grouped_on else None,
+                       self.grouped_x_spec() if grouped_on else None)
 
-    def _steady_dispatch_grouped(self, x, weights, indices, fresh: bool, out_x):
-        """dispatch_grouped(x, weights, None, indices, fresh=fresh, out_x=out_x) as the full path runs it, with the
-        least host work (the same launches, state and results: tests/runtime/test_steady_path.py holds them equal),
-        where the call is the common one: inputs as the checks want them, a backend ready for it (steady_ready: no
-        error to report, no numbering under a cap, no host id check). -> None otherwise: the full path then runs
-        (and says what is wrong)."""
-        dtype, device, cols, most, k = self._steady[:5]
-        if self._closed or not (type(x) is torch.Tensor and x.dtype == dtype and x.device == device and x.dim() == 2
-                                and x.shape[1] == cols and x.shape[0] <= most and x.is_contiguous()):
+    def _steady_inputs(self, x, weights, indices) -> int | None:
+        """A dispatch's x, weights and indices as the checks want them (one expression each): -> the token count,
+        or None (the full path then checks them and says what is wrong)."""
+        st = self._steady
+        device, k = st.device, st.k
+        if self._closed or not (type(x) is torch.Tensor and x.dtype == st.dtype and x.device == device and
+                                x.dim() == 2 and x.shape[1] == st.cols and x.shape[0] <= st.most and
+                                x.is_contiguous()):
             return None
         T = x.shape[0]
         if not (type(indices) is torch.Tensor and indices.dtype == torch.int32 and indices.device == device
@@ -791,39 +803,96 @@ class EpDispatchCombineOp:
                                         weights.device == device and weights.shape == (T, k) and
                                         weights.is_contiguous()):
             return None
+        return T
+
+    def _steady_slot(self) -> int:
+        """_dispatch_begin's slot work for a one-call dispatch: a free slot, what it held forgotten, selected."""
+        slot = self._slots.for_dispatch("dispatch", True)
+        self._forget(slot)
+        self._backend.select_slot(slot)
+        return slot
+
+    def _steady_dispatch(self, x, weights, indices, return_routing):
+        """dispatch(x, weights, None, indices, return_routing) as the full path runs it, with the least host work (the
+        same launches, state and results: tests/runtime/test_steady_path.py holds them equal), where the call is the
+        common one: inputs as the checks want them (_steady_inputs), a backend ready for it (steady_ready: no error
+        to report, no numbering under a cap, no host id check). -> None otherwise: the full path then runs."""
+        T = self._steady_inputs(x, weights, indices)
+        if T is None or (return_routing is not True and return_routing is not False) or \
+                not self._backend.steady_ready():
+            return None
+        slot = self._steady_slot()
+        *outs, fields = self._backend.steady_dispatch(x, weights, indices, T, None, self._follow(slot), False)
+        return self._dispatch_end(slot, outs, fields, T, return_routing, None, None)
+
+    def _steady_dispatch_grouped(self, x, weights, indices, fresh: bool, out_x):
+        """dispatch_grouped(x, weights, None, indices, fresh=fresh, out_x=out_x) as the full path runs it (as
+        _steady_dispatch). -> None where the call is not the common one."""
+        T = self._steady_inputs(x, weights, indices)
+        if T is None:
+            return None
         if out_x is not None:
-            shape, out_dtype = self._steady[7]
-            if not (type(out_x) is torch.Tensor and out_x.dtype == out_dtype and out_x.device == device and
-                    out_x.shape == shape and out_x.is_contiguous()):
+            shape, out_dtype = self._steady.x_spec
+            if not (type(out_x) is torch.Tensor and out_x.dtype == out_dtype and out_x.device == self._steady.device
+                    and out_x.shape == shape and out_x.is_contiguous()):
                 return None
         b = self._backend
         if not b.steady_ready():
             return None
         out = b.fresh_grouped(out_x) if fresh else None  # before the slot: nothing of it is a slot's
-        slot = self._slots.for_dispatch("dispatch", True)
-        self._forget(slot)
-        b.select_slot(slot)
+        slot = self._steady_slot()
         *outs, fields = b.steady_dispatch(x, weights, indices, T, out, self._follow(slot))
         handle = self._dispatch_end(slot, outs, fields, T, True, None, None)[-1]
         layout = self._grouped_by[slot] = b.grouped_layout(seq=self._seq, out=out)
         return layout, handle
 
-    def _steady_combine_grouped(self, expert_out, routing, apply_weights):
-        """combine_grouped(expert_out, routing, apply_weights) as the full path runs it (as _steady_dispatch_grouped),
-        where the call is the common one: a handle of this op whose dispatch's layout is the slot's, expert rows as
-        the checks want them, one combine kernel for the leg (grouped_staged). -> None otherwise."""
-        if self._closed or type(routing) is not RoutingHandle or routing.op_uid != self.uid or \
-                routing.config_key is not self.config.key or (apply_weights is not True and apply_weights is not False):
+    def _steady_handle(self, routing) -> bool:
+        """routing is a handle of this op that the backend can combine on the steady path."""
+        return type(routing) is RoutingHandle and routing.op_uid == self.uid and \
+            routing.config_key is self.config.key and self._backend.steady_ready(routing)
+
+    def _steady_combine(self, expert_out, weights, indices, routing):
+        """combine(expert_out, weights, indices, routing) as the full path runs it (as _steady_dispatch), where the
+        call is the common one: a handle of this op, rows as the checks want them, the op's weights as values (not
+        the seed's fold). -> None otherwise."""
+        st = self._steady
+        if self._closed or st.fold or not self._steady_handle(routing):
             return None
-        device, dtype, shape = self._steady[1], self._steady[5], self._steady[6]
-        if not (type(expert_out) is torch.Tensor and expert_out.dtype == dtype and expert_out.device == device and
-                expert_out.shape == shape and expert_out.is_contiguous()):
+        device, k = st.device, st.k
+        if not (type(expert_out) is torch.Tensor and expert_out.dtype == st.combine_dtype and
+                expert_out.device == device and expert_out.dim() == 2 and expert_out.shape[1] == st.hidden and
+                expert_out.shape[0] <= st.rows and expert_out.is_contiguous()):
+            return None
+        for t, dtype in ((weights, torch.float32), (indices, torch.int32)):
+            if t is not None and not (type(t) is torch.Tensor and t.dtype == dtype and t.device == device and
+                                      t.dim() == 2 and t.shape[1] == k and t.shape[0] <= st.rows and
+                                      t.is_contiguous()):
+                return None
+        slot = self._slots.for_combine("combine", routing)
+        self._check_view_slot("combine", expert_out, slot)
+        self._backend.select_slot(slot)
+        stream = self._follow(slot)
+        try:
+            return self._backend.steady_combine(expert_out, weights, routing, stream)
+        finally:
+            self._slots.combined(slot)
+
+    def _steady_combine_grouped(self, expert_out, routing, apply_weights):
+        """combine_grouped(expert_out, routing, apply_weights) as the full path runs it (as _steady_dispatch), where
+        the call is the common one: a handle of this op whose dispatch's layout is the slot's, expert rows as the
+        checks want them, one combine kernel for the leg (grouped_staged). -> None otherwise."""
+        st = self._steady
+        if self._closed or (apply_weights is not True and apply_weights is not False) or \
+                not self._steady_handle(routing):
+            return None
+        if not (type(expert_out) is torch.Tensor and expert_out.dtype == st.combine_dtype and
+                expert_out.device == st.device and expert_out.shape == st.grouped_shape and
+                expert_out.is_contiguous()):
             return None
         slot = routing.slot
         layout = self._grouped_by.get(slot) if 0 <= slot < self._slots.n else None
         b = self._backend
-        if layout is None or routing.seq != layout.seq or slot not in self._by_slot or not b.steady_ready() or \
-                not b.grouped_staged(routing):
+        if layout is None or routing.seq != layout.seq or slot not in self._by_slot or not b.grouped_staged(routing):
             return None
         self._slots.for_combine("combine_grouped", routing)
         self._check_view_slot("combine_grouped", expert_out, slot)
@@ -960,3 +1029,19 @@ def _ran(leg):
             raise error
         return failed
     return lambda: result
+
+
+@attrs.frozen
+class _Steady:
+    """What a call must match to take the steady path (EpDispatchCombineOp._steady_signature)."""
+    dtype: torch.dtype  # dispatch's x
+    device: torch.device
+    cols: int  # x's columns
+    most: int  # max_num_inp_token_per_rank
+    k: int
+    combine_dtype: torch.dtype
+    hidden: int
+    rows: int  # max_recv_tokens: a combine's rows at most
+    fold: bool  # the seed's weight fold: plain combines take the full path
+    grouped_shape: tuple | None  # combine_grouped's expert rows (None: no grouped layout)
+    x_spec: tuple | None  # grouped_x_spec()

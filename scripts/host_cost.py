@@ -4,7 +4,7 @@ the launch, counted and timed over stand-ins for the device (tests/support/host_
     python scripts/host_cost.py [--tokens 1 128] [--protocol auto] [--iters 3000] [--profile 20] [--out F]
 
 Per token count: one native op (bf16, hidden 7168, top-8 of 256 experts, grouped layout, alignment 16; the shape of
-scripts/grouped_profile.py), then dispatch_grouped, combine_grouped and dispatch_grouped(fresh=True) called eagerly, each alone: µs per call
+scripts/grouped_profile.py), then dispatch_grouped, combine_grouped, dispatch_grouped(fresh=True), dispatch and combine called eagerly, each alone: µs per call
 (median of batches of 100, perf_counter), Python function calls per call (sys.setprofile: Python-level calls and
 calls into builtins / C methods, counted separately), launches per call. --profile N adds the N functions with the
 most own time (cProfile). A record of kind "host_cost" per point (jsonl, --out) with its metadata.
@@ -57,8 +57,9 @@ def build(T: int, protocol: str = "auto", hidden: int = 7168, topk: int = 8, exp
 
 
 def legs(op, x, w, idx) -> dict:
-    """The legs as zero-argument calls: dispatch_grouped, combine_grouped of its rows, and dispatch_grouped with a
-    layout of the call's own (fresh=True: the training forward's call, runtime/autograd.py)."""
+    """The legs as zero-argument calls: dispatch_grouped, combine_grouped of its rows, dispatch_grouped with a
+    layout of the call's own (fresh=True: the training forward's call, runtime/autograd.py), and the plain legs
+    (dispatch with a routing handle, combine of its received rows: the seed API's eager calls)."""
     state = {}
 
     def dispatch():
@@ -69,8 +70,16 @@ def legs(op, x, w, idx) -> dict:
 
     def fresh():
         op.dispatch_grouped(x, w, None, idx, fresh=True)
+
+    def plain_dispatch():
+        state["out"], _, _, _, _, state["hp"] = op.dispatch(x, w, None, idx, return_routing=True)
+
+    def plain_combine():
+        op.combine(state["out"], routing=state["hp"])
     dispatch()
-    return {"dispatch_grouped": dispatch, "combine_grouped": combine, "dispatch_grouped_fresh": fresh}
+    plain_dispatch()
+    return {"dispatch_grouped": dispatch, "combine_grouped": combine, "dispatch_grouped_fresh": fresh,
+            "dispatch": plain_dispatch, "combine": plain_combine}
 
 
 def calls_of(fn) -> dict:

@@ -192,7 +192,7 @@ class NativeBackend:
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
-        self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh)
+        self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh, grouped)
         self._site_memo: dict[tuple, tuple] = {}  # _combine_site's per (protocol, tokens, staged)
         self._steady_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # the combine's, for steady calls
         peer_bases = self._setup_workspace()
@@ -510,22 +510,26 @@ class NativeBackend:
         return self._dispatch_outputs(call)
 
     # --- the steady path (op._steady_dispatch_grouped / _steady_combine_grouped) ------------------------------
-    def steady_ready(self) -> bool:
+    def steady_ready(self, routing=None) -> bool:
         """May the next call take the steady path? Not while an error word is up (the full path reports it), nor where
-        a dispatch numbers its slots first (a receive cap under the bandwidth protocol) or checks ids on the host."""
+        a dispatch numbers its slots first (a receive cap under the bandwidth protocol) or checks ids on the host;
+        a combine's routing must carry this backend's slot map."""
         words = self._error_words
-        return not (words[0] or words[7]) and self.id_check != "sync" and not (self.capped and self.protocol == "bw")
+        return not (words[0] or words[7]) and self.id_check != "sync" and \
+            not (self.capped and self.protocol == "bw") and \
+            (routing is None or isinstance(routing.extra.get("map"), SlotMap))
 
-    def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None, stream: int | None = None):
-        """dispatch(x, weights, None, indices, None, layout=fuses_layout, layout_out=out) of a call the op checked
-        (steady_ready held): the same launch and state, its decisions (direct kernel, placing tail, geometry) made
-        once per (token count, capture, fresh layout, modes) and the argument block's changing fields alone
-        written; stream: the call's current stream (op._follow's), or None to look it up."""
+    def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None, stream: int | None = None,
+                        grouped: bool = True):
+        """dispatch(x, weights, None, indices, None, layout=grouped and fuses_layout, layout_out=out) of a call the op
+        checked (steady_ready held): the same launch and state, its decisions (direct kernel, placing tail,
+        geometry) made once per (token count, capture, fresh layout, grouped, modes) and the argument block's
+        changing fields alone written; stream: the call's current stream (op._follow's), or None to look it up."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None)
+        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None, grouped)
         how = self._steady_how.get(key)
         if how is None or how[0] != modes:
-            layout, protocol = self.fuses_layout, self.protocol
+            layout, protocol = grouped and self.fuses_layout, self.protocol
             direct = layout and direct_call(self.direct, self.plan.direct, protocol, out is not None, False,
                                             self.config.world_size)
             placed = layout and not direct and self.one_kernel_legs(protocol, capturing=capturing)
@@ -554,27 +558,36 @@ class NativeBackend:
         return self.recv_x, (None if weights is None else self.recv_w), self.recv_scales, self.recv_idx, \
             self.total_recv, {"extra": {"map": sm, "protocol": self.protocol, "recv_src": self.recv_src}}
 
-    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor,
-                               stream: int | None = None):
-        """combine_grouped_staged(expert_out, routing, apply_weights, pair_pos) of a call the op checked (steady_ready
-        and grouped_staged held): the same launch and state, the argument block's changing fields alone written;
-        stream: as steady_dispatch's."""
+    def steady_combine(self, expert_out, weights, routing, stream: int | None = None, stage: int = 0,
+                       apply: int = 0):
+        """combine(expert_out, weights, None, routing) of a call the op checked (steady_ready(routing) held): the same
+        launch and state, the argument block's changing fields alone written; stream: as steady_dispatch's. stage,
+        apply: a grouped staging's pair map address and weights flag (steady_combine_grouped)."""
         extra, a = routing.extra, self.cargs
         sm = extra["map"]
         T = sm.T
         hidden, dtype, rows = self._steady_shape
         out = torch.empty((T, hidden), dtype=dtype, device=self.device)
+        out_w = None if weights is None else torch.empty((T, sm.k), dtype=torch.float32, device=self.device)
         protocol = extra.get("protocol", "bw")
-        a.slots, a.num_tokens, a.out, a.out_weights = sm.slots_ptr, T, out.data_ptr(), 0
-        a.grp_pair_pos = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
-        a.grp_apply_weights = int(apply_weights and self._had_weights)
-        a.expert_out, a.expert_rows, a.expert_weights, a.has_weights = expert_out.data_ptr(), rows, 0, 0
+        a.slots, a.num_tokens, a.out = sm.slots_ptr, T, out.data_ptr()
+        a.out_weights = 0 if out_w is None else out_w.data_ptr()
+        a.grp_pair_pos, a.grp_apply_weights = stage, apply
+        a.expert_out, a.expert_rows = expert_out.data_ptr(), rows if stage else expert_out.shape[0]
+        a.expert_weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
         a.phase = PHASE_BOTH
-        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, True), a, stream)
+        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, bool(stage)), a, stream)
         self._last, self.last_protocol = "combine", protocol
         if self._error_words[0]:
             self.check(ids="skip")
-        return out, None
+        return out, out_w
+
+    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor,
+                               stream: int | None = None):
+        """combine_grouped_staged(expert_out, routing, apply_weights, pair_pos) of a call the op checked (steady_ready
+        and grouped_staged held), through steady_combine."""
+        stage = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
+        return self.steady_combine(expert_out, None, routing, stream, stage, int(apply_weights and self._had_weights))
 
     def _dispatch_site(self, protocol: str, T: int, phase: int, placed: bool, direct: bool) -> tuple:
         """(role, grid, threads, block_rows or None) of a dispatch launch: the direct kernel on every resident block

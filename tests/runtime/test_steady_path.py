@@ -23,12 +23,12 @@ def device():
         yield log
 
 
-def _op(protocol: str, inflight: int = 1, **fields) -> EpDispatchCombineOp:
+def _op(protocol: str, inflight: int = 1, combine_weights: str = "values", **fields) -> EpDispatchCombineOp:
     cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=H, max_num_inp_token_per_rank=8,
                                   num_experts_per_rank=E, num_experts_per_token=K, data_type=torch.bfloat16,
                                   kernel_backend="native", enable_grouped_layout=True, expert_alignment=4,
                                   intranode_protocol=protocol, max_inflight=inflight, **fields)
-    return EpDispatchCombineOp(cfg)
+    return EpDispatchCombineOp(cfg, combine_weights=combine_weights)
 
 
 def _inputs(T: int, seed: int, weights: bool = True):
@@ -91,6 +91,8 @@ def _run(op, log: list, steps, steady: bool) -> list:
                 names.add(f"slot{s}.{buf}", slot[buf])
             for n, t in slot["_grp"].items():
                 names.add(f"slot{s}.grp.{n}", t)
+        for key, batch in b._slot_maps._batches.items():  # a dispatch without a handle: its map is only here
+            names.add_range(f"slot maps {key[1:]}", batch[0])
         for key, tensors in held.items():
             for name, t, ranged in tensors:
                 (names.add_range if ranged else names.add)(name, t)
@@ -120,6 +122,32 @@ def _run(op, log: list, steps, steady: bool) -> list:
                                  for t in (layout.x, layout.offs, layout.counts, layout.src, layout.m_indices,
                                            layout.weights, layout.pair_pos, layout.seq)),
                            (h.num_tokens, h.seq, h.slot, h.route, h.extra["protocol"], sorted(h.extra)))
+                elif what == "plain":  # dispatch, with or without a routing handle
+                    key, T, seed, weights, ret = args
+                    x, w, idx = _inputs(T, seed, weights)
+                    mine += [(f"{i}.x", x, False), (f"{i}.w", w, False), (f"{i}.idx", idx, False)]
+                    res = op.dispatch(x, w, None, idx, return_routing=ret)
+                    names = names_now()
+                    for n, t in zip(("x", "w", "idx"), (x, w, idx)):
+                        names.add(f"{i}.{n}", t)
+                    got = tuple(names.of(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in res[:5])
+                    if ret:
+                        h = res[5]
+                        handles[key] = (None, h)
+                        sm = h.extra["map"]
+                        held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False)]
+                        got += ((h.num_tokens, h.seq, h.slot, h.route, h.extra["protocol"], sorted(h.extra)),)
+                elif what == "pcombine":  # combine of the received rows (a copy), with weights or not
+                    key, weighted = args
+                    _, h = handles[key]
+                    R = op.config.max_recv_tokens
+                    y = op.combine_in_view(h) if weighted == "view" else \
+                        torch.randn(R, H, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+                    wts = torch.rand(R, K, generator=torch.Generator().manual_seed(i)) if weighted is True else None
+                    res, res_w = op.combine(y, wts, None, routing=h)
+                    mine += [(f"{i}.y", y, False), (f"{i}.wts", wts, False), (f"{i}.out", res, False),
+                             (f"{i}.out_w", res_w, False)]
+                    got = (tuple(res.shape), res.dtype, None if res_w is None else tuple(res_w.shape))
                 elif what == "combine":
                     key, view, apply = args
                     layout, h = handles[key]
@@ -153,6 +181,11 @@ SEQUENCES = {
              ("fresh", "f", 3, 7, True), ("combine", "f", False, True), ("fresh", "f", 2, 8, False),
              ("combine", "f", True, False), ("out_x", "o", 4, 10, True), ("combine", "o", False, True),
              ("dispatch", "a", 2, 9, True), ("combine", "a", True, True)],
+    "plain": [("plain", "p", 2, 1, True, True), ("pcombine", "p", True), ("plain", "p", 1, 2, False, True),
+              ("pcombine", "p", False), ("plain", "q", 3, 3, True, False), ("plain", "p", 3, 4, True, True),
+              ("pcombine", "p", "view"), ("pcombine", "p", False), ("dispatch", "a", 2, 5, True),
+              ("pcombine", "a", True), ("plain", "p", 2, 6, True, True), ("combine", "p", True, True),
+              ("bad", "a", 1), ("plain", "p", 1, 7, True, True), ("pcombine", "p", True)],
     "stale": [("dispatch", "a", 2, 1, True), ("dispatch", "b", 2, 2, True), ("combine", "a", True, True),
               ("combine", "b", True, True), ("combine", "b", True, True)],
 }
@@ -228,3 +261,25 @@ def test_the_common_call_takes_the_steady_path(device, monkeypatch):
         assert full[-1] == "dispatch"
     finally:
         op.close()
+
+
+def test_the_plain_legs_take_the_steady_path(device, monkeypatch):
+    """The seed API's eager loop (dispatch with a handle, combine of its rows) never reaches the full path's checks
+    (_dispatch_begin, _combine_begin); an op with the seed's weight fold combines on the full path."""
+    for fold in (False, True):
+        op = _op("ll", combine_weights="fold" if fold else "values")
+        try:
+            x, w, idx = _inputs(2, 1)
+            full = []
+            begin_d, begin_c = op._dispatch_begin, op._combine_begin
+            monkeypatch.setattr(op, "_dispatch_begin", lambda *a, **k: full.append("dispatch") or begin_d(*a, **k))
+            monkeypatch.setattr(op, "_combine_begin", lambda *a, **k: full.append("combine") or begin_c(*a, **k))
+            for _ in range(3):
+                out, *_, h = op.dispatch(x, w, None, idx, return_routing=True)
+                op.combine(out.clone(), None, None, routing=h)
+            assert full == (["combine"] * 3 if fold else [])
+            with pytest.raises(InputError, match="return_routing must be a bool"):  # the full path says so
+                op.dispatch(x, w, None, idx, return_routing=1)
+            assert full[-1] == "dispatch"
+        finally:
+            op.close()
