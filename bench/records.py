@@ -55,11 +55,15 @@ def op_arch() -> str:
 
 
 def meta(dev, **kw) -> dict:
-    """The metadata of a record made on `dev`: commit, date, device_info's fields, torch, world_size, and `kw`."""
+    """The metadata of a record made on `dev`: commit, date, device_info's fields, torch, world_size, whether the
+    eager calls took the steady path (EPGEN_STEADY_PATH), and `kw`."""
+    from runtime.op import steady_path_enabled
+
     info = device_info(dev)
     return {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": info["gpu"],
             "driver": info["driver"], "cuda_driver_api": info["cuda_driver_api"], "target": info["target"],
-            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size(), **kw}
+            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size(),
+            "steady_path": steady_path_enabled(), **kw}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -28,6 +28,7 @@ in the combine dtype (combine_data_type, else data_type) and returns that dtype.
 from __future__ import annotations
 
 import itertools
+import os
 
 import attrs
 import torch
@@ -61,6 +62,7 @@ class EpDispatchCombineOp:
             raise ConfigError(f"count_routed must be a bool, got {aliases.type_name(count_routed)}")
         self._combine_weights = combine_weights
         self._count_routed = count_routed
+        steady = steady_path_enabled()  # before anything is allocated: a bad value raises here
         check_config_agreement(config, group)  # collective; before anything is allocated
         check_host_layout(config, group)  # collective
         self.config = config
@@ -80,7 +82,7 @@ class EpDispatchCombineOp:
         self._generation = 0  # reset() and close() make pending handles void
         self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
-        self._steady = self._steady_signature()
+        self._steady = self._steady_signature() if steady else None
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -1029,6 +1031,19 @@ def _ran(leg):
             raise error
         return failed
     return lambda: result
+
+
+STEADY_PATH_ENV = "EPGEN_STEADY_PATH"
+
+
+def steady_path_enabled() -> bool:
+    """Whether ops built from now on take the steady path (environment EPGEN_STEADY_PATH: unset or "1": yes, "0": every
+    call takes the full path; the same launches and results either way, docs/RUNTIME.md)."""
+    value = os.environ.get(STEADY_PATH_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"environment {STEADY_PATH_ENV}={value!r}: must be 1 (the steady path, the default) or 0 "
+                          f"(every call on the full path)")
+    return value != "0"
 
 
 @attrs.frozen

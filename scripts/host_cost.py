@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.inputs import make_input_sets, point_config  # noqa: E402
 from bench.records import commit  # noqa: E402
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
+from runtime.op import steady_path_enabled  # noqa: E402
 from tests.support.host_standin import standin_device  # noqa: E402
 
 
@@ -155,7 +156,8 @@ def main(argv=None) -> int:
     if any(t < 1 for t in args.tokens) or args.iters < 100 or args.profile < 0:
         p.error("--tokens must be >= 1, --iters >= 100, --profile >= 0")
     meta = {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": "none (stand-in)",
-            "host_cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__}
+            "host_cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__,
+            "steady_path": steady_path_enabled()}
     recs = []
     with standin_device(record_args=False) as log:
         for T in args.tokens:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from runtime.errors import InputError
+from runtime.errors import ConfigError, InputError
 from tests.support.host_standin import standin_device
 
 H, K, E = 64, 4, 8
@@ -283,3 +283,24 @@ def test_the_plain_legs_take_the_steady_path(device, monkeypatch):
             assert full[-1] == "dispatch"
         finally:
             op.close()
+
+
+def test_the_environment_switches_the_steady_path_off(device, monkeypatch):
+    monkeypatch.setenv("EPGEN_STEADY_PATH", "0")
+    op = _op("ll")
+    try:
+        assert op._steady is None
+        x, w, idx = _inputs(1, 1)
+        layout, h = op.dispatch_grouped(x, w, None, idx)  # the full path, the same results
+        assert op.combine_grouped(op.grouped_out_view(h), h)[0].shape == (1, H)
+    finally:
+        op.close()
+    monkeypatch.setenv("EPGEN_STEADY_PATH", "yes")
+    with pytest.raises(ConfigError, match="EPGEN_STEADY_PATH='yes': must be 1"):
+        _op("ll")
+    monkeypatch.setenv("EPGEN_STEADY_PATH", "1")
+    op = _op("ll")
+    try:
+        assert op._steady is not None
+    finally:
+        op.close()
