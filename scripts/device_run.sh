@@ -32,6 +32,8 @@
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
 # GPU 0, W = 1 unless TRAIN_NPROC: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
 # "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
+# HOST_AB=1 (scripts/grouped_profile.py at W = 1 twice, EPGEN_STEADY_PATH=0 then 1: the eager legs' host time on the full
+# path and on the steady path, on one host; HOST_AB_ARGS: its options; $OUT/host_ab.jsonl, each record's steady_path says which),
 # PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
 # dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
@@ -158,6 +160,14 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
     | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
 fi
+if [ -n "${HOST_AB:-}" ]; then  # the eager legs' host time with the steady path off, then on, on one host (W = 1)
+  for steady in 0 1; do
+    CUDA_VISIBLE_DEVICES=0 EPGEN_STEADY_PATH=$steady timeout 200 torchrun --nproc-per-node 1 scripts/grouped_profile.py \
+      ${HOST_AB_ARGS:---tokens 1 128 --reps 5 --eager-iters 300 --host-profile} --out "$OUT/host_ab.jsonl" 2>&1 \
+      | tee "$OUT/host_ab_$steady.log" | grep -E "^T=|eager legs" | tail -8; rc=${PIPESTATUS[0]}
+    status[host_ab]=$(( ${status[host_ab]:-0} | rc ))
+  done
+fi
 titan_install() {  # torchtitan from the carried wheels (the machine has no index), where it does not import yet
   python3 -c 'import runtime.integrations.torchtitan' 2>/dev/null && return 0
   local wheels=${TITAN_WHEELS:-.titan-wheels}
@@ -175,4 +185,4 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof phase train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
