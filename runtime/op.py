@@ -208,6 +208,9 @@ class EpDispatchCombineOp:
         if _replay_of is not None:
             num_tokens, return_routing, slot = self._replay_begin(_replay_of)
             routing = _replay_of
+            if self._steady is not None and self._backend.steady_ready(routing):  # the backward's replay: no checks
+                *outs, fields = self._backend.steady_dispatch(x, None, indices, num_tokens, None, None, False, routing)
+                return self._dispatch_end(slot, outs, fields, num_tokens, return_routing, None, routing)
         else:
             x = aliases.renamed("dispatch", "x", x, "input", input)
             num_tokens, return_routing, slot = self._dispatch_begin("dispatch", x, weights, scales, indices,

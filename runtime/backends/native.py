@@ -192,7 +192,7 @@ class NativeBackend:
 
         self._check_geometry()
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
-        self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh, grouped)
+        self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh, ...)
         self._site_memo: dict[tuple, tuple] = {}  # _combine_site's per (protocol, tokens, staged)
         self._steady_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # the combine's, for steady calls
         peer_bases = self._setup_workspace()
@@ -520,26 +520,32 @@ class NativeBackend:
             (routing is None or isinstance(routing.extra.get("map"), SlotMap))
 
     def steady_dispatch(self, x, weights, indices, T: int, out: dict | None = None, stream: int | None = None,
-                        grouped: bool = True):
-        """dispatch(x, weights, None, indices, None, layout=grouped and fuses_layout, layout_out=out) of a call the op
-        checked (steady_ready held): the same launch and state, its decisions (direct kernel, placing tail,
-        geometry) made once per (token count, capture, fresh layout, grouped, modes) and the argument block's
-        changing fields alone written; stream: the call's current stream (op._follow's), or None to look it up."""
+                        grouped: bool = True, routing=None):
+        """dispatch(x, weights, None, indices, routing, layout=grouped and fuses_layout, layout_out=out) of a call the
+        op checked (steady_ready(routing) held): the same launch and state, its decisions (direct kernel, placing
+        tail, geometry) made once per (token count, capture, fresh layout, grouped, protocol, replay, modes) and the
+        argument block's changing fields alone written; stream: the call's current stream (op._follow's), or None
+        to look it up; routing: a replay's handle (its slot map and protocol), or None."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None, grouped)
+        if routing is None:
+            protocol, replay = self.protocol, 0
+        else:
+            protocol, replay = routing.extra["protocol"], 1
+        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None, grouped, protocol, replay)
         how = self._steady_how.get(key)
         if how is None or how[0] != modes:
-            layout, protocol = grouped and self.fuses_layout, self.protocol
-            direct = layout and direct_call(self.direct, self.plan.direct, protocol, out is not None, False,
+            layout = grouped and self.fuses_layout
+            direct = layout and direct_call(self.direct, self.plan.direct, protocol, out is not None, bool(replay),
                                             self.config.world_size)
             placed = layout and not direct and self.one_kernel_legs(protocol, capturing=capturing)
             how = self._steady_how[key] = (modes, direct, placed,
                                            *self._dispatch_site(protocol, T, PHASE_BOTH, placed, direct))
         _, direct, placed, role, grid, threads, block_rows = how
-        sm = self._slot_maps.take(T, self.config.num_experts_per_token, capturing, stream)
+        sm = self._slot_maps.take(T, self.config.num_experts_per_token, capturing, stream) if routing is None else \
+            routing.extra["map"]
         a = self.dargs
         a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), sm.slots_ptr, \
-            sm.total_ptr, 0
+            sm.total_ptr, replay
         a.weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
         a.scales, a.num_tokens, a.phase = 0, T, PHASE_BOTH
         if placed or direct:
@@ -552,11 +558,11 @@ class NativeBackend:
             a.block_rows = block_rows
         self._had_weights, self._placed = weights is not None, placed or direct
         self._stream = self.k.launch_struct(role, grid, threads, a, stream)
-        self._last, self.last_protocol = "dispatch", self.protocol
+        self._last, self.last_protocol = "dispatch", protocol
         if self._error_words[0]:
             self.check(ids="skip")
         return self.recv_x, (None if weights is None else self.recv_w), self.recv_scales, self.recv_idx, \
-            self.total_recv, {"extra": {"map": sm, "protocol": self.protocol, "recv_src": self.recv_src}}
+            self.total_recv, {"extra": {"map": sm, "protocol": protocol, "recv_src": self.recv_src}}
 
     def steady_combine(self, expert_out, weights, routing, stream: int | None = None, stage: int = 0,
                        apply: int = 0):

@@ -110,9 +110,10 @@ def _run(op, log: list, steps, steady: bool) -> list:
                         shape, dtype = op.grouped_x_spec()
                         out_x = torch.empty(shape, dtype=dtype)
                     layout, h = op.dispatch_grouped(x, w, None, idx, fresh=what == "fresh", out_x=out_x)
-                    handles[key] = (layout, h)
+                    handles[key] = (layout, h, idx)
                     sm = h.extra["map"]
-                    held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False)]
+                    held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False),
+                                 (f"{i}.idx", idx, False)]
                     assert (sm.slots_ptr, sm.total_ptr) == (sm.slots.data_ptr(), sm.total.data_ptr())
                     if what != "dispatch":  # offs, counts, src, ...: views of its block
                         held[key] += [(f"{i}.layout.x", layout.x, False), (f"{i}.layout.weights", layout.weights, False),
@@ -133,13 +134,14 @@ def _run(op, log: list, steps, steady: bool) -> list:
                     got = tuple(names.of(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in res[:5])
                     if ret:
                         h = res[5]
-                        handles[key] = (None, h)
+                        handles[key] = (None, h, idx)
                         sm = h.extra["map"]
-                        held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False)]
+                        held[key] = [(f"{i}.slots", sm.slots, False), (f"{i}.total", sm.total, False),
+                                     (f"{i}.idx", idx, False)]
                         got += ((h.num_tokens, h.seq, h.slot, h.route, h.extra["protocol"], sorted(h.extra)),)
                 elif what == "pcombine":  # combine of the received rows (a copy), with weights or not
                     key, weighted = args
-                    _, h = handles[key]
+                    _, h, _ = handles[key]
                     R = op.config.max_recv_tokens
                     y = op.combine_in_view(h) if weighted == "view" else \
                         torch.randn(R, H, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
@@ -148,9 +150,18 @@ def _run(op, log: list, steps, steady: bool) -> list:
                     mine += [(f"{i}.y", y, False), (f"{i}.wts", wts, False), (f"{i}.out", res, False),
                              (f"{i}.out_w", res_w, False)]
                     got = (tuple(res.shape), res.dtype, None if res_w is None else tuple(res_w.shape))
+                elif what == "replay":  # the backward's replay of a handle's routing (runtime/autograd.py)
+                    key, seed = args
+                    _, h, idx = handles[key]
+                    x = torch.randn(h.num_tokens, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+                    mine.append((f"{i}.x", x, False))
+                    res = op.dispatch(x, None, None, idx, _replay_of=h)
+                    names = names_now()
+                    names.add(f"{i}.x", x)
+                    got = tuple(names.of(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in res)
                 elif what == "combine":
                     key, view, apply = args
-                    layout, h = handles[key]
+                    layout, h, _ = handles[key]
                     y = op.grouped_out_view(h) if view else layout.x.clone()
                     res, res_w = op.combine_grouped(y, h, apply)
                     mine += [(f"{i}.y", y, False), (f"{i}.out", res, False)]
@@ -185,7 +196,9 @@ SEQUENCES = {
               ("pcombine", "p", False), ("plain", "q", 3, 3, True, False), ("plain", "p", 3, 4, True, True),
               ("pcombine", "p", "view"), ("pcombine", "p", False), ("dispatch", "a", 2, 5, True),
               ("pcombine", "a", True), ("plain", "p", 2, 6, True, True), ("combine", "p", True, True),
-              ("bad", "a", 1), ("plain", "p", 1, 7, True, True), ("pcombine", "p", True)],
+              ("bad", "a", 1), ("plain", "p", 1, 7, True, True), ("pcombine", "p", True), ("replay", "p", 8),
+              ("pcombine", "p", True), ("dispatch", "g", 3, 9, True), ("replay", "g", 10), ("combine", "g", True, True),
+              ("replay", "g", 11), ("pcombine", "g", False)],
     "stale": [("dispatch", "a", 2, 1, True), ("dispatch", "b", 2, 2, True), ("combine", "a", True, True),
               ("combine", "b", True, True), ("combine", "b", True, True)],
 }
@@ -278,6 +291,10 @@ def test_the_plain_legs_take_the_steady_path(device, monkeypatch):
                 out, *_, h = op.dispatch(x, w, None, idx, return_routing=True)
                 op.combine(out.clone(), None, None, routing=h)
             assert full == (["combine"] * 3 if fold else [])
+            real = op._backend.dispatch
+            monkeypatch.setattr(op._backend, "dispatch", lambda *a, **k: full.append("replay") or real(*a, **k))
+            op.dispatch(x, None, None, idx, _replay_of=h)  # the backward's replay: the backend's steady launch
+            assert "replay" not in full
             with pytest.raises(InputError, match="return_routing must be a bool"):  # the full path says so
                 op.dispatch(x, w, None, idx, return_routing=1)
             assert full[-1] == "dispatch"
