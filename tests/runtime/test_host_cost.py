@@ -44,3 +44,49 @@ def test_host_cost_script_writes_its_records(tmp_path, capsys):
     assert leg["us"] > 0 and len(leg["host_top"]) == 3 and {"commit", "host_cpu", "torch"} <= set(recs[0])
     printed = capsys.readouterr().out
     assert "| 1 | ll | dispatch_grouped | 1 |" in printed
+
+
+#: epgen's own Python calls (functions under runtime/) in one training step through runtime.autograd at a tiny shape:
+#: dispatch_grouped -> an elementwise expert -> combine_grouped, forward and backward. At 5c8f18f: 167.
+STEP_BUDGET = 167
+
+
+def test_a_training_step_is_six_launches_within_its_call_budget():
+    """The step's kernels (forward: dispatch and combine; backward: the routing replay, combine's backward kernel,
+    dispatch's pair sum and its combine) and epgen's own Python calls, counted by the functions' files (torch's own
+    Python, which changes with its version, is not counted)."""
+    import collections
+    import sys
+
+    import torch
+
+    import runtime
+    from runtime import autograd as ag
+
+    root = str(Path(runtime.__file__).parent)
+    with standin_device(record_args=False) as log:
+        op, x, w, idx = host_cost.build(1, hidden=64, experts=16)
+        try:
+            xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+            def step():
+                layout, h = ag.dispatch_grouped(op, xr, wr, idx)
+                ag.combine_grouped(op, layout.x * 1.0, h).float().sum().backward()
+            step()
+            before, n = len(log), collections.Counter()
+
+            def hook(frame, event, arg):
+                if event == "call" and frame.f_code.co_filename.startswith(root):
+                    n["epgen"] += 1
+            sys.setprofile(hook)
+            try:
+                step()
+            finally:
+                sys.setprofile(None)
+            kernels = [entry[0].split("__")[0] for entry in log[before:]]
+        finally:
+            op.close()
+    assert kernels == ["epg_dispatch_ll", "epg_combine_ll", "epg_dispatch_ll", "epg_grouped_scale",
+                       "epg_grouped_reduce", "epg_combine_ll"], kernels
+    assert 0 < n["epgen"] <= STEP_BUDGET, n
+    assert torch.is_grad_enabled()
