@@ -4,16 +4,18 @@ the launch, counted and timed over stand-ins for the device (tests/support/host_
     python scripts/host_cost.py [--tokens 1 128] [--protocol auto] [--iters 3000] [--profile 20] [--out F]
 
 Per token count: one native op (bf16, hidden 7168, top-8 of 256 experts, grouped layout, alignment 16; the shape of
-scripts/grouped_profile.py), then dispatch_grouped, combine_grouped, dispatch_grouped(fresh=True), dispatch and combine called eagerly, each alone: µs per call
-(median of batches of 100, perf_counter), Python function calls per call (sys.setprofile: Python-level calls and
-calls into builtins / C methods, counted separately), launches per call. --profile N adds the N functions with the
-most own time (cProfile). A record of kind "host_cost" per point (jsonl, --out) with its metadata.
+scripts/grouped_profile.py), then dispatch_grouped, combine_grouped, dispatch_grouped(fresh=True), dispatch and combine
+called eagerly, each alone: µs per call (median of batches of 100, perf_counter), Python function calls per call
+(sys.setprofile: Python-level calls and calls into builtins / C methods, counted separately), launches per call.
+--profile N adds the N functions with the most own time (cProfile). A record of kind "host_cost" per point (jsonl,
+--out) with its metadata.
 
 What it measures is the Python: the stand-in launch returns at once and its tensors are CPU tensors, so the driver's
 launch (~10 µs through ctypes on the lent H200 host, results/…-e0ee158 host_primitives_us) and the CUDA
 allocator's allocations (~6 µs each there) are not in these figures. The function counts do not depend on the CPU:
 they are the figures a change to the host path moves (tests/runtime/test_host_cost.py holds them); the times are
-this CPU's.
+this CPU's (the fresh layout's mostly its allocator's: rows of [grouped capacity, hidden] malloc'd and freed per call,
+where the GPU's caching allocator hands them out).
 """
 
 from __future__ import annotations

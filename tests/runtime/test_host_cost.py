@@ -12,7 +12,8 @@ import pytest
 
 from tests.support.host_standin import standin_device
 
-_SPEC = importlib.util.spec_from_file_location("host_cost", Path(__file__).resolve().parents[2] / "scripts" / "host_cost.py")
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host_cost.py"
+_SPEC = importlib.util.spec_from_file_location("host_cost", _SCRIPT)
 host_cost = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(host_cost)
 

@@ -1,9 +1,9 @@
-"""The steady path of the eager grouped legs (op._steady_dispatch_grouped / _steady_combine_grouped, the native
-backend's steady_dispatch / steady_combine_grouped) against the full path, on the native backend's host side over
-stand-ins for the device (tests/support/host_standin.py): the same call sequence, once with the steady path and once
-without, must make the same launches (kernel, grid, block and every argument value, the call's own tensors' addresses
-named), leave the same op and backend state and return the same results; and the steady path must be the one taken
-where the call is the common one."""
+"""The steady path of the eager legs (op._steady_dispatch / _steady_combine and their grouped forms, the backward's
+replay; the native backend's steady_dispatch / steady_combine) against the full path, on the native backend's host
+side over stand-ins for the device (tests/support/host_standin.py): the same call sequence, once with the steady path
+and once without, must make the same launches (kernel, grid, block and every argument value, the call's own tensors'
+addresses named), leave the same op and backend state and return the same results; and the steady path must be the
+one taken where the call is the common one."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def _run(op, log: list, steps, steady: bool) -> list:
                                  (f"{i}.idx", idx, False)]
                     assert (sm.slots_ptr, sm.total_ptr) == (sm.slots.data_ptr(), sm.total.data_ptr())
                     if what != "dispatch":  # offs, counts, src, ...: views of its block
-                        held[key] += [(f"{i}.layout.x", layout.x, False), (f"{i}.layout.weights", layout.weights, False),
+                        held[key] += [(f"{i}.layout.x", layout.x, False),
+                                      (f"{i}.layout.weights", layout.weights, False),
                                       (f"{i}.layout.block", layout.block, True)]
                     names = names_now()
                     got = (tuple(names.of(t.data_ptr()) if isinstance(t, torch.Tensor) else t
