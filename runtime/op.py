@@ -66,6 +66,7 @@ class EpDispatchCombineOp:
         check_config_agreement(config, group)  # collective; before anything is allocated
         check_host_layout(config, group)  # collective
         self.config = config
+        self._config_key = config.key  # (what every handle carries and every call checks: no property per call)
         self.uid = next(_UIDS)
         self._closed = False
         self._seq = 0  # dispatches that moved data (returned, or raised CapacityError)
@@ -398,7 +399,7 @@ class EpDispatchCombineOp:
         self._slots.dispatched(slot, route, held=return_routing)  # without a handle nothing can combine its rows
         if not return_routing:
             return tuple(outs)
-        handle = RoutingHandle(op_uid=self.uid, config_key=self.config.key, num_tokens=num_tokens, seq=self._seq,
+        handle = RoutingHandle(op_uid=self.uid, config_key=self._config_key, num_tokens=num_tokens, seq=self._seq,
                                slot=slot, route=route, **fields)
         return (*outs, handle)
 
@@ -438,13 +439,13 @@ class EpDispatchCombineOp:
         """Order this half after the slot's last half when they run on different streams (a slot's kernels rely on
         their order: each leg's buffers are free once the one before it ran). Inside graph capture the caller's
         fork / join orders the streams. -> the current stream (the driver's handle; None off a GPU)."""
-        if self.device.type != "cuda":
+        dev = self._backend.device
+        if dev.type != "cuda":
             return None
         # the driver's stream handles: a Stream object per call costs microseconds of every eager leg
-        now = kernels.current_raw_stream(self.device.index)
+        now = kernels.current_raw_stream(dev.index)
         last = self._slot_streams.get(slot)
         if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
-            dev = self.device
             torch.cuda.ExternalStream(now, device=dev).wait_stream(torch.cuda.ExternalStream(last, device=dev))
         self._slot_streams[slot] = now
         return now
@@ -854,7 +855,7 @@ class EpDispatchCombineOp:
     def _steady_handle(self, routing) -> bool:
         """routing is a handle of this op that the backend can combine on the steady path."""
         return type(routing) is RoutingHandle and routing.op_uid == self.uid and \
-            routing.config_key is self.config.key and self._backend.steady_ready(routing)
+            routing.config_key is self._config_key and self._backend.steady_ready(routing)
 
     def _steady_combine(self, expert_out, weights, indices, routing):
         """combine(expert_out, weights, indices, routing) as the full path runs it (as _steady_dispatch), where the
@@ -904,7 +905,7 @@ class EpDispatchCombineOp:
         b.select_slot(slot)
         stream = self._follow(slot)
         try:
-            return b.steady_combine_grouped(expert_out, routing, apply_weights, layout.pair_pos, stream)
+            return b.steady_combine(expert_out, None, routing, stream, layout.pair_pos, apply_weights)
         finally:
             self._slots.combined(slot)
 
@@ -1019,7 +1020,7 @@ class EpDispatchCombineOp:
         checks.tensor(call, name, t, dtype, self.device, ndim=ndim, shape=shape)
 
     def _check_handle(self, call: str, routing) -> None:
-        checks.handle(call, routing, self.uid, self.config.key)
+        checks.handle(call, routing, self.uid, self._config_key)
 
 
 def _ran(leg):

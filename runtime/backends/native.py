@@ -194,7 +194,7 @@ class NativeBackend:
         self._geo_memo: dict[tuple, tuple[int, int, bool]] = {}
         self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh, ...)
         self._site_memo: dict[tuple, tuple] = {}  # _combine_site's per (protocol, tokens, staged)
-        self._steady_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # the combine's, for steady calls
+        self._combine_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # (hidden, dtype, rows R)
         peer_bases = self._setup_workspace()
         self._trace = None  # trace_phases()'s buffer (diagnostics)
         self._slots: list[dict] = []  # per workspace slot (config max_inflight): the values of SLOT_ATTRS
@@ -507,9 +507,9 @@ class NativeBackend:
                                                                                 capturing=call["capturing"])
         call["layout_out"] = layout_out
         self._dispatch_launch(call, PHASE_BOTH)
-        return self._dispatch_outputs(call)
+        return self._dispatch_outputs(call["weights"], call["map"], call["protocol"])
 
-    # --- the steady path (op._steady_dispatch_grouped / _steady_combine_grouped) ------------------------------
+    # --- the steady path (op._steady_dispatch / _steady_combine and their grouped forms) ------------------------
     def steady_ready(self, routing=None) -> bool:
         """May the next call take the steady path? Not while an error word is up (the full path reports it), nor where
         a dispatch numbers its slots first (a receive cap under the bandwidth protocol) or checks ids on the host;
@@ -539,61 +539,28 @@ class NativeBackend:
                                             self.config.world_size)
             placed = layout and not direct and self.one_kernel_legs(protocol, capturing=capturing)
             how = self._steady_how[key] = (modes, direct, placed,
-                                           *self._dispatch_site(protocol, T, PHASE_BOTH, placed, direct))
-        _, direct, placed, role, grid, threads, block_rows = how
+                                           self._dispatch_site(protocol, T, PHASE_BOTH, placed, direct))
+        _, direct, placed, site = how
         sm = self._slot_maps.take(T, self.config.num_experts_per_token, capturing, stream) if routing is None else \
             routing.extra["map"]
-        a = self.dargs
-        a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), sm.slots_ptr, \
-            sm.total_ptr, replay
-        a.weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
-        a.scales, a.num_tokens, a.phase = 0, T, PHASE_BOTH
-        if placed or direct:
-            self._aim_tail(self._grp["tail"] if out is None else _layout_ptrs(*self._fresh_outputs(out)))
-            if placed:
-                a.grp_zero_padding = int(out is not None)
-        else:
-            a.grp_x, a.aimed = 0, None
-        if block_rows is not None:
-            a.block_rows = block_rows
-        self._had_weights, self._placed = weights is not None, placed or direct
-        self._stream = self.k.launch_struct(role, grid, threads, a, stream)
-        self._last, self.last_protocol = "dispatch", protocol
-        if self._error_words[0]:
-            self.check(ids="skip")
-        return self.recv_x, (None if weights is None else self.recv_w), self.recv_scales, self.recv_idx, \
-            self.total_recv, {"extra": {"map": sm, "protocol": protocol, "recv_src": self.recv_src}}
+        self._had_weights = weights is not None
+        self._launch_dispatch(x, weights, None, indices, sm, replay, PHASE_BOTH, protocol, placed, direct, out, site,
+                              stream)
+        return self._dispatch_outputs(weights, sm, protocol)
 
-    def steady_combine(self, expert_out, weights, routing, stream: int | None = None, stage: int = 0,
-                       apply: int = 0):
-        """combine(expert_out, weights, None, routing) of a call the op checked (steady_ready(routing) held): the same
-        launch and state, the argument block's changing fields alone written; stream: as steady_dispatch's. stage,
-        apply: a grouped staging's pair map address and weights flag (steady_combine_grouped)."""
-        extra, a = routing.extra, self.cargs
-        sm = extra["map"]
-        T = sm.T
-        hidden, dtype, rows = self._steady_shape
-        out = torch.empty((T, hidden), dtype=dtype, device=self.device)
-        out_w = None if weights is None else torch.empty((T, sm.k), dtype=torch.float32, device=self.device)
-        protocol = extra.get("protocol", "bw")
-        a.slots, a.num_tokens, a.out = sm.slots_ptr, T, out.data_ptr()
-        a.out_weights = 0 if out_w is None else out_w.data_ptr()
-        a.grp_pair_pos, a.grp_apply_weights = stage, apply
-        a.expert_out, a.expert_rows = expert_out.data_ptr(), rows if stage else expert_out.shape[0]
-        a.expert_weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
-        a.phase = PHASE_BOTH
-        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, bool(stage)), a, stream)
-        self._last, self.last_protocol = "combine", protocol
-        if self._error_words[0]:
-            self.check(ids="skip")
+    def steady_combine(self, expert_out, weights, routing, stream: int | None = None,
+                       pair_pos: torch.Tensor | None = None, apply_weights: bool = False):
+        """combine(expert_out, weights, None, routing), or with pair_pos (a layout's pair map)
+        combine_grouped_staged(expert_out, routing, apply_weights, pair_pos), of a call the op checked
+        (steady_ready(routing), and grouped_staged with pair_pos, held): the same launch and state through the full
+        path's writer; stream: as steady_dispatch's."""
+        sm = routing.extra["map"]
+        out, out_w = self._combine_outputs(sm, weights)
+        stage = 0 if pair_pos is None else pair_pos.data_ptr()
+        apply = int(stage != 0 and apply_weights and self._had_weights)
+        self._launch_combine(expert_out, weights, sm, out, out_w, stage, apply, routing.extra.get("protocol", "bw"),
+                             PHASE_BOTH, stream)
         return out, out_w
-
-    def steady_combine_grouped(self, expert_out, routing, apply_weights: bool, pair_pos: torch.Tensor,
-                               stream: int | None = None):
-        """combine_grouped_staged(expert_out, routing, apply_weights, pair_pos) of a call the op checked (steady_ready
-        and grouped_staged held), through steady_combine."""
-        stage = self._grp["stage"] if pair_pos is None else pair_pos.data_ptr()
-        return self.steady_combine(expert_out, None, routing, stream, stage, int(apply_weights and self._had_weights))
 
     def _dispatch_site(self, protocol: str, T: int, phase: int, placed: bool, direct: bool) -> tuple:
         """(role, grid, threads, block_rows or None) of a dispatch launch: the direct kernel on every resident block
@@ -633,7 +600,7 @@ class NativeBackend:
         total_recv; -> what dispatch returns."""
         self.check(ids="warn")
         self._dispatch_launch(call, PHASE_RECV)
-        return self._dispatch_outputs(call)
+        return self._dispatch_outputs(call["weights"], call["map"], call["protocol"])
 
     def _dispatch_prepare(self, x, weights, scales, indices, routing) -> dict:
         self.check(ids="warn")
@@ -655,43 +622,47 @@ class NativeBackend:
                 "capturing": capturing}
 
     def _dispatch_launch(self, call: dict, phase: int) -> None:
-        a = self.dargs
-        x, weights, scales, sm = call["x"], call["weights"], call["scales"], call["map"]
-        T = x.shape[0]
-        a.x, a.indices, a.slots, a.replay_total = x.data_ptr(), call["indices"].data_ptr(), sm.slots_ptr, sm.total_ptr
-        a.replay = call["replay"]
-        a.weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
-        a.scales = scales.data_ptr() if scales is not None else 0
-        a.num_tokens, a.phase = T, phase
         layout = call.get("layout", False) and phase == PHASE_BOTH
-        if layout:  # the tail writes the op's layout buffers, or a fresh layout's tensors (every row and pair then)
-            out = call.get("layout_out")
+        direct = bool(call.get("direct")) and phase == PHASE_BOTH  # counts, then the rows straight into the groups
+        site = self._dispatch_site(call["protocol"], call["x"].shape[0], phase, layout, direct)
+        self._launch_dispatch(call["x"], call["weights"], call["scales"], call["indices"], call["map"], call["replay"],
+                              phase, call["protocol"], layout, direct, call.get("layout_out"), site)
+
+    def _launch_dispatch(self, x, weights, scales, indices, sm: SlotMap, replay: int, phase: int, protocol: str,
+                         placed: bool, direct: bool, out: dict | None, site: tuple, stream: int | None = None) -> None:
+        """Write a dispatch's changing fields into the argument block (dargs) and launch it at `site`
+        (_dispatch_site): the full path's and the steady path's one writer. placed: the tail places the layout
+        into the op's buffers, or into `out` (a fresh layout's: every row and pair then); direct: the direct kernel
+        writes the op's buffers; stream: the call's, or None to look it up."""
+        a = self.dargs
+        a.x, a.indices, a.slots, a.replay_total, a.replay = x.data_ptr(), indices.data_ptr(), sm.slots_ptr, \
+            sm.total_ptr, replay
+        a.weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
+        a.scales = 0 if scales is None else scales.data_ptr()
+        a.num_tokens, a.phase = x.shape[0], phase
+        if placed or direct:  # (a direct call never has a fresh layout: plan.direct_call)
             self._aim_tail(self._grp["tail"] if out is None else _layout_ptrs(*self._fresh_outputs(out)))
-            a.grp_zero_padding = int(out is not None)
+            if placed:
+                a.grp_zero_padding = int(out is not None)
         else:
             a.grp_x, a.aimed = 0, None
-        if phase != PHASE_SEND:
-            self._placed = layout
-        direct = bool(call.get("direct")) and phase == PHASE_BOTH
-        if direct:  # counts, then the rows straight into the groups: one kernel
-            self._aim_tail(self._grp["tail"])
-            self._placed = True
-        role, grid, threads, block_rows = self._dispatch_site(call["protocol"], T, phase, layout, direct)
+        role, grid, threads, block_rows = site
         if block_rows is not None:
             a.block_rows = block_rows
-        self._stream = self.k.launch_struct(role, grid, threads, a)
+        self._stream = self.k.launch_struct(role, grid, threads, a, stream)
         if phase != PHASE_SEND:
-            self._last, self.last_protocol = "dispatch", call["protocol"]
-        self.check(ids="skip")
+            self._placed = placed or direct
+            self._last, self.last_protocol = "dispatch", protocol
+        if self._error_words[0]:  # a kernel gave up waiting (check's own test, without the call)
+            self.check(ids="skip")
 
-    def _dispatch_outputs(self, call: dict):
+    def _dispatch_outputs(self, weights, sm: SlotMap, protocol: str):
         cfg = self.config
         if cfg.strict_capacity and not torch.cuda.is_current_stream_capturing():
             raise_if_dropped(cfg, self.dropped_count())
-        out_w = self.recv_w if call["weights"] is not None else None
+        out_w = self.recv_w if weights is not None else None
         return self.recv_x, out_w, self.recv_scales, self.recv_idx, self.total_recv, \
-            {"extra": {"map": call["map"], "protocol": call["protocol"],
-                       "recv_src": self.recv_src}}
+            {"extra": {"map": sm, "protocol": protocol, "recv_src": self.recv_src}}
 
     def _ordered_slots(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots under a receive cap: rows numbered in (source rank, token) order (routing.ordered_slots),
@@ -1053,31 +1024,41 @@ class NativeBackend:
         sm = routing.extra.get("map")
         if not isinstance(sm, SlotMap):
             raise InputError("combine: the routing handle carries no native slot map")
-        T, k = sm.T, sm.k
-        out = torch.empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype, device=self.device)
-        out_w = torch.empty((T, k), dtype=torch.float32, device=self.device) if weights is not None else None
+        out, out_w = self._combine_outputs(sm, weights)
         # the protocol of the dispatch: its slots and buffers
         return {"expert_out": expert_out, "weights": weights, "map": sm, "out": out, "out_w": out_w,
                 "protocol": routing.extra.get("protocol", "bw"), "deferred": False}
 
+    def _combine_outputs(self, sm: SlotMap, weights) -> tuple:
+        """A combine's outputs: rows [T, H] of the combine dtype, weights [T, k] float32 where it has weights."""
+        hidden, dtype, _ = self._combine_shape
+        out = torch.empty((sm.T, hidden), dtype=dtype, device=self.device)
+        return out, None if weights is None else torch.empty((sm.T, sm.k), dtype=torch.float32, device=self.device)
+
     def _combine_launch(self, call: dict, phase: int) -> None:
-        a, sm, out, out_w = self.cargs, call["map"], call["out"], call["out_w"]
-        expert_out, weights = call["expert_out"], call["weights"]
-        T = sm.T
-        a.slots, a.num_tokens = sm.slots_ptr, T
-        a.out, a.out_weights = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        # a grouped staging (combine_grouped_staged): expert_out is [P, H], the rows it stands for are R; the gather
-        # combine runs on every resident block (its staging pass sums pairs), the low-latency one on its own grid
-        # (each pushing wave sums its row's pairs)
         stage, apply = call.get("stage", (0, 0))
+        self._launch_combine(call["expert_out"], call["weights"], call["map"], call["out"], call["out_w"], stage, apply,
+                             call["protocol"], phase)
+
+    def _launch_combine(self, expert_out, weights, sm: SlotMap, out, out_w, stage: int, apply: int, protocol: str,
+                        phase: int, stream: int | None = None) -> None:
+        """Write a combine's changing fields into the argument block (cargs) and launch it: the full path's and the
+        steady path's one writer. A grouped staging (stage: the pair map's address; apply: weigh the pairs) reads
+        expert_out [P, H] standing for the R received rows; the gather combine then runs on every resident block
+        (its staging pass sums pairs), the low-latency one on its own grid (each pushing wave sums its row's pairs)
+        (_combine_site)."""
+        a, T = self.cargs, sm.T
+        a.slots, a.num_tokens = sm.slots_ptr, T
+        a.out, a.out_weights = out.data_ptr(), 0 if out_w is None else out_w.data_ptr()
         a.grp_pair_pos, a.grp_apply_weights = stage, apply
-        a.expert_out, a.expert_rows = expert_out.data_ptr(), self.config.max_recv_tokens if stage else expert_out.shape[0]
-        a.expert_weights, a.has_weights = (weights.data_ptr(), 1) if weights is not None else (0, 0)
+        a.expert_out, a.expert_rows = expert_out.data_ptr(), self._combine_shape[2] if stage else expert_out.shape[0]
+        a.expert_weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
         a.phase = phase
-        self._stream = self.k.launch_struct(*self._combine_site(call["protocol"], T, bool(stage)), a)
+        self._stream = self.k.launch_struct(*self._combine_site(protocol, T, bool(stage)), a, stream)
         if phase != PHASE_SEND:
-            self._last, self.last_protocol = "combine", call["protocol"]
-        self.check(ids="skip")
+            self._last, self.last_protocol = "combine", protocol
+        if self._error_words[0]:  # a kernel gave up waiting
+            self.check(ids="skip")
 
     def combine_in_view(self) -> torch.Tensor:
         return self.comb_x
