@@ -41,7 +41,8 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 # the phases each kernel stamps, in order (templates/kernels/dispatch_ll.j2, combine_ll.j2: epg_trace(a, N))
 PHASES = {
     "dispatch_ll": ("entry", "masks built", "counts posted, rows sent", "counts read", "rows received",
-                    "grouped layout placed", "finished"),
+                    "tail: grid barrier passed", "tail: pairs numbered", "tail: groups worked out",
+                    "tail: pairs placed", "grouped layout placed", "finished"),
     "combine_ll": ("entry", "row counts read", "ready to push", "rows pushed", "tokens reduced", "finished"),
     "dispatch_direct": ("entry", "histograms counted", "totals posted (block 0)", "tables read",
                         "groups worked out", "last chunk numbered", "last chunk's rows stored",

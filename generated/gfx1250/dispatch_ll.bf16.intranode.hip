@@ -963,6 +963,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
+  epg_trace(a, 5);  // diagnostics: past the tail's grid barrier
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
     __shared__ EpgGroupedSmall sm;
@@ -971,8 +972,11 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
   }
+  epg_trace(a, 6);  // the pairs numbered
   const int end = epg_grouped_bounds(g, sh);
+  epg_trace(a, 7);  // the groups worked out
   epg_grouped_place(g, sh);
+  epg_trace(a, 8);  // the pairs placed
   if (a.grp_zero_padding != 0) {  // fresh outputs: every row marked, every payload without a pair zeroed, the whole map
     epg_grouped_mark(g, sh, g.capacity);
     epg_grouped_zero(g, sh, g.row_bytes);
@@ -1224,7 +1228,7 @@ EPG_KERNEL void epg_dispatch_ll__bf16__intranode(EpArgs a) {
   if (!ok) return;
   epg_trace(a, 4);  // every row received
   if (a.grp_x && a.phase == EPG_PHASE_BOTH) epg_dispatch_grouped_tail(a);  // 4. with a.grp_x: the pairs into their groups
-  epg_trace(a, 5);  // the grouped layout placed (phase 4's time without one)
+  epg_trace(a, 9);  // the grouped layout placed and marked (5-8: the tail's steps; phase 4's time without one)
   epg_ll_finish(a, EPG_ST_LL_DISPATCHES, calls, EPG_LAST_DISPATCH);
-  epg_trace(a, 6);  // the call counter advanced
+  epg_trace(a, 10);  // the call counter advanced
 }

@@ -879,6 +879,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
   int* state = (int*)a.state;
   const int before = state[EPG_ST_GROUPED_END];  // read by every block before the barrier; block 0 rewrites it after
   if (!epg_grid_sync(a)) return;
+  epg_trace(a, 5);  // diagnostics: past the tail's grid barrier
   EpgGrouped g = epg_grouped_of(a);
   if ((epg_i64)*g.total_recv * g.k <= EPG_GROUPED_SMALL_PAIRS) {  // uniform over the grid
     __shared__ EpgGroupedSmall sm;
@@ -887,8 +888,11 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
     for (int e = (int)epg_block(); e < g.num_local; e += (int)epg_nblocks()) epg_grouped_count(g, sh, e);
     if (!epg_grid_sync(a)) return;
   }
+  epg_trace(a, 6);  // the pairs numbered
   const int end = epg_grouped_bounds(g, sh);
+  epg_trace(a, 7);  // the groups worked out
   epg_grouped_place(g, sh);
+  epg_trace(a, 8);  // the pairs placed
   if (a.grp_zero_padding != 0) {  // fresh outputs: every row marked, every payload without a pair zeroed, the whole map
     epg_grouped_mark(g, sh, g.capacity);
     epg_grouped_zero(g, sh, g.row_bytes);
