@@ -129,6 +129,34 @@ def test_launch_falls_back_to_cuda_bindings_without_a_handle():
     assert _driver_launch(object()) is None  # no integer handle: cuda-bindings launches
 
 
+def test_driver_launch_passes_cuLaunchKernels_arguments_as_their_c_types():
+    """The launcher calls the driver's entry point without ctypes argtypes (the conversion costs half the call), so
+    each argument must reach C as what cuLaunchKernel declares: a C function of that signature (a ctypes callback
+    behind an untyped foreign function, as libcuda's is) receives the function and stream handles as 64-bit
+    pointers, the dimensions as unsigned ints, the parameter array's address and a null extra; the default stream
+    (0) arrives as a null pointer; each stream is wrapped once."""
+    import ctypes
+
+    from runtime import kernels
+
+    seen = []
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, *[ctypes.c_void_p] * 3)
+    callback = proto(lambda *a: seen.append(a) or 7)
+    entry = ctypes.CDLL(None)._FuncPtr(ctypes.cast(callback, ctypes.c_void_p).value)
+    entry.restype = ctypes.c_int
+    handle, stream = 0x7F00_1111_2222, 0x7EFF_DEAD_BEE0  # above 2**32: a truncated pointer would show
+    launch = kernels._driver_launch(handle, entry)
+    params = (ctypes.c_void_p * 1)(12345)
+    assert launch(132, 512, stream, params) == 7
+    assert launch(3, 64, 0, params) == 7
+    assert seen == [(handle, 132, 1, 1, 512, 1, 1, 0, stream, ctypes.addressof(params), None),
+                    (handle, 3, 1, 1, 64, 1, 1, 0, None, ctypes.addressof(params), None)]
+    for s in range(kernels._STREAMS_KEPT + 3):  # the wrapped streams stay bounded
+        launch(1, 32, 0x1000 + s, params)
+    assert seen[-1][8] == 0x1000 + kernels._STREAMS_KEPT + 2
+    assert kernels._driver_launch(0, entry) is None  # a null function: cuda-bindings launches
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
 def test_rows_of_whole_8_element_groups(arch):
     """fp32 rows of 4 mod 8 elements are whole 16-byte vectors but not whole 8-element groups: the
