@@ -134,7 +134,7 @@ def test_driver_launch_passes_cuLaunchKernels_arguments_as_their_c_types():
     each argument must reach C as what cuLaunchKernel declares: a C function of that signature (a ctypes callback
     behind an untyped foreign function, as libcuda's is) receives the function and stream handles as 64-bit
     pointers, the dimensions as unsigned ints, the parameter array's address and a null extra; the default stream
-    (0) arrives as a null pointer; each stream is wrapped once."""
+    (0) arrives as a null pointer; more streams than the launcher keeps wrapped still arrive as themselves."""
     import ctypes
 
     from runtime import kernels
@@ -151,7 +151,7 @@ def test_driver_launch_passes_cuLaunchKernels_arguments_as_their_c_types():
     assert launch(3, 64, 0, params) == 7
     assert seen == [(handle, 132, 1, 1, 512, 1, 1, 0, stream, ctypes.addressof(params), None),
                     (handle, 3, 1, 1, 64, 1, 1, 0, None, ctypes.addressof(params), None)]
-    for s in range(kernels._STREAMS_KEPT + 3):  # the wrapped streams stay bounded
+    for s in range(kernels._STREAMS_KEPT + 3):  # past the bound of wrapped streams (the cache starts over)
         launch(1, 32, 0x1000 + s, params)
     assert seen[-1][8] == 0x1000 + kernels._STREAMS_KEPT + 2
     assert kernels._driver_launch(0, entry) is None  # a null function: cuda-bindings launches
