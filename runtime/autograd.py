@@ -28,7 +28,9 @@ setup and backward as a torch.autograd.Function, which skips the custom op's Pyt
 Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
     summed over its destination ranks; in the grouped form each received row first sums its local pairs'
-    gradient rows, in float32); the weights' gradients travel in combine's weights channel;
+    gradient rows, in float32: on the native backend inside the combine kernel itself, one launch, where the op
+    combines grouped rows in one kernel (_pairs_in_combine), else a pair-sum launch first); the weights'
+    gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient; in the
     grouped form the replay keeps the forward's row numbering, so pair p's token gradient is received row
     src[p] // k (native: one grouped_scale kernel reads it there; the torch backend replays a dispatch_grouped);
@@ -365,13 +367,26 @@ def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Ten
     return _combine_through(mover, routing, saved, rows.to(mover.config.combine_dtype).contiguous(), rows_w)
 
 
-def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
+def _pairs_in_combine(op, saved: _Saved, grad_xg: torch.Tensor | None) -> bool:
+    """Does dispatch_grouped's backward take one combine kernel that forms each received row from its pairs'
+    gradient rows (the backend's combine_pairs: grp_pair_w sends the weights' gradients per pair), rather than
+    sum_pairs and then a combine? Where the op combines grouped rows in one kernel (grouped_staged), the combine
+    is not quantized (a quantized op's gradients move through its companion) and the rows are as the kernel
+    reads them (the combine dtype, contiguous)."""
+    staged = getattr(op._backend, "grouped_staged", None)
+    return grad_xg is not None and staged is not None and hasattr(op._backend, "combine_pairs") and \
+        op.config.quant_type == "none" and grad_xg.dtype == op.config.combine_dtype and grad_xg.is_contiguous() \
+        and staged(saved.routing)
+
+
+def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w, pairs=None):
     """op.combine through a handle whose workspace slot may hold another dispatch's rows by now (a later forward,
     another layer's backward). A slot whose last dispatch was this routing's (the forward, or a replay of it) is
     taken as it is. Otherwise, where it matters (several slots, max_inflight > 1: the op refuses a stale handle;
     the native low-latency, scatter and internode combines, which send each received row to the origin its slot's
     last dispatch recorded), a replay of zeros along the routing places its rows again first, and the combine goes
-    through the replay's handle."""
+    through the replay's handle. pairs: (pair map, weights per grouped row or None): rows are grouped rows [P, H]
+    the combine kernel sums per received row itself (op._combine_pairs)."""
     slots = op._slots
     if slots.route[routing.slot] != routing.route:
         same = [s for s in range(slots.n) if slots.route[s] == routing.route and slots.pending[s] is None]
@@ -382,6 +397,8 @@ def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w):
     if slots.route[routing.slot] != routing.route and (slots.n > 1 or sends_by_last):
         zeros = torch.zeros((routing.num_tokens, op.config.hidden_dim), dtype=op.config.data_type, device=op.device)
         *_, routing = op.dispatch(zeros, None, None, saved.ids, return_routing=True, routing=routing)
+    if pairs is not None:
+        return op._combine_pairs(rows, routing, *pairs)
     return op.combine(rows, rows_w, routing=routing)
 
 
@@ -463,8 +480,12 @@ def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
     cfg = op.config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
     want_w = grad_wg is not None and ctx.needs_input_grad[1]
-    rows, rows_w = _sum_pairs(op, grad_xg, saved.pair_pos, R, k, grad_wg.float() if want_w else None)
-    gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
+    pair_w = grad_wg.float().contiguous() if want_w else None
+    if _pairs_in_combine(op, saved, grad_xg):  # one combine kernel forms the rows from the pairs (and their weights)
+        gx, gw = _combine_through(op, saved.routing, saved, grad_xg, None, pairs=(saved.pair_pos, pair_w))
+    else:
+        rows, rows_w = _sum_pairs(op, grad_xg, saved.pair_pos, R, k, pair_w)
+        gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
     gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
     if gw is None and ctx.needs_input_grad[1]:  # the weights took part in the forward: zeros, not "unused"
         gw = torch.zeros((saved.routing.num_tokens, cfg.num_experts_per_token), dtype=torch.float32,

@@ -767,6 +767,22 @@ class EpDispatchCombineOp:
             self._follow(slot)
         return layout, slot
 
+    def _combine_pairs(self, grouped_rows: torch.Tensor, routing, pair_pos: torch.Tensor,
+                       pair_w: torch.Tensor | None = None):
+        """dispatch_grouped's backward on a backend with combine_pairs (runtime/autograd.py, which checked the rows:
+        [P, H] combine dtype, contiguous; pair_pos and pair_w the forward's saved map and the weights' gradients):
+        combine(every received row's unweighted sum of its pairs' rows, weights per pair, routing=routing) in one
+        combine kernel, with combine's slot work. -> (out [T, H], out_w [T, k] float32 or None)."""
+        self._check_open("combine")
+        self._check_handle("combine", routing)
+        slot = self._slots.for_combine("combine", routing)
+        self._select(slot)
+        self._follow(slot)
+        try:
+            return self._backend.combine_pairs(grouped_rows, routing, pair_pos, pair_w)
+        finally:
+            self._slots.combined(slot)
+
     def _grouped_rows(self, expert_out, layout, slot: int, apply_weights: bool) -> torch.Tensor:
         """The reduce pass of combine_grouped: grouped expert rows -> the combine input rows of slot `slot`."""
         own = getattr(self._backend, "grouped_reduce", None)

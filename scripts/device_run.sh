@@ -32,6 +32,9 @@
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
 # GPU 0, W = 1 unless TRAIN_NPROC: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
 # "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
+# TRAIN_AB=1 (scripts/train_layer.py at W = 1 twice, with --backward-pair-sum then without: dispatch_grouped's backward as
+# a pair-sum launch and a combine, then as one combine launch, on one host; TRAIN_AB_ARGS: its options (default: 1, 128
+# and 4096 tokens, no torchtitan, the kernel profile); $OUT/train_ab.jsonl, each record's dispatch_backward says which),
 # HOST_AB=1 (scripts/grouped_profile.py at W = 1 twice, EPGEN_STEADY_PATH=0 then 1: the eager legs' host time on the full
 # path and on the steady path, on one host; HOST_AB_ARGS: its options; $OUT/host_ab.jsonl, each record's steady_path says which),
 # PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
@@ -168,6 +171,14 @@ if [ -n "${HOST_AB:-}" ]; then  # the eager legs' host time with the steady path
     status[host_ab]=$(( ${status[host_ab]:-0} | rc ))
   done
 fi
+if [ -n "${TRAIN_AB:-}" ]; then  # dispatch_grouped's backward as two launches, then as one, on one host (W = 1)
+  for form in --backward-pair-sum ""; do
+    CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node 1 scripts/train_layer.py \
+      ${TRAIN_AB_ARGS:---tokens 1 128 4096 --no-titan --kernel-profile} $form --out "$OUT/train_ab.jsonl" 2>&1 \
+      | tee "$OUT/train_ab${form:+_pair_sum}.log" | grep -vE "^(W|\*)" | tail -14; rc=${PIPESTATUS[0]}
+    status[train_ab]=$(( ${status[train_ab]:-0} | rc ))
+  done
+fi
 titan_install() {  # torchtitan from the carried wheels (the machine has no index), where it does not import yet
   python3 -c 'import runtime.integrations.torchtitan' 2>/dev/null && return 0
   local wheels=${TITAN_WHEELS:-.titan-wheels}
@@ -185,4 +196,4 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -43,6 +43,8 @@ at most CHECK_TOL in bf16 ("check_ok"); a failed check makes the exit status 1 a
 vs_titan = fwd_bwd_us / titan_a2a's fwd_bwd_us (fwd_vs_titan: the forwards'); the targets (issue 36, item 7):
 vs_titan <= 0.2 at every size, each backward leg within 1.1x of the forward leg it mirrors ("meets_targets").
 At one rank (W = 1) no link is in the way: the host work, the glue and the kernels of one GPU, never a 2-GPU figure.
+--backward-pair-sum runs dispatch_grouped's backward as it ran before its one combine launch (a pair-sum launch, then
+the combine), for an A/B on one host; records say which ran ("dispatch_backward").
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--single-thread-engine", action="store_true",
                    help="every path's backward on the calling thread (torch.autograd.set_multithreading_enabled(False)):"
                         " no hand-off to the autograd engine's device thread; records say engine 'single-thread'")
+    p.add_argument("--backward-pair-sum", action="store_true",
+                   help="dispatch_grouped's backward as a pair-sum launch, then a combine (the path before its one "
+                        "combine launch), for an A/B on one host; records say which (dispatch_backward)")
     return p
 
 
@@ -729,18 +734,24 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
     meta["warmup_steps"] = args.warmup_steps
+    meta["dispatch_backward"] = "one combine" if args.backend == "native" and not args.backward_pair_sum \
+        else "pair sum + combine"  # (the torch backend sums the pairs with torch ops, then combines)
+    if args.backward_pair_sum:  # the A/B's "before": autograd's choice of the one-launch backward answered no
+        saved_choice, ag._pairs_in_combine = ag._pairs_in_combine, lambda *_: False
     try:
         with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
             warm_up(args, device, titan)
             records = [rec for T in args.tokens for rec in point(T, args, device, titan, skip, meta)]
+        if args.host_profile or args.kernel_profile or args.host_trace:  # after every timing (profiles' docstring)
+            with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
+                for rec in records:
+                    if rec["path"] == "epgen":
+                        rec.update(profiles(rec["tokens_per_rank"], args, device))
     finally:
         if titan is not None:
             titan.close()
-    if args.host_profile or args.kernel_profile or args.host_trace:  # after every timing (profiles' docstring)
-        with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
-            for rec in records:
-                if rec["path"] == "epgen":
-                    rec.update(profiles(rec["tokens_per_rank"], args, device))
+        if args.backward_pair_sum:
+            ag._pairs_in_combine = saved_choice
     return records
 
 

@@ -294,6 +294,7 @@ struct EpArgs {
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 grp_pair_w;  // combine with grp_pair_pos: a value per grouped row [P] f32 sent as each (row, k) pair's weight (0 where the pair has no grouped row) in place of expert_weights (dispatch's backward: the weights' gradients); 0: expert_weights
   epg_i64 grp_cnt;  // direct dispatch (dispatch_direct.j2): this rank's count table in the workspace, [2][W][E + 1] i32 then flags [2][W] i32 (0: not that path)
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
   epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)
@@ -1027,7 +1028,8 @@ EPG_DEVICE void epg_acc_product(float acc[2], float wt, epg_u32 w) {  // acc += 
 // expert_out[pair_pos] in fp32 (the product rounded, then added; w_j the dispatch's weight with a.grp_apply_weights,
 // else 1.0), rounded once: epg_grouped_reduce8's numbers, so the same bits as a reduce pass into the combine buffer.
 // Eight pairs' positions, then their words, in flight at once (two round trips per eight pairs). The weight words
-// (and padding) as the plain push sends them; a row past the cap (keep false) sends zeros.
+// (and padding) as the plain push sends them, or with a.grp_pair_w each pair's grouped row's value (0 where the pair
+// has none: dispatch's backward sends the weights' gradients so); a row past the cap (keep false) sends zeros.
 EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, epg_i64 row, bool keep, epg_i64 vv, int nv, int P, int K,
                                    epg_u32 w[3]) {
   const int* pos = (const int*)a.grp_pair_pos + row * K;
@@ -1054,9 +1056,15 @@ EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, epg_i64 row, bool keep, epg_
         for (int e = 0; e < 3; ++e) epg_acc_product(acc[e], wt[q], f[q][e]);
   }
   const epg_u32* ws = (const epg_u32*)a.expert_weights + row * K;
+  const epg_u32* pw = (const epg_u32*)a.grp_pair_w;  // with it, pair j's weight is its grouped row's value (0: none)
   for (int e = 0; e < 3; ++e) {
     const epg_i64 word = 3 * vv + e;
-    w[e] = !keep || vv >= nv ? 0u : word < P ? epg_packw(acc[e]) : (word < P + K && a.has_weights ? ws[word - P] : 0u);
+    epg_u32 wj = 0u;
+    if (word >= P && word < P + K && a.has_weights) {
+      const int gj = pw ? pos[word - P] : 0;
+      wj = !pw ? ws[word - P] : (gj >= 0 ? pw[gj] : 0u);
+    }
+    w[e] = !keep || vv >= nv ? 0u : word < P ? epg_packw(acc[e]) : wj;
   }
 }
 

@@ -312,6 +312,7 @@ struct EpArgs {
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 grp_pair_w;  // combine with grp_pair_pos: a value per grouped row [P] f32 sent as each (row, k) pair's weight (0 where the pair has no grouped row) in place of expert_weights (dispatch's backward: the weights' gradients); 0: expert_weights
   epg_i64 grp_cnt;  // direct dispatch (dispatch_direct.j2): this rank's count table in the workspace, [2][W][E + 1] i32 then flags [2][W] i32 (0: not that path)
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
   epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)

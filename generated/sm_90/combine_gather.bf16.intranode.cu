@@ -270,6 +270,7 @@ struct EpArgs {
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
   epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
   epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 grp_pair_w;  // combine with grp_pair_pos: a value per grouped row [P] f32 sent as each (row, k) pair's weight (0 where the pair has no grouped row) in place of expert_weights (dispatch's backward: the weights' gradients); 0: expert_weights
   epg_i64 grp_cnt;  // direct dispatch (dispatch_direct.j2): this rank's count table in the workspace, [2][W][E + 1] i32 then flags [2][W] i32 (0: not that path)
   epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
   epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)
@@ -901,7 +902,8 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 
 // Gather combine (bf16, intranode): stage the expert output into this rank's
 // symmetric combine buffer (skipped when the expert wrote there directly; with a.grp_pair_pos each row is
-// staged as the weighted sum of its pairs' rows in the grouped layout), one barrier round so every
+// staged as the weighted sum of its pairs' rows in the grouped layout, and with a.grp_pair_w each pair's weight
+// as its grouped row's value), one barrier round so every
 // rank's rows are staged, then one thread per (origin token, 16-byte chunk) reads its rows back from the
 // peers (the slots dispatch recorded) and accumulates them in fp32. Split phase (a.phase): the send half is the
 // entry barrier and the staging; the receive half (a later launch: the staged rows are complete, stream order)
@@ -921,7 +923,8 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
   const bool grouped = send && a.grp_pair_pos != 0;  // expert_out holds the grouped layout's rows [P, H]
   const bool stage_x = send && (grouped || (char*)a.expert_out != mine + a.off_comb_x);
-  const bool stage_w = send && a.has_weights && (char*)a.expert_weights != mine + a.off_comb_w;
+  const bool pair_w = grouped && a.grp_pair_w != 0;  // the weights: a value per grouped row, sent per pair
+  const bool stage_w = send && a.has_weights && (pair_w || (char*)a.expert_weights != mine + a.off_comb_w);
   // nothing to stage: this rank's rows are readable now, so block 0 tells the peers at once
   if (!stage_x && !stage_w && a.phase != EPG_PHASE_SEND && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
   if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_tail.j2)
@@ -930,7 +933,13 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
     for (epg_i64 i = gtid; i < nrecv * n16; i += gthreads)
       epg_st16(mine + a.off_comb_x + 16 * i, epg_ld16((const char*)a.expert_out + 16 * i));
   }
-  if (stage_w) {
+  if (stage_w && pair_w) {  // pair (row, j)'s weight: its grouped row's value, 0 without one
+    const int* pos = (const int*)a.grp_pair_pos;
+    for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads) {
+      const int g = pos[i];
+      ((float*)(mine + a.off_comb_w))[i] = g >= 0 ? ((const float*)a.grp_pair_w)[g] : 0.f;
+    }
+  } else if (stage_w) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }

@@ -996,6 +996,21 @@ class NativeBackend:
         self._combine_launch(call, PHASE_BOTH)
         return call["out"], call["out_w"]
 
+    def combine_pairs(self, grouped_rows: torch.Tensor, routing, pair_pos: torch.Tensor,
+                      pair_w: torch.Tensor | None = None):
+        """dispatch_grouped's backward in one combine kernel (runtime/autograd.py; grouped_staged(routing) holds):
+        rows in the grouped layout [P, H] (combine dtype) -> combine of every received row's float32 sum, in
+        ascending column, of its pairs' rows under the saved pair map `pair_pos` [R * k], rounded once (the staging
+        of combine_grouped_staged without weights), and with pair_w [P] float32 each pair's weight its grouped row's
+        value, 0 without one (grp_pair_w). The same numbers as sum_pairs() then combine(), without the [R, H] rows
+        between them. -> (out [T, H], out_w [T, k] float32 or None)."""
+        call = self._combine_prepare(grouped_rows, pair_w, routing)
+        call["weights"] = None
+        call["stage"] = (pair_pos.data_ptr(), 0)
+        call["pair_w"] = 0 if pair_w is None else pair_w.data_ptr()
+        self._combine_launch(call, PHASE_BOTH)
+        return call["out"], call["out_w"]
+
     # --- combine: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) -------
     def combine(self, expert_out, weights, indices, routing):
         call = self._combine_prepare(expert_out, weights, routing)
@@ -1038,21 +1053,25 @@ class NativeBackend:
     def _combine_launch(self, call: dict, phase: int) -> None:
         stage, apply = call.get("stage", (0, 0))
         self._launch_combine(call["expert_out"], call["weights"], call["map"], call["out"], call["out_w"], stage, apply,
-                             call["protocol"], phase)
+                             call["protocol"], phase, pair_w=call.get("pair_w", 0))
 
     def _launch_combine(self, expert_out, weights, sm: SlotMap, out, out_w, stage: int, apply: int, protocol: str,
-                        phase: int, stream: int | None = None) -> None:
+                        phase: int, stream: int | None = None, pair_w: int = 0) -> None:
         """Write a combine's changing fields into the argument block (cargs) and launch it: the full path's and the
         steady path's one writer. A grouped staging (stage: the pair map's address; apply: weigh the pairs) reads
         expert_out [P, H] standing for the R received rows; the gather combine then runs on every resident block
         (its staging pass sums pairs), the low-latency one on its own grid (each pushing wave sums its row's pairs)
-        (_combine_site)."""
+        (_combine_site); pair_w: with a staging, the address of a value per grouped row sent as each pair's weight
+        (combine_pairs), 0 otherwise."""
         a, T = self.cargs, sm.T
         a.slots, a.num_tokens = sm.slots_ptr, T
         a.out, a.out_weights = out.data_ptr(), 0 if out_w is None else out_w.data_ptr()
         a.grp_pair_pos, a.grp_apply_weights = stage, apply
         a.expert_out, a.expert_rows = expert_out.data_ptr(), self._combine_shape[2] if stage else expert_out.shape[0]
         a.expert_weights, a.has_weights = (0, 0) if weights is None else (weights.data_ptr(), 1)
+        a.grp_pair_w = pair_w
+        if pair_w:
+            a.has_weights = 1
         a.phase = phase
         self._stream = self.k.launch_struct(*self._combine_site(protocol, T, bool(stage)), a, stream)
         if phase != PHASE_SEND:

@@ -111,8 +111,8 @@ def test_without_titan_the_records_say_so():
     assert lines[3].startswith("| 3 |") and "| – | – |" in lines[3] and lines[-1] == "titan: --no-titan"
 
 
-def scn_engine(rank, world, argv):
-    """run(), and whether autograd's multithreading was on inside each epgen step and after the run."""
+def _run_probing(argv, probe):
+    """run(argv) with probe() called at the start of every timed epgen step -> (its answers, the records)."""
     m = _script()
     seen = []
     real = m.fwd_bwd_step
@@ -121,7 +121,7 @@ def scn_engine(rank, world, argv):
         step = real(fwd, inp)
 
         def logged():
-            seen.append(torch.autograd.is_multithreading_enabled())
+            seen.append(probe())
             return step()
         return logged
     m.fwd_bwd_step = spy
@@ -129,6 +129,12 @@ def scn_engine(rank, world, argv):
         recs = m.run(m.parse_args(argv))
     finally:
         m.fwd_bwd_step = real
+    return seen, recs
+
+
+def scn_engine(rank, world, argv):
+    """run(), and whether autograd's multithreading was on inside each epgen step and after the run."""
+    seen, recs = _run_probing(argv, torch.autograd.is_multithreading_enabled)
     return seen, recs, torch.autograd.is_multithreading_enabled()
 
 
@@ -382,3 +388,21 @@ def test_experts_that_do_not_split_over_the_ranks_are_a_usage_error():
     args = m.parse_args(TINY + ["--experts", "9"])
     with pytest.raises(m.UsageError, match="--experts 9 do not split evenly over 2 ranks"):
         m.op_config(0, 2, 4, args)
+
+
+def scn_pair_sum(rank, world, argv):
+    """run() with --backward-pair-sum: autograd's one-launch choice inside the steps, and after the run."""
+    from runtime import autograd as ag
+
+    real_choice = ag._pairs_in_combine
+    seen, recs = _run_probing(argv, lambda: ag._pairs_in_combine is real_choice)
+    return seen, recs, ag._pairs_in_combine is real_choice
+
+
+def test_backward_pair_sum_holds_for_every_step_and_is_recorded():
+    """--backward-pair-sum (the A/B's "before"): every timed step without the one-launch backward, autograd's own
+    choice back after the run; every record says which backward ran (the torch backend always sums the pairs)."""
+    seen, recs, restored = get_world(1).run(scn_pair_sum, TINY + ["--tokens", "3", "--no-titan",
+                                                                  "--backward-pair-sum"], timeout=120)[0]
+    assert seen and not any(seen) and restored
+    assert all(r["dispatch_backward"] == "pair sum + combine" for r in recs)

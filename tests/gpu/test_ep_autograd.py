@@ -2,6 +2,7 @@
 (bf16 and fp32; weighted and unweighted; a receive cap and a small grouped buffer, with drops) and the plain legs,
 forward and every gradient (tokens, routing weights, expert weights) bit-exact: the inputs are exact in a few
 bits, so every sum is exact whatever its order (the legs' own sums also run in the same order on both backends);
+dispatch_grouped's backward in one combine launch against the pair sum and combine it replaced, on random rows;
 an fp8_blockwise dispatch (grouped_dequantize) moves the same bf16 gradients as a bf16 op; several forwards in
 flight (bandwidth, low-latency and scatter combines); a checkpointed forward recomputed in the backward (its
 dispatch receiving in another order); a forward + backward captured in one CUDA graph, replayed on new inputs; and
@@ -86,6 +87,33 @@ def test_grouped_backward_matches_torch_backend(dtype, apply_weights, recv_cap, 
                 want = grouped_step(ref, *_on(ref, inputs), apply_weights=apply_weights)
                 _equal(got, want, f"seed {seed}")
     run_collective(check)  # its all-gather is the closing barrier
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("protocol", ["bw", "ll"])
+def test_combine_pairs_matches_the_pair_sum_and_its_combine(dtype, protocol):
+    """dispatch_grouped's backward in one combine launch (the backend's combine_pairs: each received row summed from
+    its pairs' gradient rows, each pair's weight its grouped row's value) against the two launches it replaced
+    (sum_pairs, then combine), bit for bit, on random rows: their sums are not exact, so this holds the order of
+    the float32 additions, not only the values."""
+    def check():
+        with EpDispatchCombineOp(_cfg("native", DTYPES[dtype], intranode_protocol=protocol)) as op:
+            x, w, ids, _, _ = _inputs(3, DTYPES[dtype])
+            with torch.no_grad():
+                layout, routing = op.dispatch_grouped(x, w, None, ids, fresh=True)
+            g = torch.Generator(device="cuda").manual_seed(5 + dist.get_rank())
+            rows = torch.randn(layout.x.shape, generator=g, device="cuda").to(op.config.combine_dtype)
+            vals = torch.randn(layout.weights.shape, generator=g, device="cuda")
+            want_rows, want_w = op._backend.sum_pairs(rows, layout.pair_pos, vals)
+            want = op.combine(want_rows, want_w, routing=routing)
+            got = op._combine_pairs(rows, routing, layout.pair_pos, vals)
+            unweighted = op._combine_pairs(rows, routing, layout.pair_pos)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0].cpu(), want[0].cpu()), (got[0].float() - want[0].float()).abs().max()
+            assert torch.equal(got[1].cpu(), want[1].cpu()), (got[1] - want[1]).abs().max()
+            assert torch.equal(unweighted[0].cpu(), want[0].cpu()) and unweighted[1] is None
+            assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0  # rows and weights reached the tokens
+    run_collective(check)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
