@@ -86,7 +86,7 @@ class _Saved:
     its version when saved, so a backward after an in-place change to one of them is refused (_live), as torch
     refuses it for saved tensors."""
 
-    __slots__ = ("op", "routing", "ids", "total", "pair_pos", "src", "guard", "named", "__weakref__")
+    __slots__ = ("op", "routing", "ids", "total", "pair_pos", "src", "guard", "named", "parts", "__weakref__")
 
     def __init__(self, op, routing: RoutingHandle, ids: torch.Tensor, total=None, pair_pos=None, src=None,
                  guard: tuple = ()):
@@ -94,6 +94,7 @@ class _Saved:
         self.total, self.pair_pos, self.src = total, pair_pos, src
         self.guard = tuple((t, t._version) for t in guard)
         self.named = None  # (handle id, its CPU scalar): the forward's last output, which a combine saves again
+        self.parts = None  # dispatch_grouped: (its meta output, the layout's offs, counts, src, m_indices, dropped)
 
 
 class Handle:
@@ -444,6 +445,7 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
                                          guard=(indices, block))
     scales = layout.scales if layout.scales is not None else x.new_empty((layout.rows, 0))
     meta = block[:block.numel() - layout.pair_pos.numel()]
+    saved.parts = (meta, layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped)
     return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved)
 
 
@@ -506,10 +508,15 @@ def dispatch_grouped(op, x, weights=None, indices=None):
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
     (xg, wg, scales, meta, _), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
-    offs, counts, src, m_idx, dropped = grouped.meta_parts(meta, xg.shape[0])
+    parts, saved.parts = saved.parts, None
+    if parts is not None and parts[0] is meta and not torch._C._len_torch_dispatch_stack():
+        offs, counts, src, m_idx, dropped = parts[1:]  # the Function path (_Leg): the forward's own layout views
+    else:  # the custom op (a dispatch mode sees its ops: the split runs in a checkpoint's forward and its replay alike)
+        offs, counts, src, m_idx, dropped = grouped.meta_parts(meta, xg.shape[0])
+        dropped = dropped.view(())
     handle = Handle(op, saved.routing, saved, wg, hid)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
-                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped.view(()),
+                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped,
                                    pair_pos=saved.pair_pos, seq=saved.routing.seq)
     return layout, handle
 
