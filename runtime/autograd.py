@@ -28,9 +28,9 @@ setup and backward as a torch.autograd.Function, which skips the custom op's Pyt
 Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
     summed over its destination ranks; in the grouped form each received row first sums its local pairs'
-    gradient rows, in float32: on the native backend inside the combine kernel itself, one launch, where the op
-    combines grouped rows in one kernel (_pairs_in_combine), else a pair-sum launch first); the weights'
-    gradients travel in combine's weights channel;
+    gradient rows, in float32: a pair-sum launch first; the native combine kernel can do that sum itself, one
+    launch, where the op combines grouped rows in one kernel (_pairs_in_combine; off until GPU-tested,
+    _ONE_LAUNCH_BACKWARD)); the weights' gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient; in the
     grouped form the replay keeps the forward's row numbering, so pair p's token gradient is received row
     src[p] // k (native: one grouped_scale kernel reads it there; the torch backend replays a dispatch_grouped);
@@ -368,6 +368,11 @@ def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Ten
     return _combine_through(mover, routing, saved, rows.to(mover.config.combine_dtype).contiguous(), rows_w)
 
 
+#: dispatch_grouped's backward as one combine launch (_pairs_in_combine). Off until its kernels (the combines'
+#: grp_pair_w) have passed tests/gpu/test_ep_autograd.py on a GPU, which runs with it on: built and CPU-tested only.
+_ONE_LAUNCH_BACKWARD = False
+
+
 def _pairs_in_combine(op, saved: _Saved, grad_xg: torch.Tensor | None) -> bool:
     """Does dispatch_grouped's backward take one combine kernel that forms each received row from its pairs'
     gradient rows (the backend's combine_pairs: grp_pair_w sends the weights' gradients per pair), rather than
@@ -375,7 +380,7 @@ def _pairs_in_combine(op, saved: _Saved, grad_xg: torch.Tensor | None) -> bool:
     is not quantized (a quantized op's gradients move through its companion) and the rows are as the kernel
     reads them (the combine dtype, contiguous)."""
     staged = getattr(op._backend, "grouped_staged", None)
-    return grad_xg is not None and staged is not None and hasattr(op._backend, "combine_pairs") and \
+    return _ONE_LAUNCH_BACKWARD and grad_xg is not None and staged is not None and hasattr(op._backend, "combine_pairs") and \
         op.config.quant_type == "none" and grad_xg.dtype == op.config.combine_dtype and grad_xg.is_contiguous() \
         and staged(saved.routing)
 

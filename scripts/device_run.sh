@@ -32,7 +32,7 @@
 # makes it here, and the device tool carries it), TRAIN=1 (docs/TRAINING.md "Measured": scripts/train_layer.py at one rank on
 # GPU 0, W = 1 unless TRAIN_NPROC: the MoE layer's forward + backward, eager, epgen against torchtitan's all-to-all dispatcher, records of kind
 # "train_layer"; TRAIN_ARGS: its options; $OUT/train_layer.jsonl; torchtitan installed as for TITAN=1 when it does not import),
-# TRAIN_AB=1 (scripts/train_layer.py at W = 1 twice, with --backward-pair-sum then without: dispatch_grouped's backward as
+# TRAIN_AB=1 (scripts/train_layer.py at W = 1 twice, --backward-pair-sum then --one-launch-backward: dispatch_grouped's backward as
 # a pair-sum launch and a combine, then as one combine launch, on one host; TRAIN_AB_ARGS: its options (default: 1, 128
 # and 4096 tokens, no torchtitan, the kernel profile); $OUT/train_ab.jsonl, each record's dispatch_backward says which),
 # HOST_AB=1 (scripts/grouped_profile.py at W = 1 twice, EPGEN_STEADY_PATH=0 then 1: the eager legs' host time on the full
@@ -172,10 +172,10 @@ if [ -n "${HOST_AB:-}" ]; then  # the eager legs' host time with the steady path
   done
 fi
 if [ -n "${TRAIN_AB:-}" ]; then  # dispatch_grouped's backward as two launches, then as one, on one host (W = 1)
-  for form in --backward-pair-sum ""; do
+  for form in --backward-pair-sum --one-launch-backward; do
     CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node 1 scripts/train_layer.py \
       ${TRAIN_AB_ARGS:---tokens 1 128 4096 --no-titan --kernel-profile} $form --out "$OUT/train_ab.jsonl" 2>&1 \
-      | tee "$OUT/train_ab${form:+_pair_sum}.log" | grep -vE "^(W|\*)" | tail -14; rc=${PIPESTATUS[0]}
+      | tee "$OUT/train_ab${form//-/_}.log" | grep -vE "^(W|\*)" | tail -14; rc=${PIPESTATUS[0]}
     status[train_ab]=$(( ${status[train_ab]:-0} | rc ))
   done
 fi

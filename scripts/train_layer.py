@@ -43,8 +43,9 @@ at most CHECK_TOL in bf16 ("check_ok"); a failed check makes the exit status 1 a
 vs_titan = fwd_bwd_us / titan_a2a's fwd_bwd_us (fwd_vs_titan: the forwards'); the targets (issue 36, item 7):
 vs_titan <= 0.2 at every size, each backward leg within 1.1x of the forward leg it mirrors ("meets_targets").
 At one rank (W = 1) no link is in the way: the host work, the glue and the kernels of one GPU, never a 2-GPU figure.
---backward-pair-sum runs dispatch_grouped's backward as it ran before its one combine launch (a pair-sum launch, then
-the combine), for an A/B on one host; records say which ran ("dispatch_backward").
+--one-launch-backward runs dispatch_grouped's backward as one combine launch (off by default until GPU-tested);
+--backward-pair-sum as a pair-sum launch, then the combine: an A/B on one host; records say which ran
+("dispatch_backward").
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--single-thread-engine", action="store_true",
                    help="every path's backward on the calling thread (torch.autograd.set_multithreading_enabled(False)):"
                         " no hand-off to the autograd engine's device thread; records say engine 'single-thread'")
+    p.add_argument("--one-launch-backward", action="store_true",
+                   help="dispatch_grouped's backward as one combine launch (runtime.autograd._ONE_LAUNCH_BACKWARD: off "
+                        "by default until GPU-tested)")
     p.add_argument("--backward-pair-sum", action="store_true",
                    help="dispatch_grouped's backward as a pair-sum launch, then a combine (the path before its one "
                         "combine launch), for an A/B on one host; records say which (dispatch_backward)")
@@ -734,8 +738,10 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
     meta["warmup_steps"] = args.warmup_steps
-    meta["dispatch_backward"] = "one combine" if args.backend == "native" and not args.backward_pair_sum \
+    one = args.one_launch_backward or ag._ONE_LAUNCH_BACKWARD
+    meta["dispatch_backward"] = "one combine" if args.backend == "native" and one and not args.backward_pair_sum \
         else "pair sum + combine"  # (the torch backend sums the pairs with torch ops, then combines)
+    was_one, ag._ONE_LAUNCH_BACKWARD = ag._ONE_LAUNCH_BACKWARD, one
     if args.backward_pair_sum:  # the A/B's "before": autograd's choice of the one-launch backward answered no
         saved_choice, ag._pairs_in_combine = ag._pairs_in_combine, lambda *_: False
     try:
@@ -752,6 +758,7 @@ def run(args, device: torch.device | None = None) -> list[dict]:
             titan.close()
         if args.backward_pair_sum:
             ag._pairs_in_combine = saved_choice
+        ag._ONE_LAUNCH_BACKWARD = was_one
     return records
 
 

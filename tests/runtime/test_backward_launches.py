@@ -3,7 +3,8 @@ tests/support/host_standin.py): one combine launch that forms each received row 
 the forward's saved pair map and sends each pair's weight gradient (grp_pair_w), under both protocols; the separate
 pair sum and combine where the op combines grouped rows in two kernels (one_kernel "never"); and no later combine
 inherits the field. The numbers themselves are held on the GPU (tests/gpu/test_ep_autograd.py: against the torch
-backend and against the pair sum + combine, bit for bit)."""
+backend and against the pair sum + combine, bit for bit). It is off by default until those have passed
+(runtime.autograd._ONE_LAUNCH_BACKWARD); test_off_by_default_keeps_the_pair_sum holds that."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ import torch
 
 from runtime import autograd as ag
 from tests.support.host_standin import standin_device
+
+
+@pytest.fixture(autouse=True)
+def one_launch_backward(monkeypatch):
+    """The one-launch backward is off by default until its GPU tests pass (runtime/autograd.py): these tests turn
+    it on, as tests/gpu/test_ep_autograd.py does."""
+    monkeypatch.setattr(ag, "_ONE_LAUNCH_BACKWARD", True)
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host_cost.py"
 _SPEC = importlib.util.spec_from_file_location("host_cost", _SCRIPT)
@@ -69,3 +77,10 @@ def test_two_kernel_grouped_combines_keep_the_pair_sum_in_the_backward():
     assert names[-2:] == ["epg_grouped_reduce", "epg_combine_ll"], names
     assert back[-1][1]["grp_pair_w"] == 0 and back[-1][1]["grp_pair_pos"] == 0
     assert all(c["grp_pair_w"] == 0 for c in later)
+
+
+def test_off_by_default_keeps_the_pair_sum(monkeypatch):
+    monkeypatch.setattr(ag, "_ONE_LAUNCH_BACKWARD", False)
+    back, _, _, _ = _backward_launches(1)
+    assert [name for name, _ in back][-2:] == ["epg_grouped_reduce", "epg_combine_ll"]
+    assert back[-1][1]["grp_pair_w"] == 0
