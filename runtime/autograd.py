@@ -379,10 +379,11 @@ def _pairs_in_combine(op, saved: _Saved, grad_xg: torch.Tensor | None) -> bool:
     sum_pairs and then a combine? Where the op combines grouped rows in one kernel (grouped_staged), the combine
     is not quantized (a quantized op's gradients move through its companion) and the rows are as the kernel
     reads them (the combine dtype, contiguous)."""
-    staged = getattr(op._backend, "grouped_staged", None)
-    return _ONE_LAUNCH_BACKWARD and grad_xg is not None and staged is not None and hasattr(op._backend, "combine_pairs") and \
-        op.config.quant_type == "none" and grad_xg.dtype == op.config.combine_dtype and grad_xg.is_contiguous() \
-        and staged(saved.routing)
+    if not _ONE_LAUNCH_BACKWARD or grad_xg is None or not hasattr(op._backend, "combine_pairs"):
+        return False
+    cfg = op.config
+    return cfg.quant_type == "none" and grad_xg.dtype == cfg.combine_dtype and grad_xg.is_contiguous() and \
+        op._backend.grouped_staged(saved.routing)
 
 
 def _combine_through(op, routing: RoutingHandle, saved: _Saved, rows, rows_w, pairs=None):

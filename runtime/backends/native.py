@@ -1004,8 +1004,8 @@ class NativeBackend:
         of combine_grouped_staged without weights), and with pair_w [P] float32 each pair's weight its grouped row's
         value, 0 without one (grp_pair_w). The same numbers as sum_pairs() then combine(), without the [R, H] rows
         between them. -> (out [T, H], out_w [T, k] float32 or None)."""
-        call = self._combine_prepare(grouped_rows, pair_w, routing)
-        call["weights"] = None
+        call = self._combine_prepare(grouped_rows, pair_w, routing)  # (pair_w given: out_w [T, k] is allocated)
+        call["weights"] = None  # the weights come from pair_w, per pair
         call["stage"] = (pair_pos.data_ptr(), 0)
         call["pair_w"] = 0 if pair_w is None else pair_w.data_ptr()
         self._combine_launch(call, PHASE_BOTH)
