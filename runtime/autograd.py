@@ -29,8 +29,8 @@ Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
     summed over its destination ranks; in the grouped form each received row first sums its local pairs'
     gradient rows, in float32: a pair-sum launch first; the native combine kernel can do that sum itself, one
-    launch, where the op combines grouped rows in one kernel (_pairs_in_combine; off until GPU-tested,
-    _ONE_LAUNCH_BACKWARD)); the weights' gradients travel in combine's weights channel;
+    launch, where the op combines grouped rows in one kernel (_pairs_in_combine; _ONE_LAUNCH_BACKWARD)); the
+    weights' gradients travel in combine's weights channel;
   * combine's backward is a dispatch replay (``op.dispatch(grad, routing=handle)``) of the output gradient; in the
     grouped form the replay keeps the forward's row numbering, so pair p's token gradient is received row
     src[p] // k (native: one grouped_scale kernel reads it there; the torch backend replays a dispatch_grouped);
@@ -368,9 +368,10 @@ def _gather_back(saved: _Saved, call: str, rows: torch.Tensor, rows_w: torch.Ten
     return _combine_through(mover, routing, saved, rows.to(mover.config.combine_dtype).contiguous(), rows_w)
 
 
-#: dispatch_grouped's backward as one combine launch (_pairs_in_combine). Off until its kernels (the combines'
-#: grp_pair_w) have passed tests/gpu/test_ep_autograd.py on a GPU, which runs with it on: built and CPU-tested only.
-_ONE_LAUNCH_BACKWARD = False
+#: dispatch_grouped's backward as one combine launch (_pairs_in_combine), on since its kernels (the combines'
+#: grp_pair_w) passed tests/gpu/test_ep_autograd.py on an H200 (bit for bit against the pair sum + combine and the
+#: torch backend). False: the pair-sum launch, then the combine (scripts/train_layer.py --backward-pair-sum, the A/B).
+_ONE_LAUNCH_BACKWARD = True
 
 
 def _pairs_in_combine(op, saved: _Saved, grad_xg: torch.Tensor | None) -> bool:

@@ -43,7 +43,7 @@ at most CHECK_TOL in bf16 ("check_ok"); a failed check makes the exit status 1 a
 vs_titan = fwd_bwd_us / titan_a2a's fwd_bwd_us (fwd_vs_titan: the forwards'); the targets (issue 36, item 7):
 vs_titan <= 0.2 at every size, each backward leg within 1.1x of the forward leg it mirrors ("meets_targets").
 At one rank (W = 1) no link is in the way: the host work, the glue and the kernels of one GPU, never a 2-GPU figure.
---one-launch-backward runs dispatch_grouped's backward as one combine launch (off by default until GPU-tested);
+--one-launch-backward runs dispatch_grouped's backward as one combine launch (the default);
 --backward-pair-sum as a pair-sum launch, then the combine: an A/B on one host; records say which ran
 ("dispatch_backward").
 """
@@ -137,8 +137,8 @@ def parser() -> argparse.ArgumentParser:
                    help="every path's backward on the calling thread (torch.autograd.set_multithreading_enabled(False)):"
                         " no hand-off to the autograd engine's device thread; records say engine 'single-thread'")
     p.add_argument("--one-launch-backward", action="store_true",
-                   help="dispatch_grouped's backward as one combine launch (runtime.autograd._ONE_LAUNCH_BACKWARD: off "
-                        "by default until GPU-tested)")
+                   help="dispatch_grouped's backward as one combine launch (runtime.autograd._ONE_LAUNCH_BACKWARD: the "
+                        "default)")
     p.add_argument("--backward-pair-sum", action="store_true",
                    help="dispatch_grouped's backward as a pair-sum launch, then a combine (the path before its one "
                         "combine launch), for an A/B on one host; records say which (dispatch_backward)")

@@ -3,11 +3,12 @@ tests/support/host_standin.py): one combine launch that forms each received row 
 the forward's saved pair map and sends each pair's weight gradient (grp_pair_w), under both protocols; the separate
 pair sum and combine where the op combines grouped rows in two kernels (one_kernel "never"); and no later combine
 inherits the field. The numbers themselves are held on the GPU (tests/gpu/test_ep_autograd.py: against the torch
-backend and against the pair sum + combine, bit for bit). It is off by default until those have passed
-(runtime.autograd._ONE_LAUNCH_BACKWARD); test_off_by_default_keeps_the_pair_sum holds that."""
+backend and against the pair sum + combine, bit for bit). It is on by default since those passed
+(runtime.autograd._ONE_LAUNCH_BACKWARD); test_on_by_default and test_switched_off_keeps_the_pair_sum hold the switch."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -20,8 +21,7 @@ from tests.support.host_standin import standin_device
 
 @pytest.fixture(autouse=True)
 def one_launch_backward(monkeypatch):
-    """The one-launch backward is off by default until its GPU tests pass (runtime/autograd.py): these tests turn
-    it on, as tests/gpu/test_ep_autograd.py does."""
+    """The one-launch backward (the default) for every test here, whatever another test left set."""
     monkeypatch.setattr(ag, "_ONE_LAUNCH_BACKWARD", True)
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host_cost.py"
@@ -79,7 +79,15 @@ def test_two_kernel_grouped_combines_keep_the_pair_sum_in_the_backward():
     assert all(c["grp_pair_w"] == 0 for c in later)
 
 
-def test_off_by_default_keeps_the_pair_sum(monkeypatch):
+def test_on_by_default():
+    # the module's own assignment (the fixture above sets the attribute for every test here)
+    tree = ast.parse(Path(ag.__file__).read_text())
+    values = [node.value for node in tree.body if isinstance(node, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "_ONE_LAUNCH_BACKWARD" for t in node.targets)]
+    assert len(values) == 1 and isinstance(values[0], ast.Constant) and values[0].value is True
+
+
+def test_switched_off_keeps_the_pair_sum(monkeypatch):
     monkeypatch.setattr(ag, "_ONE_LAUNCH_BACKWARD", False)
     back, _, _, _ = _backward_launches(1)
     assert [name for name, _ in back][-2:] == ["epg_grouped_reduce", "epg_combine_ll"]

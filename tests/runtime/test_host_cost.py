@@ -66,7 +66,7 @@ def test_a_training_step_is_five_launches_within_its_call_budget():
     from runtime import autograd as ag
 
     root = str(Path(runtime.__file__).parent)
-    ag._ONE_LAUNCH_BACKWARD, was = True, ag._ONE_LAUNCH_BACKWARD  # the one-launch backward (off until GPU-tested)
+    ag._ONE_LAUNCH_BACKWARD, was = True, ag._ONE_LAUNCH_BACKWARD  # the one-launch backward (the default), whatever ran before
     with standin_device(record_args=False) as log:
         op, x, w, idx = host_cost.build(1, hidden=64, experts=16)
         try:
