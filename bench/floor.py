@@ -28,8 +28,11 @@ cuda_driver_api, torch, world_size, target, sms):
                 chain's loads relaxed at system scope / volatile, as the low-latency protocol polls), hbm_load_ns
                 (a dependent load through a 256 MB chain, entered at a new word each launch: past L2),
                 store16_volatile_ns / store16_ns (a 16-byte store, volatile as the low-latency protocol's flagged
-                vectors / plain, issued back to back by one thread). The terms a 1-token kernel's phases are read
-                against (docs/PERF.md).
+                vectors / plain, issued back to back by one thread), pause_ns (one epg_pause of the EP kernels'
+                waits, __nanosleep(32), back to back), flag_round_tight_ns / flag_round_pause_ns (a flag bounced
+                between two waves of the block through device memory, one round trip: polled back to back / with
+                a pause after each miss, as the EP kernels' waits do: the difference is what the pause adds to a
+                wait). The terms a 1-token kernel's phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -105,9 +108,14 @@ extern "C" __global__ void epg_floor_empty() {}
 // relaxed at system scope / volatile (the low-latency protocol's polls), out[13] hops dependent loads through
 // `big` (far larger than L2) from word `start`, out[14] / out[15] reps 16-byte stores into `scratch` (4096
 // vectors), volatile (the low-latency protocol's flagged vectors) / plain, as issued one after another by one
-// thread; out[8] keeps the chains' results live
+// thread; out[16] reps __nanosleep(32) (the EP kernels' pause between polls); out[17] / out[18] hops round trips of
+// a flag between thread 0 and thread 32 (word[2], word[3]), polled back to back / with __nanosleep(32) after each
+// miss (0: a wait passed its deadline); out[8] keeps the chains' results live
 __device__ __forceinline__ unsigned ld_gpu(const unsigned* p) {
   unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ void st_gpu(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ unsigned ld_volatile(const unsigned* p) {
   unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
@@ -132,10 +140,31 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
     while (now_ns() - t0 < 20000ull) {}
     out[0] = (unsigned long long)(clock64() - c0);
     out[1] = now_ns() - t0;
+    word[2] = word[3] = 0u;  // the flag bounce's words, seen by thread 32 after the barrier
   }
   __syncthreads();
   t0 = now_ns();
   for (int i = 0; i < reps; ++i) __syncthreads();
+  if (blockIdx.x == 0 && (threadIdx.x == 0 || threadIdx.x == 32)) {  // two waves bounce a flag: tight, then paused
+    const bool ping = threadIdx.x == 0;
+    unsigned* mine = word + (ping ? 3 : 2);
+    unsigned* other = word + (ping ? 2 : 3);
+    const unsigned long long deadline = now_ns() + 1000000000ull;
+    for (unsigned mode = 0; mode < 2; ++mode) {
+      bool late = false;
+      const unsigned long long s0 = now_ns();
+      for (unsigned i = 1; i <= (unsigned)hops && !late; ++i) {
+        const unsigned v = mode * (unsigned)hops + i;
+        if (ping) st_gpu(other, v);
+        for (unsigned n = 1; ld_gpu(mine) != v; ++n) {
+          if (mode) __nanosleep(32);
+          if ((n & 255u) == 0 && now_ns() > deadline) { late = true; break; }
+        }
+        if (!ping) st_gpu(other, v);
+      }
+      if (ping) out[17 + mode] = late ? 0ull : now_ns() - s0;
+    }
+  }
   if (!lead) return;
   out[2] = now_ns() - t0;
   unsigned p = 0, v = 0;
@@ -180,6 +209,9 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(at), "r"(i), "r"(b), "r"(p), "r"(q) : "memory");
   }
   out[15] = now_ns() - t0;
+  t0 = now_ns();
+  for (int i = 0; i < reps; ++i) __nanosleep(32);
+  out[16] = now_ns() - t0;
   out[8] = p ^ v ^ x ^ first ^ q ^ r ^ b;
 }
 """
@@ -187,7 +219,8 @@ SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_flo
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
-                    "hbm_load_ns", "store16_volatile_ns", "store16_ns")
+                    "hbm_load_ns", "store16_volatile_ns", "store16_ns", "pause_ns", "flag_round_tight_ns",
+                    "flag_round_pause_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -331,7 +364,9 @@ def primitive_costs(out: list[int], hops: int, reps: int) -> dict:
             "l2_load_ns": loads / hops, "atomic_ns": atomics / hops, "fence_sys_ns": fences / reps,
             "fence_release_sys_ns": releases / reps, "timer_read_ns": reads / reps, "first_load_ns": float(out[9]),
             "first_barrier_ns": float(out[10]), "l2_load_sys_ns": out[11] / hops, "l2_load_volatile_ns": out[12] / hops,
-            "hbm_load_ns": out[13] / hops, "store16_volatile_ns": out[14] / reps, "store16_ns": out[15] / reps}
+            "hbm_load_ns": out[13] / hops, "store16_volatile_ns": out[14] / reps, "store16_ns": out[15] / reps,
+            "pause_ns": out[16] / reps, "flag_round_tight_ns": out[17] / hops if out[17] else None,
+            "flag_round_pause_ns": out[18] / hops if out[18] else None}
 
 
 def cycle(order: torch.Tensor) -> torch.Tensor:
@@ -350,8 +385,8 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
     g = torch.Generator().manual_seed(7)
     chain = cycle(torch.randperm(CHAIN_WORDS, generator=g)).to(dev)
     big = cycle(torch.randperm(BIG_CHAIN_WORDS, device=dev))
-    word = torch.zeros(2, dtype=torch.int32, device=dev)
-    out = torch.zeros(16, dtype=torch.int64, device=dev)
+    word = torch.zeros(4, dtype=torch.int32, device=dev)
+    out = torch.zeros(19, dtype=torch.int64, device=dev)
     scratch = torch.zeros(4096 * 4, dtype=torch.int32, device=dev)
     samples = []
     for i in range(reps + 1):
@@ -428,9 +463,10 @@ def floor_table(records: list[dict]) -> list[str]:
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
                 "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
                 "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns | 16 B store, volatile ns "
-                "| 16 B store ns |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| 16 B store ns | pause ns | flag round, tight ns | flag round, paused ns |",
+                "|" + "---|" * len(PRIMITIVE_FIELDS)]
         if r.get("error"):
-            out.append(f"| failed: {r['error']} | – | – | – | – | – | – | – | – | – | – | – | – | – |")
+            out.append(f"| failed: {r['error']} |" + " – |" * (len(PRIMITIVE_FIELDS) - 1))
         else:
             out.append("| " + " | ".join(md_cell(r.get(f), ".2f" if f == "sm_clock_ghz" else ".0f")
                                          for f in PRIMITIVE_FIELDS) + " |")

@@ -52,6 +52,7 @@ class Target:
     fp8_e4m3: str
     fp8_max: float
     fp4_conversion: str
+    spin_polls: int
     toolchain: str
     flags: tuple[str, ...]
     isa: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -272,6 +273,7 @@ _LIBRARIES = {"amd": ("amd",), "nvidia": ("nvidia",)}  # macro libraries (templa
 _RANGES = {
     (Toolchain, "min_clang"): _Range(0, 999),
     (Target, "fp8_max"): _Range(0, max(_FP8_FORMAT_MAX.values()), above=True),  # and <= its format's max
+    (Target, "spin_polls"): _Range(0, 1 << 20, zero=True),
     (DType, "bits"): _Range(4, 32, pow2=True),  # and one its kind allows
     (DType, "scale_block"): _Range(_LANE_ELEMS, 1024, pow2=True, zero=True),
     (Quant, "block"): _Range(_LANE_ELEMS, 1024, pow2=True, zero=True),  # and whole lanes of one wave

@@ -385,6 +385,9 @@ EPG_DEVICE int epg_next(int e) { return (int)((epg_u32)e + 1u); }
 EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (epg_u32)value) >= 0; }
 // One bounded wait: construct it before the first poll, call more() after each poll that did not find
 // what it waits for (false: give up; a timeout has been recorded, by this wait or another).
+// The first EPG_SPIN_POLLS polls of a wait go back to back, later ones pause between polls (specs/targets.toml
+// spin_polls: a short wait ends before its first pause; a long one stops hammering the memory system).
+constexpr int EPG_SPIN_POLLS = 0;
 struct EpgSpin {
   epg_u64 t0, limit;
   int spin;
@@ -394,7 +397,7 @@ struct EpgSpin {
     ++spin;
     if ((spin & 1023) == 0 && epg_failed(a)) return false;
     if ((spin & 31) == 0 && epg_clock_ns() - t0 > limit) { epg_fail(a, phase, peer); return false; }
-    epg_pause();
+    if (spin > EPG_SPIN_POLLS) epg_pause();
     return true;
   }
 };

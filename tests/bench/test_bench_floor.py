@@ -132,13 +132,15 @@ def test_floor_record_shape_and_table():
 def test_floor_primitives_fields_and_table():
     # out words: 3960 cycles in 2000 ns, then ns of 1000 barriers, 1000 loads, 1000 atomics, 1000 fences x 2, 1000 reads
     got = floor.primitive_costs([3960, 2000, 40000, 600000, 900000, 1500000, 1300000, 30000, 7, 800, 50, 650000,
-                                 700000, 2000000, 90000, 20000], 1000, 1000)
+                                 700000, 2000000, 90000, 20000, 45000, 400000, 1400000], 1000, 1000)
     assert got == {"sm_clock_ghz": 1.98, "barrier_ns": 40.0, "l2_load_ns": 600.0, "atomic_ns": 900.0,
                    "fence_sys_ns": 1500.0, "fence_release_sys_ns": 1300.0, "timer_read_ns": 30.0,
                    "first_load_ns": 800.0, "first_barrier_ns": 50.0, "l2_load_sys_ns": 650.0,
                    "l2_load_volatile_ns": 700.0, "hbm_load_ns": 2000.0, "store16_volatile_ns": 90.0,
-                   "store16_ns": 20.0}
-    assert floor.primitive_costs([0] * 16, 1, 1)["sm_clock_ghz"] is None
+                   "store16_ns": 20.0, "pause_ns": 45.0, "flag_round_tight_ns": 400.0, "flag_round_pause_ns": 1400.0}
+    assert floor.primitive_costs([0] * 19, 1, 1)["sm_clock_ghz"] is None
+    late = floor.primitive_costs([1] * 17 + [0, 0], 1, 1)  # a flag bounce past its deadline: no figure, not 0 ns
+    assert late["flag_round_tight_ns"] is None and late["flag_round_pause_ns"] is None
     order = torch.tensor([3, 0, 2, 1])
     assert floor.cycle(order).tolist() == [2, 3, 1, 0]  # 3 -> 0 -> 2 -> 1 -> 3: one cycle through every word
     prim = floor.record(META, {"method": "primitives", "blocks": 1}, **got, blocks_launched=1)
@@ -148,7 +150,7 @@ def test_floor_primitives_fields_and_table():
     lines = floor.floor_table([prim, ping])
     assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |" and lines[3] == ""
     assert lines[4].startswith("| SM clock GHz | block barrier ns | L2 load ns |")
-    assert lines[6] == "| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 |"
+    assert lines[6] == "| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 | 45 | 400 | 1400 |"
     bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
     assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
 
@@ -262,7 +264,7 @@ def scn_floor_main(rank, world, argv, fail_method):
                                 (floor, "measure_graph", graph),
                                 (floor, "measure_primitives", lambda *a: {**floor.primitive_costs(
                                     [3960, 2000, 4e4, 6e5, 9e5, 1.5e6, 1.3e6, 3e4, 0, 800, 50, 6.5e5, 7e5, 2e6, 9e4,
-                                     2e4], 1000, 1000),
+                                     2e4, 4.5e4, 4e5, 1.4e6], 1000, 1000),
                                     "blocks_launched": 1})])
 
 

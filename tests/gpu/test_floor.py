@@ -84,6 +84,8 @@ def test_primitives_are_timed(floor_parts):
         assert 0 < got["barrier_ns"] < got["l2_load_ns"] < got["hbm_load_ns"] < 10000  # past L2 costs more
         assert got["fence_sys_ns"] > 0 and got["fence_release_sys_ns"] > 0 and got["timer_read_ns"] > 0
         assert 0 < got["store16_ns"] < 5000 and 0 < got["store16_volatile_ns"] < 5000
+        assert 0 < got["pause_ns"] < 100000
+        assert 0 < got["flag_round_tight_ns"] < 100000 and 0 < got["flag_round_pause_ns"] < 100000
         assert got["blocks_launched"] == 1
     run_collective(check)
 
