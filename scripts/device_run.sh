@@ -38,8 +38,8 @@
 # HOST_AB=1 (scripts/grouped_profile.py at W = 1 twice, EPGEN_STEADY_PATH=0 then 1: the eager legs' host time on the full
 # path and on the steady path, on one host; HOST_AB_ARGS: its options; $OUT/host_ab.jsonl, each record's steady_path says which),
 # SPIN_AB=1 (at W = 1, scripts/grouped_profile.py (SPIN_AB_ARGS), bench --floor and scripts/phase_trace.py
-# (SPIN_AB_PHASE_ARGS) with the specs' sm_90 spin_polls, then again after rebuilding with spin_polls = 0, each wait
-# pausing after every miss; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
+# (SPIN_AB_PHASE_ARGS) built with sm_90's spin_polls = 0 (each wait pausing after every miss), then with
+# SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
 # PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
 # dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
@@ -182,13 +182,11 @@ if [ -n "${TRAIN_AB:-}" ]; then  # dispatch_grouped's backward as two launches, 
     status[train_ab]=$(( ${status[train_ab]:-0} | rc ))
   done
 fi
-if [ -n "${SPIN_AB:-}" ]; then  # the EP kernels' waits with the specs' spin_polls, then pausing after every miss (0), W = 1
+if [ -n "${SPIN_AB:-}" ]; then  # the EP kernels' waits pausing after every miss (spin_polls 0), then after SPIN_AB_POLLS, W = 1
   cp specs/targets.toml "${TMPDIR:-/tmp}/epgen_targets.toml.keep"
-  for polls in keep 0; do
-    if [ "$polls" = 0 ]; then  # the same tree with sm_90's spin_polls = 0, rebuilt (records' spin_polls says which)
-      sed -i '/^\[target\.sm_90\]$/,/^\[/ s/^spin_polls = .*/spin_polls = 0/' specs/targets.toml
-      python3 -m generator build --arch sm_90 --profile all > "$OUT/build_spin0.log" 2>&1 || { status[spin_ab]=1; break; }
-    fi
+  for polls in 0 ${SPIN_AB_POLLS:-64}; do  # the same tree with sm_90's spin_polls set, rebuilt (records' spin_polls say which)
+    sed -i "/^\[target\.sm_90\]$/,/^\[/ s/^spin_polls = .*/spin_polls = $polls/" specs/targets.toml
+    python3 -m generator build --arch sm_90 --profile all > "$OUT/build_spin$polls.log" 2>&1 || { status[spin_ab]=1; break; }
     CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/grouped_profile.py \
       ${SPIN_AB_ARGS:---tokens 1 128 --reps 10 --eager-iters 50} --out "$OUT/spin_ab.jsonl" 2>&1 \
       | tee "$OUT/spin_ab_$polls.log" | grep -vE "^(W|\*)" | tail -24; rc=${PIPESTATUS[0]}
@@ -199,6 +197,7 @@ if [ -n "${SPIN_AB:-}" ]; then  # the EP kernels' waits with the specs' spin_pol
       --out "$OUT/spin_ab_phase.jsonl" 2>&1 | tee "$OUT/spin_ab_phase_$polls.log" | grep -vE "^(W|\*)" | tail -30
   done
   cp "${TMPDIR:-/tmp}/epgen_targets.toml.keep" specs/targets.toml
+  python3 -m generator build --arch sm_90 --profile all > /dev/null 2>&1  # the specs' own build again, for what follows
 fi
 titan_install() {  # torchtitan from the carried wheels (the machine has no index), where it does not import yet
   python3 -c 'import runtime.integrations.torchtitan' 2>/dev/null && return 0

@@ -345,7 +345,7 @@ EPG_DEVICE bool epg_reached(int now, int value) { return (int)((epg_u32)now - (e
 // what it waits for (false: give up; a timeout has been recorded, by this wait or another).
 // The first EPG_SPIN_POLLS polls of a wait go back to back, later ones pause between polls (specs/targets.toml
 // spin_polls: a short wait ends before its first pause; a long one stops hammering the memory system).
-constexpr int EPG_SPIN_POLLS = 64;
+constexpr int EPG_SPIN_POLLS = 0;
 struct EpgSpin {
   epg_u64 t0, limit;
   int spin;
