@@ -145,6 +145,7 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   __syncthreads();
   t0 = now_ns();
   for (int i = 0; i < reps; ++i) __syncthreads();
+  const unsigned long long barriers_ns = now_ns() - t0;  // before the bounce below
   if (blockIdx.x == 0 && (threadIdx.x == 0 || threadIdx.x == 32)) {  // two waves bounce a flag: tight, then paused
     const bool ping = threadIdx.x == 0;
     unsigned* mine = word + (ping ? 3 : 2);
@@ -166,7 +167,7 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
     }
   }
   if (!lead) return;
-  out[2] = now_ns() - t0;
+  out[2] = barriers_ns;
   unsigned p = 0, v = 0;
   t0 = now_ns();
   for (int i = 0; i < hops; ++i) p = ld_gpu(chain + p);
