@@ -738,12 +738,11 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     titan = Titan(device, args.titan_spmd) if skip is None else None
     meta["titan"] = "ran" if titan is not None else skip
     meta["warmup_steps"] = args.warmup_steps
-    one = args.one_launch_backward or ag._ONE_LAUNCH_BACKWARD
-    meta["dispatch_backward"] = "one combine" if args.backend == "native" and one and not args.backward_pair_sum \
+    # the A/B's "before" (--backward-pair-sum) switches the one-launch backward off for the run
+    one = not args.backward_pair_sum and (args.one_launch_backward or ag._ONE_LAUNCH_BACKWARD)
+    meta["dispatch_backward"] = "one combine" if args.backend == "native" and one \
         else "pair sum + combine"  # (the torch backend sums the pairs with torch ops, then combines)
     was_one, ag._ONE_LAUNCH_BACKWARD = ag._ONE_LAUNCH_BACKWARD, one
-    if args.backward_pair_sum:  # the A/B's "before": autograd's choice of the one-launch backward answered no
-        saved_choice, ag._pairs_in_combine = ag._pairs_in_combine, lambda *_: False
     try:
         with torch.autograd.set_multithreading_enabled(not args.single_thread_engine):
             warm_up(args, device, titan)
@@ -756,8 +755,6 @@ def run(args, device: torch.device | None = None) -> list[dict]:
     finally:
         if titan is not None:
             titan.close()
-        if args.backward_pair_sum:
-            ag._pairs_in_combine = saved_choice
         ag._ONE_LAUNCH_BACKWARD = was_one
     return records
 

@@ -394,9 +394,9 @@ def scn_pair_sum(rank, world, argv):
     """run() with --backward-pair-sum: autograd's one-launch choice inside the steps, and after the run."""
     from runtime import autograd as ag
 
-    real_choice = ag._pairs_in_combine
-    seen, recs = _run_probing(argv, lambda: ag._pairs_in_combine is real_choice)
-    return seen, recs, ag._pairs_in_combine is real_choice
+    real_choice = ag._ONE_LAUNCH_BACKWARD
+    seen, recs = _run_probing(argv, lambda: ag._ONE_LAUNCH_BACKWARD)
+    return seen, recs, ag._ONE_LAUNCH_BACKWARD is real_choice
 
 
 def test_backward_pair_sum_holds_for_every_step_and_is_recorded():
