@@ -100,7 +100,7 @@ def _round(op, x, w, s, idx, mode, routing=None):
     ("bf16_wide", "ll", 0, 0, T), ("bf16_wide", "bw", 0, 0, 1024),
     # few pairs (max_recv * k <= limits.small_pairs): dispatch_ll_grouped numbers the pairs from the messages' ids in
     # every block and receives each row straight into its groups; a receive cap, a small buffer, long rows
-    ("bf16", "ll", 0, 0, 8), ("fp32", "ll", 0, 0, 4), ("bf16", "ll", 10, 0, 8), ("bf16", "ll", 0, 8, 8),
+    ("bf16", "ll", 0, 0, 8), ("fp32", "ll", 0, 0, 4), ("bf16", "ll", 10, 0, 8), ("bf16", "ll", 0, 16, 8),
     ("bf16_wide", "ll", 0, 0, 8),
 ])
 def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
@@ -140,7 +140,7 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     (300, 16, 2048, 256),  # groups past a small buffer: the serial recurrence, with drops
     (700, 3, 0, 64),       # a small batch: every placing block numbers the pairs itself (count_here)
     (700, 3, 0, 8),        # fewer: the low-latency dispatch receives into the groups (dispatch_ll_grouped)
-    (300, 16, 24, 8),      # ... past a small buffer: drops
+    (300, 16, 32, 8),      # ... past a small buffer: drops
 ])
 def test_grouped_many_experts_match_torch_backend(epr, align, gcap, tokens):
     def check():
