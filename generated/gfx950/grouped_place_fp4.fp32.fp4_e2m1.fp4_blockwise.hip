@@ -608,7 +608,8 @@ EPG_KERNEL void epg_grouped_place_fp4__fp32__fp4_e2m1__fp4_blockwise(const char*
     epg_i64 out_row_bytes,
     epg_i64 zero_padding,
     epg_i64 max_recv,
-    epg_i64 count_here) {
+    epg_i64 count_here,
+    int* __restrict__ grouped_end) {
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;
@@ -640,7 +641,10 @@ EPG_KERNEL void epg_grouped_place_fp4__fp32__fp4_e2m1__fp4_blockwise(const char*
     if ((epg_i64)*total_recv * k > EPG_GROUPED_SMALL_PAIRS) return;  // never with the runtime's choice (max_recv * k)
     epg_grouped_count_here(g, sh, sm);
   }
-  epg_grouped_bounds(g, sh);
+  const int end = epg_grouped_bounds(g, sh);
+  // every row past this layout's end is marked below: the op's grouped_end, which a later dispatch tail or grouped
+  // receive reads to know which rows to re-mark (its own layout's buffers only)
+  if (grouped_end != nullptr && epg_block() == 0 && epg_thread() == 0) *grouped_end = end;
   (void)out_scales;
   const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 pairs = (epg_i64)*total_recv * k;

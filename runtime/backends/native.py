@@ -817,9 +817,10 @@ class NativeBackend:
                                                          first_expert=first),
             "place_launch": self.k["grouped_place"].bind(
                 **placing, pair_pos=g["pair_pos"], out_scales=g["scales"], offs=g["offs"], kept_counts=g["counts"],
-                src=g["src"], m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"]),
-            # a fresh layout's (fresh_grouped): the outputs named per launch
-            "place_fresh": self.k["grouped_place"].bind(**placing, zero_padding=1),
+                src=g["src"], m_indices=g["m_indices"], weights=g["weights"], dropped=g["dropped"],
+                grouped_end=self.state[STATE_WORDS.index("grouped_end")].view(1)),
+            # a fresh layout's (fresh_grouped): the outputs named per launch; the op's own rows untouched
+            "place_fresh": self.k["grouped_place"].bind(**placing, zero_padding=1, grouped_end=None),
             "reduce_launch": self.k["grouped_reduce"].bind(pair_pos=g["pair_pos"], recv_w=self.recv_w,
                                                            total_recv=self.total_recv, k=k, hidden=cfg.hidden_dim,
                                                            pair_w=None, out_w=None),

@@ -327,6 +327,28 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, to
     run_collective(check)
 
 
+@pytest.mark.parametrize("ll_grouped", ["auto", "never"])
+def test_a_one_kernel_dispatch_after_the_separate_passes_marks_their_rows(ll_grouped):
+    """The standalone placement (a graph's or one_kernel "never"'s) fills rows up to its layout's end and marks every
+    row past it; a later one-kernel dispatch (dispatch_ll_grouped, or dispatch_ll's tail) of a smaller batch must
+    re-mark the rows between its end and that one: the placement records its end in the op's state (grouped_end)."""
+    def check():
+        with EpDispatchCombineOp(_cfg("native", "bf16", 8, intranode_protocol="ll")) as op:
+            be = op._backend
+            be.ll_grouped = ll_grouped
+            x, w, s, idx = _inputs(9, "bf16", "cuda", 8)
+            be.one_kernel = "never"
+            big, _ = op.dispatch_grouped(x, w, s, idx)  # dispatch_ll + the standalone grouped_place
+            end_big = int(big.offs[-1])
+            be.one_kernel = "always"
+            small, _ = op.dispatch_grouped(x[:1], w[:1], None, idx[:1])
+            end = int(small.offs[-1])
+            assert end < end_big, (end, end_big)
+            assert bool((small.src[end:] == -1).all()) and bool((small.m_indices[end:] == -1).all())
+            assert bool((small.weights[end:] == 0).all())
+    run_collective(check)
+
+
 def _exact(lay, rlay, total, k, what):
     """The native layout equals the torch backend's bit for bit: received rows in (source rank, token) order."""
     keep = rlay.src >= 0

@@ -89,6 +89,7 @@ def _run(op, log: list, steps, steady: bool) -> list:
         for s, slot in enumerate(b._slots):  # every workspace slot's (also those made on first use: restaging)
             for buf in ("recv_x", "recv_w", "recv_idx", "recv_src", "total_recv", "comb_x", "state"):
                 names.add(f"slot{s}.{buf}", slot[buf])
+            names.add_range(f"slot{s}.state", slot["state"])  # its words (grouped_place's grouped_end)
             for n, t in slot["_grp"].items():
                 names.add(f"slot{s}.grp.{n}", t)
         for key, batch in b._slot_maps._batches.items():  # a dispatch without a handle: its map is only here
