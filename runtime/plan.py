@@ -62,17 +62,6 @@ def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool
             and not capped and k <= 32 and W <= 64 and W * E + W <= buckets)
 
 
-def ll_grouped(cfg: EpDispatchCombineConfig, act: str) -> bool:
-    """Can this op's low-latency dispatch_grouped receive into the grouped layout itself (dispatch_ll_grouped:
-    templates/kernels/dispatch_ll.j2's grouped variant, no grid barrier and no placing pass)? Intranode, the grouped
-    layout without decoding, bf16 / fp32 rows moved as they are (no quantization, no scales), and few pairs: every
-    block numbers them all itself, max_recv * k <= grouped_place's limits.small_pairs (its shared memory)."""
-    small = load_specs().arglists["grouped_place"].limit("small_pairs")
-    return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize
-            and cfg.dispatch_data_type is None and cfg.dispatch_quant_type == "none" and act in ("bf16", "fp32")
-            and cfg.max_recv_tokens * cfg.num_experts_per_token <= small)
-
-
 # the most ranks at which dispatch_grouped takes the direct kernel by default (mode "auto"): measured at one rank;
 # past two its time is not yet measured (its count tables are read in one pass since 6f7102f, correct at 4 and 8
 # ranks sharing one GPU; docs/PERF.md)
@@ -182,8 +171,6 @@ class Plan:
         if ll_tokens:  # the low-latency kernels moving the same rows (a verbatim payload, the gather's arithmetic)
             roles += [("dispatch_ll", "dispatch_ll." + d_name.split(".", 1)[1]),
                       ("combine_ll", "combine_ll." + c_name.split(".", 1)[1])]
-            if ll_grouped(cfg, act):  # a small batch's dispatch_grouped received into its groups in one kernel
-                roles.append(("dispatch_ll_grouped", f"dispatch_ll_grouped.{act}.intranode"))
         if capped:  # the deterministic slot numbering (routing.ordered_slots)
             roles += [("route_count", "route_count.i32"), ("route_slots", "route_slots.i32")]
         if cfg.enable_std_moe:

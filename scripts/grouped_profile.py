@@ -2,7 +2,7 @@
 (identity expert) -> combine_grouped, inside a CUDA-graph replay, by kernel name.
 
   torchrun --nproc-per-node 1 scripts/grouped_profile.py [--tokens 1 128 4096]
-                                                         [--legs auto one tail auto_tail separate] [--protocol auto ll bw]
+                                                         [--legs auto one separate] [--protocol auto ll bw]
                                                          [--launch-blocks 0 8] [--launch-threads 0 128]
                                                          [--hidden 7168] [--topk 8] [--experts 256] [--out F]
 
@@ -48,12 +48,7 @@ def _name(kernel: str) -> str:
     return kernel.split("<")[0].split("(")[0].strip()[:60]
 
 
-# --legs -> the native backend's (one_kernel, ll_grouped): "one" takes a small low-latency batch's dispatch_ll_grouped
-# where the op has it, "tail" dispatch_ll with its placing tail instead (the A/B of the two one-kernel dispatches);
-# "auto_tail" the op's own choice without dispatch_ll_grouped (before it: in a graph dispatch_ll + grouped_place and
-# the one-kernel combine, eagerly the tail)
-LEGS = {"auto": ("auto", "auto"), "one": ("always", "auto"), "tail": ("always", "never"),
-        "auto_tail": ("auto", "never"), "separate": ("never", "auto")}
+LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the native backend's one_kernel
 
 
 def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
@@ -67,8 +62,7 @@ def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int 
     cfg = EpDispatchCombineConfig(**base, enable_grouped_layout=True, expert_alignment=16, intranode_protocol=protocol)
     op = EpDispatchCombineOp(cfg)
     keep.append(op)
-    op._backend.one_kernel, op._backend.ll_grouped = LEGS[legs]  # the grouped legs as one kernel each (a small
-    # low-latency dispatch as dispatch_ll_grouped or dispatch_ll's tail), or the EP kernels and the passes
+    op._backend.one_kernel = LEGS[legs]  # the grouped legs as one kernel each, or the EP kernels and the passes
     op._backend.direct = direct  # dispatch_grouped's direct kernel where the op allows it (plan.direct), or "never"
     s = make_input_sets(cfg, 1, seed=777 + 7919 * rank, device=op.device)[0]
     x, w, idx = s["x"], s["w"], s["idx"]
@@ -219,9 +213,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 4096])
     p.add_argument("--legs", nargs="+", default=["auto"], choices=list(LEGS),
-                   help="the grouped legs: the op's own choice (auto_tail: without dispatch_ll_grouped), one kernel "
-                        "each (tail: a small low-latency dispatch as dispatch_ll with its placing tail, not "
-                        "dispatch_ll_grouped), or the EP kernels and separate passes")
+                   help="the grouped legs: the op's own choice, one kernel each, or the EP kernels and separate passes")
     p.add_argument("--launch-blocks", type=int, nargs="+", default=[0],
                    help="the EP kernels' grid (config launch_blocks; 0: the tuning table); several: each in turn")
     p.add_argument("--launch-threads", type=int, nargs="+", default=[0],

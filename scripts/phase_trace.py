@@ -1,14 +1,13 @@
 """Where a leg's time goes inside its kernel: phase stamps of the device's global timer from dispatch_ll and
 combine_ll (issue #35, item 3: budget each 1-token kernel term by term), and from the direct grouped dispatch.
 
-  torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one tail direct] [--iters 200]
+  torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one direct] [--iters 200]
                                                      [--hidden 7168] [--topk 8] [--experts 256] [--warm-dispatch]
                                                      [--out F]
 
 Per (tokens, form), the low-latency protocol (intranode_protocol="ll"), bf16: "plain" is dispatch -> combine of
 the received rows, "grouped" dispatch_grouped -> combine_grouped with the separate passes, "one" the same with one
-kernel per leg (a small batch's rows received into their groups by dispatch_ll_grouped, combine_ll forming the rows
-it sends), "tail" the same with the grouped layout placed in dispatch_ll's tail instead; "direct"
+kernel per leg (the grouped layout placed in dispatch_ll's tail, combine_ll forming the rows it sends); "direct"
 is dispatch_grouped under the bandwidth protocol through dispatch_direct (its phases alone: the bandwidth combine
 after it stamps nothing). After
 warm-up, --iters eager calls, each with the op's trace buffer (NativeBackend.trace_phases) reset: every block's
@@ -49,7 +48,7 @@ PHASES = {
                         "groups worked out", "last chunk numbered", "last chunk's rows stored",
                         "last chunk's books written", "arrival added", "arrivals in (block 0)"),
 }
-FORMS = ("plain", "grouped", "one", "tail", "direct")
+FORMS = ("plain", "grouped", "one", "direct")
 # per form, the kernels in the order of the trace buffer's halves (the bandwidth combine after the direct dispatch
 # stamps nothing)
 KERNELS = {form: ("dispatch_direct",) if form == "direct" else ("dispatch_ll", "combine_ll") for form in FORMS}
@@ -119,8 +118,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     keep.append(op)
     backend = op._backend
     if form != "plain":
-        backend.one_kernel = "always" if form in ("one", "tail") else "never"
-        backend.ll_grouped = "never" if form == "tail" else "auto"
+        backend.one_kernel = "always" if form == "one" else "never"
     backend.direct = "always" if form == "direct" else "never"
     if form == "direct" and not backend.plan.direct:
         raise SystemExit(f"phase_trace: the direct dispatch does not serve this op (runtime.plan.direct_grouped) at "

@@ -544,8 +544,7 @@ EPG_DEVICE epg_u32 epg_ll_word(epg_vec16 v, int c) { return c == 0 ? v.x : (c ==
 // w0..w2, stored to dst (16-byte aligned: the chunk's first word) as 16-byte stores instead of three 4-byte
 // stores per lane: lane l < 3/4 of the wave stores words 4l..4l+3, fetched from their lanes by shuffles. Every
 // lane of the wave calls it (uniform control flow).
-// epg_ll_gather16: the 16 bytes lane l stores (words 4l..4l+3 of the chunk; meaningful for l < 3/4 of the wave).
-EPG_DEVICE epg_vec16 epg_ll_gather16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
+EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
   const int lane = epg_lane();
   epg_u32 o[4];
 #pragma unroll
@@ -554,11 +553,7 @@ EPG_DEVICE epg_vec16 epg_ll_gather16(epg_u32 w0, epg_u32 w1, epg_u32 w2) {
     const epg_u32 x = epg_shfl(w0, src), y = epg_shfl(w1, src), z = epg_shfl(w2, src);
     o[c] = comp == 0 ? x : (comp == 1 ? y : z);
   }
-  return epg_ll_vec(o[0], o[1], o[2], o[3]);
-}
-EPG_DEVICE void epg_ll_store_chunk16(char* dst, epg_u32 w0, epg_u32 w1, epg_u32 w2) {
-  const epg_vec16 o = epg_ll_gather16(w0, w1, w2);
-  if (epg_lane() < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * epg_lane(), o);
+  if (lane < 3 * EPG_WAVE / 4) epg_st16(dst + 16 * lane, epg_ll_vec(o[0], o[1], o[2], o[3]));
 }
 // Is chunk ch of a message a chunk of payload words alone (the first P words), stored 16 bytes at a time?
 // wide: the payload row is a whole number of 16-byte vectors (its chunks' stores stay 16-byte aligned).
@@ -589,9 +584,8 @@ EPG_DEVICE int epg_ll_source(const int* base, int world, epg_i64 g) {
   while (s + 1 < world && base[s + 1] <= g) ++s;
   return s;
 }
-// Last block out (every block has read the state words by then) advances the call counter and `last`; true in
-// every thread of that block (which may then do what must wait for every block: dispatch_ll_grouped's clean-up).
-EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
+// Last block out (every block has read the state words by then) advances the call counter and `last`.
+EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last) {
   __shared__ int finisher;
   int* state = (int*)a.state;
   epg_syncthreads();
@@ -602,7 +596,6 @@ EPG_DEVICE bool epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
     state[counter] = calls + 1;
     state[EPG_ST_LAST] = last;
   }
-  return finisher != 0;
 }
 // ---- The grouped layout inside the EP kernels: one kernel per leg (specs/kernels.toml [args.ep] grp_*).
 // ---- The grouped-GEMM layout's passes (the rule: runtime/grouped.py) as block- and grid-level functions. The
@@ -691,14 +684,21 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   if (tid == 0) g.counts[e] = sh.base;
 }
 
-// The numbering of epg_grouped_count_here below once sm.ex holds the pairs' local experts (-1: another rank's),
-// whoever filled it (the low-latency dispatch's grouped receive reads them from the messages): the first wave takes
-// them a wave-wide chunk at a time in ascending pair id, a pair's position being its expert's running count plus
-// the lanes below it with the same expert (a match), the highest of those lanes adding their number to the count.
-// Points g.counts at the counts (sh.kept) and g.pair_rel at the positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
+// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
+// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
+// pairs' experts into shared memory, then its first wave takes them a wave-wide chunk at a time in ascending pair
+// id: a pair's position is its expert's running count plus the lanes below it with the same expert (a match),
+// and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
+// group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
+// positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
+  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
   for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    const int local = g.recv_idx[p] - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
   epg_syncthreads();
   if (tid < EPG_WAVE) {
     const int lane = tid;
@@ -717,20 +717,6 @@ EPG_DEVICE void epg_grouped_number_here(EpgGrouped& g, EpgGroupedShared& sh, Epg
   epg_syncthreads();
   g.counts = sh.kept;
   g.pair_rel = sm.rel;
-}
-
-// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
-// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
-// pairs' experts into shared memory and numbers them (epg_grouped_number_here): the same positions as
-// epg_grouped_count (a group holds its pairs in ascending pair id).
-EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
-  const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
-  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
-  for (int p = tid; p < pairs; p += nt) {
-    const int local = g.recv_idx[p] - (int)g.first_expert;
-    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
-  }
-  epg_grouped_number_here(g, sh, sm, pairs);
 }
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =

@@ -360,14 +360,21 @@ EPG_DEVICE void epg_grouped_count(const EpgGrouped& g, EpgGroupedShared& sh, int
   if (tid == 0) g.counts[e] = sh.base;
 }
 
-// The numbering of epg_grouped_count_here below once sm.ex holds the pairs' local experts (-1: another rank's),
-// whoever filled it (the low-latency dispatch's grouped receive reads them from the messages): the first wave takes
-// them a wave-wide chunk at a time in ascending pair id, a pair's position being its expert's running count plus
-// the lanes below it with the same expert (a match), the highest of those lanes adding their number to the count.
-// Points g.counts at the counts (sh.kept) and g.pair_rel at the positions (sm.rel), in shared memory.
-EPG_DEVICE void epg_grouped_number_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm, int pairs) {
+// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
+// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
+// pairs' experts into shared memory, then its first wave takes them a wave-wide chunk at a time in ascending pair
+// id: a pair's position is its expert's running count plus the lanes below it with the same expert (a match),
+// and the highest of those lanes adds their number to the count. The same positions as epg_grouped_count (a
+// group holds its pairs in ascending pair id). Points g.counts at the counts (sh.kept) and g.pair_rel at the
+// positions (sm.rel), in shared memory.
+EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
   const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
+  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
   for (int e = tid; e < E; e += nt) sh.kept[e] = 0;
+  for (int p = tid; p < pairs; p += nt) {
+    const int local = g.recv_idx[p] - (int)g.first_expert;
+    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
+  }
   epg_syncthreads();
   if (tid < EPG_WAVE) {
     const int lane = tid;
@@ -386,20 +393,6 @@ EPG_DEVICE void epg_grouped_number_here(EpgGrouped& g, EpgGroupedShared& sh, Epg
   epg_syncthreads();
   g.counts = sh.kept;
   g.pair_rel = sm.rel;
-}
-
-// Count, within one block, for a small batch (pairs <= EPG_GROUPED_SMALL_PAIRS): every block numbers every pair
-// itself, so the placement needs no count pass before it (no kernel, no grid barrier). The block loads the
-// pairs' experts into shared memory and numbers them (epg_grouped_number_here): the same positions as
-// epg_grouped_count (a group holds its pairs in ascending pair id).
-EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgGroupedSmall& sm) {
-  const int tid = epg_thread(), nt = epg_block_dim(), E = (int)g.num_local;
-  const int pairs = (int)((epg_i64)*g.total_recv * g.k);
-  for (int p = tid; p < pairs; p += nt) {
-    const int local = g.recv_idx[p] - (int)g.first_expert;
-    sm.ex[p] = (short)(local >= 0 && local < E ? local : -1);
-  }
-  epg_grouped_number_here(g, sh, sm, pairs);
 }
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =

@@ -204,7 +204,6 @@ class NativeBackend:
         self._load_slot(0)
         self.one_kernel = "auto"  # grouped legs as one kernel each: "auto" | "always" | "never" (one_kernel_legs)
         self.direct = "auto"  # dispatch_grouped's direct kernel: "auto" | "always" | "never" (direct_dispatch)
-        self.ll_grouped = "auto"  # a small batch's low-latency dispatch_grouped in dispatch_ll_grouped: "auto" | "never"
         self._stream: int | None = None  # the stream of the last dispatch/combine launch (wait() syncs it)
         self.id_check = id_check_mode()  # "async" | "sync" | "off"
         self._bad_seen: int | None = 0  # the device's bad-id count already reported (None: unknown, re-based)
@@ -480,20 +479,9 @@ class NativeBackend:
             return self.one_kernel == "always"
         if leg == "combine":
             return True
-        if protocol == "ll" and self.receives_grouped():
-            return True
         if capturing is None:  # (a dispatch's caller knows it already: _dispatch_prepare's "capturing")
             capturing = torch.cuda.is_current_stream_capturing()
         return protocol == "ll" and not capturing
-
-    def receives_grouped(self) -> bool:
-        """Does a low-latency dispatch_grouped that places its layout take dispatch_ll_grouped (the rows received
-        straight into their groups: no grid barrier, no placing pass after the receive) rather than dispatch_ll with
-        its placing tail? Where the op has the kernel (plan.ll_grouped: few pairs, rows moved as they are) and
-        self.ll_grouped is "auto" ("never": the tail, for A/B runs and its tests)."""
-        if self.ll_grouped not in ("auto", "never"):
-            raise InputError(f"ll_grouped must be 'auto' or 'never', got {self.ll_grouped!r}")
-        return self.ll_grouped == "auto" and "dispatch_ll_grouped" in self.k
 
     # --- dispatch: one launch (phase both), or a send launch and a receive launch (runtime/pending.py) ------
     def direct_dispatch(self, call: dict, layout_out) -> bool:
@@ -543,8 +531,7 @@ class NativeBackend:
             protocol, replay = self.protocol, 0
         else:
             protocol, replay = routing.extra["protocol"], 1
-        modes, key = (self.one_kernel, self.direct, self.ll_grouped), \
-            (T, capturing, out is not None, grouped, protocol, replay)
+        modes, key = (self.one_kernel, self.direct), (T, capturing, out is not None, grouped, protocol, replay)
         how = self._steady_how.get(key)
         if how is None or how[0] != modes:
             layout = grouped and self.fuses_layout
@@ -584,8 +571,7 @@ class NativeBackend:
             threads = self.k["dispatch_direct"].max_threads
             return "dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)), threads, None
         if protocol == "ll":
-            role = "dispatch_ll_grouped" if placed and phase == PHASE_BOTH and self.receives_grouped() else "dispatch_ll"
-            return (role, *self._launch_geometry("dispatch_ll", T, T)[:2], None)
+            return ("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], None)
         blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * self.config.world_size)
         blocks = self._resident("dispatch", threads) if placed else blocks
         return "dispatch", 1 if phase == PHASE_RECV else blocks, threads, int(block_rows)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from runtime.config import load_specs
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
-from runtime.backends.native import PHASE_BOTH
 from tests.support.ep_oracle import random_routing
 from tests.support.configs import dist_config
 from tests.gpu.dist_util import captured as _captured, run_collective
@@ -98,10 +97,6 @@ def _round(op, x, w, s, idx, mode, routing=None):
     # rows longer than a placing wave's chunk: a small batch copies each in chunks over several waves, a large
     # one (more pairs than the placing grid has waves) a whole row per wave
     ("bf16_wide", "ll", 0, 0, T), ("bf16_wide", "bw", 0, 0, 1024),
-    # few pairs (max_recv * k <= limits.small_pairs): dispatch_ll_grouped numbers the pairs from the messages' ids in
-    # every block and receives each row straight into its groups; a receive cap, a small buffer, long rows
-    ("bf16", "ll", 0, 0, 8), ("fp32", "ll", 0, 0, 4), ("bf16", "ll", 10, 0, 8), ("bf16", "ll", 0, 16, 8),
-    ("bf16_wide", "ll", 0, 0, 8),
 ])
 def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     def check():
@@ -128,9 +123,6 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
                 assert torch.equal(comb_u.cpu(), rcomb_u.cpu())
                 if gcap:
                     assert int(lay.dropped) > 0, "the small buffer dropped nothing"
-            small = op.config.max_recv_tokens * K <= op._backend.k["grouped_place"].limits["small_pairs"]
-            grouped_recv = protocol == "ll" and small and mode in ("bf16", "fp32", "bf16_wide")
-            assert ("dispatch_ll_grouped" in op._backend.k) == grouped_recv, "the kernel this case is meant to run"
     run_collective(check)  # its all-gather is the closing barrier
 
 
@@ -139,8 +131,6 @@ def test_grouped_matches_torch_backend(mode, protocol, recv_cap, gcap, tokens):
     (700, 3, 0, 256),      # an alignment that is no power of two
     (300, 16, 2048, 256),  # groups past a small buffer: the serial recurrence, with drops
     (700, 3, 0, 64),       # a small batch: every placing block numbers the pairs itself (count_here)
-    (700, 3, 0, 8),        # fewer: the low-latency dispatch receives into the groups (dispatch_ll_grouped)
-    (300, 16, 32, 8),      # ... past a small buffer: drops
 ])
 def test_grouped_many_experts_match_torch_backend(epr, align, gcap, tokens):
     def check():
@@ -170,9 +160,8 @@ def test_grouped_many_experts_match_torch_backend(epr, align, gcap, tokens):
 @pytest.mark.parametrize("protocol,tokens", [("auto", T), ("ll", 8)])
 def test_grouped_round_in_a_cuda_graph(protocol, tokens):
     """A captured grouped round replays what eager calls give. At 8 tokens under the low-latency protocol the graph
-    holds dispatch_ll_grouped (the rows received into their groups) and combine_grouped as one combine_ll, as the
-    eager calls do: the same bits, replay after replay (the vectors every block reads are zeroed by the last block
-    out of each call)."""
+    holds dispatch_ll + the separate placement and combine_grouped as one combine_ll (one_kernel_legs' choice inside
+    a graph), the eager calls take dispatch_ll's tail: the same bits."""
     def check():
         mode = "bf16"
         with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol)) as op:
@@ -277,24 +266,14 @@ def _snapshot(lay):
     # few pairs (total_recv * k <= limits.small_pairs): the low-latency dispatch places rows straight from its slots
     # into the groups (no receive pass, no grid barrier); the combine forms each row as it pushes it
     ("bf16", "ll", 0, 8), ("fp32", "ll", 0, 4), ("fp8", "ll", 0, 8), ("bf16_wide", "ll", 0, 8), ("bf16", "ll", 32, 8),
-    # the same few pairs through dispatch_ll's placing tail instead of dispatch_ll_grouped (ll_grouped "never")
-    ("bf16", "ll", 0, -8), ("bf16", "ll", 32, -8), ("bf16_wide", "ll", 0, -8),
 ])
 def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, tokens):
-    tail = tokens < 0  # (a negative token count: the same batch, ll_grouped "never")
-    tokens = abs(tokens)
-
     def check():
         with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol=protocol, grouped_capacity=gcap)) as op:
             assert op._backend.fuses_layout
             small_pairs = op._backend.k["grouped_place"].limits["small_pairs"]
             assert op._backend._grp["count_here"] == (op.config.max_recv_tokens * K <= small_pairs)
-            op._backend.one_kernel = "always"  # auto takes the tail for eager low-latency calls only
-            op._backend.ll_grouped = "never" if tail else "auto"
-            want_role = "dispatch_ll_grouped" if protocol == "ll" and not tail and mode != "fp8" and \
-                op.config.max_recv_tokens * K <= small_pairs else ("dispatch_ll" if protocol == "ll" else None)
-            if want_role:
-                assert op._backend._dispatch_site("ll", tokens, PHASE_BOTH, True, False)[0] == want_role
+            op._backend.one_kernel = "always"  # auto takes it for eager low-latency calls only
             x, w, s, idx = _inputs(3, mode, "cuda", tokens)
             lay, h = op.dispatch_grouped(x, w, s, idx)  # the dispatch kernel's tail
             one = _snapshot(lay)
@@ -327,25 +306,26 @@ def test_one_kernel_per_leg_matches_the_separate_passes(mode, protocol, gcap, to
     run_collective(check)
 
 
-@pytest.mark.parametrize("ll_grouped", ["auto", "never"])
-def test_a_one_kernel_dispatch_after_the_separate_passes_marks_their_rows(ll_grouped):
-    """The standalone placement (a graph's or one_kernel "never"'s) fills rows up to its layout's end and marks every
-    row past it; a later one-kernel dispatch (dispatch_ll_grouped, or dispatch_ll's tail) of a smaller batch must
-    re-mark the rows between its end and that one: the placement records its end in the op's state (grouped_end)."""
+@pytest.mark.parametrize("mode,tokens", [("bf16", 8), ("bf16_wide", 8), ("bf16", 64)])
+def test_a_one_kernel_dispatch_after_the_separate_passes_marks_their_rows(mode, tokens):
+    """The standalone placement (a graph's, or one_kernel "never"'s) fills rows up to its layout's end and marks every
+    row past it; a later one-kernel dispatch of a smaller batch (dispatch_ll's tail) must re-mark the rows between its
+    end and that one's, which held pair ids and experts: the placement records its end in the op's state
+    (grouped_end), which the tail reads. Both placements' layouts also match the torch backend's groups."""
     def check():
-        with EpDispatchCombineOp(_cfg("native", "bf16", 8, intranode_protocol="ll")) as op:
+        with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol="ll")) as op:
             be = op._backend
-            be.ll_grouped = ll_grouped
-            x, w, s, idx = _inputs(9, "bf16", "cuda", 8)
+            x, w, s, idx = _inputs(9, mode, "cuda", tokens)
             be.one_kernel = "never"
             big, _ = op.dispatch_grouped(x, w, s, idx)  # dispatch_ll + the standalone grouped_place
             end_big = int(big.offs[-1])
             be.one_kernel = "always"
-            small, _ = op.dispatch_grouped(x[:1], w[:1], None, idx[:1])
+            small, _ = op.dispatch_grouped(x[:1], w[:1], None, idx[:1])  # dispatch_ll with its tail
             end = int(small.offs[-1])
             assert end < end_big, (end, end_big)
             assert bool((small.src[end:] == -1).all()) and bool((small.m_indices[end:] == -1).all())
             assert bool((small.weights[end:] == 0).all())
+            assert int((small.src[:end] >= 0).sum()) == int(small.counts.sum())  # the small batch's own pairs
     run_collective(check)
 
 

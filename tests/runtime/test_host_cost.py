@@ -90,41 +90,7 @@ def test_a_training_step_is_five_launches_within_its_call_budget():
         finally:
             op.close()
             ag._ONE_LAUNCH_BACKWARD = was
-    # the forward's dispatch receives into a fresh layout's groups (dispatch_ll_grouped: a small batch); the
-    # backward's replay is a plain dispatch_ll
-    assert kernels == ["epg_dispatch_ll_grouped", "epg_combine_ll", "epg_dispatch_ll", "epg_grouped_scale",
+    assert kernels == ["epg_dispatch_ll", "epg_combine_ll", "epg_dispatch_ll", "epg_grouped_scale",
                        "epg_combine_ll"], kernels
     assert 0 < n["epgen"] <= STEP_BUDGET, n
     assert torch.is_grad_enabled()
-
-
-def test_a_small_low_latency_dispatch_grouped_receives_into_its_groups():
-    """The native backend's choice for a small low-latency dispatch_grouped (over stand-ins for the device): one
-    dispatch_ll_grouped launch, also where a graph is being captured (one_kernel_legs: the layout needs no placing
-    pass after it); ll_grouped "never" keeps dispatch_ll with its placing tail eagerly and the separate placement
-    in graphs; any other value is refused by name. A fresh layout (the training forward) takes the same kernel."""
-    from runtime.errors import InputError
-
-    with standin_device(record_args=False) as log:
-        op, x, w, idx = host_cost.build(1)
-        try:
-            be = op._backend
-            assert be.protocol == "ll" and "dispatch_ll_grouped" in be.k
-
-            def launched(call) -> list[str]:
-                n = len(log)
-                call()
-                return [entry[0] for entry in log[n:]]
-            assert launched(lambda: op.dispatch_grouped(x, w, None, idx)) == \
-                ["epg_dispatch_ll_grouped__bf16__intranode"]
-            assert launched(lambda: op.dispatch_grouped(x, w, None, idx, fresh=True)) == \
-                ["epg_dispatch_ll_grouped__bf16__intranode"]
-            assert be.one_kernel_legs("ll", capturing=True) and be.one_kernel_legs("ll", capturing=False)
-            be.ll_grouped = "never"
-            assert launched(lambda: op.dispatch_grouped(x, w, None, idx)) == ["epg_dispatch_ll__bf16__intranode"]
-            assert not be.one_kernel_legs("ll", capturing=True) and be.one_kernel_legs("ll", capturing=False)
-            be.ll_grouped = "sometimes"
-            with pytest.raises(InputError, match="ll_grouped must be 'auto' or 'never'"):
-                op.dispatch_grouped(x, w, None, idx)
-        finally:
-            op.close()

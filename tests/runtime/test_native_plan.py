@@ -260,35 +260,3 @@ def test_direct_call_takes_the_kernel_by_mode_and_world_size():
     for bad in ("Always", "", "on", None):
         with pytest.raises(InputError, match="must be one of auto, always, never"):
             direct_call(bad, world=1, **ok)
-
-
-@pytest.mark.parametrize("fields,grouped_recv", [
-    (dict(max_num_inp_token_per_rank=16), True),               # 32 rows x top-4: 128 pairs
-    (dict(max_num_inp_token_per_rank=16, data_type=torch.float32), True),
-    (dict(max_num_inp_token_per_rank=32), True),               # 256 pairs: limits.small_pairs
-    (dict(max_num_inp_token_per_rank=33), False),              # 264: past every block's shared memory
-    (dict(max_num_inp_token_per_rank=64, max_total_recv_tokens=60), True),  # a receive cap sizes the pairs
-    (dict(max_num_inp_token_per_rank=16, dispatch_quant_type="fp8_blockwise", intranode_protocol="auto"),
-     False),                                                    # quantized on the way (never the ll protocol)
-    (dict(max_num_inp_token_per_rank=16, dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,
-          scale_dim=2, scale_type_size=4), False),             # a pre-quantized payload with scales
-    (dict(max_num_inp_token_per_rank=16, enable_grouped_layout=False), False),
-])
-def test_ll_grouped_dispatch_plan(fields, grouped_recv):
-    """Which ops dispatch_ll_grouped (dispatch_ll.j2's grouped receive) may serve: the low-latency protocol, the
-    grouped layout of rows moved as they are, and at most limits.small_pairs pairs (every block numbers them all in
-    its shared memory); its variant is declared for every target."""
-    from runtime.plan import ll_grouped
-
-    cfg = EpDispatchCombineConfig(**{**GROUPED, "intranode_protocol": "ll", **fields})
-    assert cfg.max_recv_tokens * cfg.num_experts_per_token <= 256 or not grouped_recv
-    act = "fp32" if cfg.data_type == torch.float32 else "bf16"
-    assert ll_grouped(cfg, act) == grouped_recv
-    for arch in ("sm_90", "gfx942", "gfx950", "gfx1250"):
-        plan = Plan.of(cfg, load_specs().targets[arch])
-        assert ("dispatch_ll_grouped" in dict(plan.roles)) == grouped_recv
-        if grouped_recv:
-            name = plan.variant("dispatch_ll_grouped")
-            assert name == f"dispatch_ll_grouped.{act}.intranode" and kernels.select(arch, name).name == name
-    bw = EpDispatchCombineConfig(**{**GROUPED, **fields, "intranode_protocol": "bw"})
-    assert "dispatch_ll_grouped" not in dict(Plan.of(bw, load_specs().targets["sm_90"]).roles)  # no ll buffers
