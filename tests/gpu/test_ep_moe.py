@@ -138,12 +138,18 @@ def test_build_and_close_ten_times_leaks_nothing():
         print(f"rank {dist.get_rank()}: 10 ops built, used and closed: torch allocated {before} -> {after} B, "
               f"device free {free_before} -> {free_after} B, workspace {report['symmetric_workspace']} B pooled")
         assert after == before, f"torch-allocated GPU memory {before} -> {after} after 10 ops"
-        assert free_after == free_before, f"device free memory {free_before} -> {free_after} after 10 ops"
+        # the device's free memory is the whole GPU's: where ranks share one (RANKS_PER_GPU > 1) the other ranks'
+        # allocations move it too (4 MB between the two reads, seen on an H100), so it is only compared on a GPU of
+        # this rank's own; torch's count above is this process's alone
+        own_gpu = dist.get_world_size() <= torch.cuda.device_count()
+        if own_gpu:
+            assert free_after == free_before, f"device free memory {free_before} -> {free_after} after 10 ops"
         assert report["total_device_bytes"] > report["symmetric_workspace"] > 0
         released = workspace.release_workspaces()
         torch.cuda.synchronize()
         assert released >= report["symmetric_workspace"], (released, report["symmetric_workspace"])
-        assert torch.cuda.mem_get_info()[0] > free_after, "releasing the pool freed no device memory"
+        if own_gpu:
+            assert torch.cuda.mem_get_info()[0] > free_after, "releasing the pool freed no device memory"
     run_collective(check)
 
 
