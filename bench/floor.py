@@ -32,7 +32,12 @@ cuda_driver_api, torch, world_size, target, sms):
                 waits, __nanosleep(32), back to back), flag_round_tight_ns / flag_round_pause_ns (a flag bounced
                 between two waves of the block through device memory, one round trip: polled back to back / with
                 a pause after each miss, as the EP kernels' waits do: the difference is what the pause adds to a
-                wait). The terms a 1-token kernel's phases are read against (docs/PERF.md).
+                wait); and, from a second kernel (epg_floor_code, one thread), the cost of running code for the
+                first time: a straight-line region of code_steps independent integer steps (~3 instructions each,
+                eight chains) timed on its first pass after the L2 was flushed (code_cold_ns: a 128 MB write
+                between launches), on its first pass right after an identical launch (code_l2_ns) and on its
+                second pass in the launch (code_warm_ns: the instructions cached). The terms a 1-token kernel's
+                phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
 like the ceiling's copy kernel); the flags live in the runtime's IPC workspace (runtime.ipc.allocate). Every
@@ -215,13 +220,35 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   out[16] = now_ns() - t0;
   out[8] = p ^ v ^ x ^ first ^ q ^ r ^ b;
 }
+// one thread runs a straight-line region of CODE_STEPS steps (xorshift and multiply on eight independent chains:
+// nothing folds) twice: out[0] ns of its first pass (its instructions fetched), out[1] of its second (cached); out[2]
+// keeps the chains live. The timer reads are tied to the chains' values (asm inputs), so no step moves across them.
+__device__ __forceinline__ unsigned long long now_after(unsigned dep) {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep)); return t;
+}
+extern "C" __global__ void epg_floor_code(unsigned long long* out, unsigned seed) {
+  if (threadIdx.x || blockIdx.x) return;
+  unsigned a0 = seed, a1 = seed + 1u, a2 = seed + 2u, a3 = seed + 3u, a4 = seed + 4u, a5 = seed + 5u, a6 = seed + 6u,
+           a7 = seed + 7u;
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const unsigned long long t0 = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7);
+    a0 ^= (unsigned)t0;
+@CODE_STEPS@
+    out[pass] = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7) - t0;
+  }
+  out[2] = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
+}
 """
-SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives")
+CODE_STEPS = 1024  # the code region's steps (~3 SASS instructions each on sm_90: ~48 KB, dispatch_ll's size)
+FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_STEPS@", "\n".join(
+    f"    a{i % 8} = (a{i % 8} ^ (a{i % 8} >> {7 + i % 5}u)) * {0x9E3779B1 + 2 * i}u;" for i in range(CODE_STEPS)))
+SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
                     "hbm_load_ns", "store16_volatile_ns", "store16_ns", "pause_ns", "flag_round_tight_ns",
-                    "flag_round_pause_ns")
+                    "flag_round_pause_ns", "code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -270,10 +297,10 @@ class Kernels:
         if not arch.startswith("sm_"):
             raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
         image = compile_source(arch, FLOOR_KERNELS, "floor")
-        self.pingpong, self.signal, self.empty, self.primitives = (CudaKernel(image, s) for s in SYMBOLS)
+        self.pingpong, self.signal, self.empty, self.primitives, self.code = (CudaKernel(image, s) for s in SYMBOLS)
 
     def close(self):
-        for k in (self.pingpong, self.signal, self.empty, self.primitives):
+        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code):
             k.close()
 
 
@@ -396,11 +423,32 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
                                ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS),
                                ctypes.c_uint64(scratch.data_ptr()))
         samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
+    code = code_costs(kern, dev, reps)
     got = {}
     for f in PRIMITIVE_FIELDS:
-        vals = [s[f] for s in samples[1:] if s[f] is not None]
-        got[f] = _max_over_ranks(statistics.median(vals) if vals else None)
+        vals = [s[f] for s in samples[1:] if s.get(f) is not None]
+        got[f] = _max_over_ranks(statistics.median(vals) if vals else code.get(f))
     return {**got, "blocks_launched": 1}
+
+
+def code_costs(kern: Kernels, dev, reps: int) -> dict:
+    """The code kernel (epg_floor_code), --reps times: a launch after a 128 MB write (its code not in L2), then the
+    same launch again (its code in L2 from the one before) -> code_cold_ns / code_l2_ns (first passes), code_warm_ns
+    (second passes), medians (code_steps: the region's size)."""
+    out = torch.zeros(3, dtype=torch.int64, device=dev)
+    flush = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    cold, l2, warm = [], [], []
+    for i in range(reps + 1):
+        flush.fill_(i & 0xFF)
+        for seen in (cold, l2):
+            kern.code.launch(1, THREADS, ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(i))
+            first, second, _ = (int(v) for v in out.tolist())
+            if i:  # the first round brings the module in
+                seen.append(float(first))
+                warm.append(float(second))
+    del flush
+    return {"code_steps": float(CODE_STEPS), "code_cold_ns": statistics.median(cold),
+            "code_l2_ns": statistics.median(l2), "code_warm_ns": statistics.median(warm)}
 
 
 def run(args, emit=lambda recs: None) -> list[dict]:
@@ -464,7 +512,8 @@ def floor_table(records: list[dict]) -> list[str]:
         out += ["", "| SM clock GHz | block barrier ns | L2 load ns | atomic add ns | store + fence.sc.sys ns "
                 "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
                 "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns | 16 B store, volatile ns "
-                "| 16 B store ns | pause ns | flag round, tight ns | flag round, paused ns |",
+                "| 16 B store ns | pause ns | flag round, tight ns | flag round, paused ns | code steps "
+                "| code, first pass, L2 flushed ns | code, first pass ns | code, second pass ns |",
                 "|" + "---|" * len(PRIMITIVE_FIELDS)]
         if r.get("error"):
             out.append(f"| failed: {r['error']} |" + " – |" * (len(PRIMITIVE_FIELDS) - 1))

@@ -143,6 +143,7 @@ def test_floor_primitives_fields_and_table():
     assert late["flag_round_tight_ns"] is None and late["flag_round_pause_ns"] is None
     order = torch.tensor([3, 0, 2, 1])
     assert floor.cycle(order).tolist() == [2, 3, 1, 0]  # 3 -> 0 -> 2 -> 1 -> 3: one cycle through every word
+    got.update(code_steps=1024.0, code_cold_ns=9000.0, code_l2_ns=3000.0, code_warm_ns=700.0)
     prim = floor.record(META, {"method": "primitives", "blocks": 1}, **got, blocks_launched=1)
     assert set(floor.PRIMITIVE_FIELDS) <= set(prim) and prim["error"] is None
     ping = floor.record(META, {"method": "pingpong", "rounds": 10}, round_trip_us=2.0, one_way_us=1.0)
@@ -150,7 +151,9 @@ def test_floor_primitives_fields_and_table():
     lines = floor.floor_table([prim, ping])
     assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |" and lines[3] == ""
     assert lines[4].startswith("| SM clock GHz | block barrier ns | L2 load ns |")
-    assert lines[6] == "| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 | 45 | 400 | 1400 |"
+    assert lines[6] == ("| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 | 45 | 400 "
+                        "| 1400 | 1024 | 9000 | 3000 | 700 |")
+    assert lines[4].count("|") == lines[6].count("|")  # a header per field
     bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
     assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
 

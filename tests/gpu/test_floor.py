@@ -86,6 +86,10 @@ def test_primitives_are_timed(floor_parts):
         assert 0 < got["store16_ns"] < 5000 and 0 < got["store16_volatile_ns"] < 5000
         assert 0 < got["pause_ns"] < 100000
         assert 0 < got["flag_round_tight_ns"] < 100000 and 0 < got["flag_round_pause_ns"] < 100000
+        # the code region: its second pass runs cached instructions, its first ones fetch them (no faster)
+        assert got["code_steps"] == floor.CODE_STEPS
+        assert 0 < got["code_warm_ns"] <= min(got["code_l2_ns"], got["code_cold_ns"])
+        assert max(got["code_l2_ns"], got["code_cold_ns"]) < 1e6
         assert got["blocks_launched"] == 1
     run_collective(check)
 
