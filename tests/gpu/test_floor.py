@@ -86,10 +86,12 @@ def test_primitives_are_timed(floor_parts):
         assert 0 < got["store16_ns"] < 5000 and 0 < got["store16_volatile_ns"] < 5000
         assert 0 < got["pause_ns"] < 100000
         assert 0 < got["flag_round_tight_ns"] < 100000 and 0 < got["flag_round_pause_ns"] < 100000
-        # the code region: its second pass runs cached instructions, its first ones fetch them (no faster)
+        # the code region ran whole on every pass: ~3 instructions a step, one warp issuing at most one a cycle (at
+        # most 4 GHz); no order between the passes is asserted (on an H100 all three took 3.4 µs: fetching the code
+        # costs nothing measurable)
         assert got["code_steps"] == floor.CODE_STEPS
-        assert 0 < got["code_warm_ns"] <= min(got["code_l2_ns"], got["code_cold_ns"])
-        assert max(got["code_l2_ns"], got["code_cold_ns"]) < 1e6
+        for f in ("code_cold_ns", "code_l2_ns", "code_warm_ns"):
+            assert 3 * floor.CODE_STEPS / 4.0 < got[f] < 1e6, (f, got[f])
         assert got["blocks_launched"] == 1
     run_collective(check)
 
