@@ -94,3 +94,28 @@ def test_a_training_step_is_five_launches_within_its_call_budget():
                        "epg_combine_ll"], kernels
     assert 0 < n["epgen"] <= STEP_BUDGET, n
     assert torch.is_grad_enabled()
+
+
+def test_the_standalone_placement_records_its_end_in_the_ops_state():
+    """grouped_place on the op's own buffers is given the address of the slot's state word grouped_end (its block 0
+    writes the layout's end there: a later dispatch tail re-marks the rows from it); on a fresh layout's outputs it
+    is given none (the op's own rows are untouched)."""
+    from generator.abi import STATE_WORDS
+
+    with standin_device() as log:
+        op, x, w, idx = host_cost.build(1, hidden=64, experts=16)
+        try:
+            be = op._backend
+            be.one_kernel = "never"  # dispatch_ll, then the standalone grouped_place
+
+            def place_args(call) -> dict:
+                n = len(log)
+                call()
+                places = [a for sym, _, _, a in log[n:] if sym.startswith("epg_grouped_place")]
+                assert len(places) == 1, [entry[0] for entry in log[n:]]
+                return places[0].as_dict()
+            word = be.state.data_ptr() + 4 * STATE_WORDS.index("grouped_end")
+            assert place_args(lambda: op.dispatch_grouped(x, w, None, idx))["grouped_end"] == word
+            assert place_args(lambda: op.dispatch_grouped(x, w, None, idx, fresh=True))["grouped_end"] == 0
+        finally:
+            op.close()
