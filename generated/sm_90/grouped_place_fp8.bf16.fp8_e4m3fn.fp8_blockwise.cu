@@ -603,8 +603,8 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
     epg_grouped_count_here(g, sh, sm);
   }
   const int end = epg_grouped_bounds(g, sh);
-  // every row past this layout's end is marked below: the op's grouped_end, which a later dispatch tail or grouped
-  // receive reads to know which rows to re-mark (its own layout's buffers only)
+  // every row past this layout's end is marked below: the op's grouped_end, which a later dispatch tail reads to know
+  // which rows to re-mark (its own layout's buffers only)
   if (grouped_end != nullptr && epg_block() == 0 && epg_thread() == 0) *grouped_end = end;
   (void)out_scales;
   const int lane = epg_lane(), waves = epg_block_dim() / EPG_WAVE;

@@ -311,7 +311,7 @@ def test_a_one_kernel_dispatch_after_the_separate_passes_marks_their_rows(mode, 
     """The standalone placement (a graph's, or one_kernel "never"'s) fills rows up to its layout's end and marks every
     row past it; a later one-kernel dispatch of a smaller batch (dispatch_ll's tail) must re-mark the rows between its
     end and that one's, which held pair ids and experts: the placement records its end in the op's state
-    (grouped_end), which the tail reads. Both placements' layouts also match the torch backend's groups."""
+    (grouped_end), which the tail reads. The small layout's rows below its end hold exactly its own pairs."""
     def check():
         with EpDispatchCombineOp(_cfg("native", mode, tokens, intranode_protocol="ll")) as op:
             be = op._backend
