@@ -40,7 +40,8 @@
 # SPIN_AB=1 (at W = 1, scripts/grouped_profile.py (SPIN_AB_ARGS), bench --floor and scripts/phase_trace.py
 # (SPIN_AB_PHASE_ARGS) built with sm_90's spin_polls = 0 (each wait pausing after every miss), then with
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
-# PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
+# AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run there
+# first, without tests, into $OUT/base/, then here: an A/B on one machine), PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
 # dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
@@ -54,6 +55,10 @@ NPROC=${NPROC:-$((ngpu * RANKS_PER_GPU))}  # ranks of the multi-rank runs (more 
 OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngpu GPU(s): oversubscribed, correctness only (no benches)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
+if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
+  (cd "$AB_BASE" && AB_BASE= OUT="$OUT/base" NO_TESTS=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  status[base]=${PIPESTATUS[0]}
+fi
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
 tail -3 "$OUT/build.log"
 if [ -z "${NO_TESTS:-}" ]; then
@@ -216,4 +221,4 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
 echo "== summary"
-for k in build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done

@@ -54,6 +54,7 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_shared_or64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP); }  // a block's shared word
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -94,6 +95,19 @@ EPG_DEVICE float epg_mul_rn(float a, float b) {
 // constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
 EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
+// Division by a value fixed for the whole kernel (an argument: experts per rank, the alignment). A division by a
+// variable has no instruction: it is a ~20-instruction dependent chain (a reciprocal, conversions, multiply-highs and
+// fix-ups), which a small batch's serial steps pay over and over. Here m = floor((2^32 - 1) / d) is worked out once;
+// then for every 32-bit n the high word of n * m is n / d or one less (n * (1/d - m / 2^32) < 1), fixed by one compare.
+struct EpgDiv {
+  epg_u32 d, m;
+  EPG_DEVICE explicit EpgDiv(epg_u32 divisor) : d(divisor), m(0xffffffffu / divisor) {}  // divisor >= 1
+  EPG_DEVICE epg_u32 div(epg_u32 n) const {
+    const epg_u32 q = (epg_u32)(((epg_u64)n * m) >> 32);
+    return n - q * d >= d ? q + 1u : q;
+  }
+  EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);

@@ -54,6 +54,7 @@ EPG_DEVICE void epg_fence_release_sys() { __builtin_amdgcn_fence(__ATOMIC_RELEAS
 EPG_DEVICE void epg_fence_acq_rel_dev() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+EPG_DEVICE void epg_shared_or64(epg_u64* p, epg_u64 v) { __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP); }  // a block's shared word
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); }
 EPG_DEVICE void epg_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -94,6 +95,19 @@ EPG_DEVICE float epg_mul_rn(float a, float b) {
 // constant 100 MHz "steady" counter (s_memrealtime / REALTIME message)
 EPG_DEVICE epg_u64 epg_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
+// Division by a value fixed for the whole kernel (an argument: experts per rank, the alignment). A division by a
+// variable has no instruction: it is a ~20-instruction dependent chain (a reciprocal, conversions, multiply-highs and
+// fix-ups), which a small batch's serial steps pay over and over. Here m = floor((2^32 - 1) / d) is worked out once;
+// then for every 32-bit n the high word of n * m is n / d or one less (n * (1/d - m / 2^32) < 1), fixed by one compare.
+struct EpgDiv {
+  epg_u32 d, m;
+  EPG_DEVICE explicit EpgDiv(epg_u32 divisor) : d(divisor), m(0xffffffffu / divisor) {}  // divisor >= 1
+  EPG_DEVICE epg_u32 div(epg_u32 n) const {
+    const epg_u32 q = (epg_u32)(((epg_u64)n * m) >> 32);
+    return n - q * d >= d ? q + 1u : q;
+  }
+  EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
@@ -492,7 +506,7 @@ EPG_DEVICE int epg_dispatch_first_k(const EpArgs& a, epg_i64 it, int me) {
     const bool in = jj < a.k;
     const int ee = in ? ((const int*)a.indices)[t * a.k + jj] : 0;
     const bool ok = ee >= 0 && ee < a.num_experts;
-    const bool mine = in && ok && ee / (int)a.experts_per_rank == r;
+    const bool mine = in && ok && (int)EpgDiv((epg_u32)a.experts_per_rank).div((epg_u32)ee) == r;
     const epg_u64 m = epg_ballot(mine);
     if (jf < 0 && m) jf = j0 + epg_popc((m & (~m + 1)) - 1);  // the lowest lane naming rank r
     if (in && first_wave) {
@@ -629,39 +643,42 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
 
 // The groups, worked out by every block from the per-expert counts (in expert order: start_e, kept_e =
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); with publish, block 0 publishes
-// offs, kept counts and drops (g.offs, g.kept_counts, g.dropped). One wave: each lane takes `per` consecutive experts, a wave-wide prefix of the lanes'
-// padded sums (shuffles: no block barrier per step) gives every group's start. Exact while no group reaches past
-// the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the recurrence
-// serially. Returns the end of the last group.
+// offs, kept counts and drops (g.offs, g.kept_counts, g.dropped). Every thread of the block takes `per` consecutive
+// experts (one while the experts fit the block), a block-wide prefix of the threads' padded sums (a wave prefix by
+// shuffles, then the waves below) gives every group's start: a few short steps, where one wave taking eight experts
+// a lane ran sixteen dependent divisions in a row (~1.2 us at one token on an H200). Exact while no group reaches
+// past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the
+// recurrence serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
-  const int tid = epg_thread(), nt = epg_block_dim();
-  const int E = (int)g.num_local, A = (int)g.align;
-  if (tid < EPG_WAVE) {
-    const int lane = tid, per = (E + EPG_WAVE - 1) / EPG_WAVE;
-    const int lo = lane * per < E ? lane * per : E, hi = lo + per < E ? lo + per : E;
-    int mine = 0;
-    for (int e = lo; e < hi; ++e) {
-      const int c = g.counts[e];
-      sh.kept[e] = c;
-      mine += (c + A - 1) / A * A;
-    }
-    int incl = mine;  // inclusive prefix over the lanes
-    for (int d = 1; d < EPG_WAVE; d <<= 1) {
-      const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
-      if (lane >= d) incl += below;
-    }
-    int here = incl - mine;
-    bool over = false;
-    for (int e = lo; e < hi; ++e) {
-      const int c = sh.kept[e];
-      if ((epg_i64)here + c > g.capacity) over = true;
-      sh.start[e] = here;
-      here += (c + A - 1) / A * A;
-      sh.end[e] = here;
-    }
-    const bool any = epg_ballot(over) != 0ull;
-    if (lane == 0) sh.over = any ? 1 : 0;
+  const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE;
+  const int E = (int)g.num_local;
+  const EpgDiv A((epg_u32)g.align);
+  const int per = (E + nt - 1) / nt;
+  const int lo = tid * per < E ? tid * per : E, hi = lo + per < E ? lo + per : E;
+  int mine = 0;
+  for (int e = lo; e < hi; ++e) mine += (int)A.round_up((epg_u32)g.counts[e]);
+  int incl = mine;  // inclusive prefix over the wave's lanes
+  for (int d = 1; d < EPG_WAVE; d <<= 1) {
+    const int below = (int)epg_shfl((epg_u32)incl, lane >= d ? lane - d : lane);
+    if (lane >= d) incl += below;
   }
+  if (tid == 0) sh.over = 0;
+  if (lane == EPG_WAVE - 1) sh.wave_sums[wave] = incl;
+  epg_syncthreads();
+  int here = incl - mine;
+#pragma unroll
+  for (int w = 0; w < EPG_GROUPED_MAX_THREADS / EPG_WAVE; ++w)
+    if (w < wave) here += sh.wave_sums[w];
+  bool over = false;
+  for (int e = lo; e < hi; ++e) {
+    const int c = g.counts[e];  // g.counts may be sh.kept (epg_grouped_count_here): each thread its own experts
+    if ((epg_i64)here + c > g.capacity) over = true;
+    sh.kept[e] = c;
+    sh.start[e] = here;
+    here += (int)A.round_up((epg_u32)c);
+    sh.end[e] = here;
+  }
+  if (over) sh.over = 1;
   epg_syncthreads();
   if (sh.over && tid == 0) {
     epg_i64 at = 0, lost = 0;

@@ -38,6 +38,7 @@ EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: 
 EPG_DEVICE void epg_fence_acq_rel_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }  // this GPU's blocks only
 EPG_DEVICE int epg_atomic_add_sys(int* p, int v) { return atomicAdd_system(p, v); }
 EPG_DEVICE int epg_atomic_add_dev(int* p, int v) { return atomicAdd(p, v); }
+EPG_DEVICE void epg_shared_or64(epg_u64* p, epg_u64 v) { atomicOr(p, v); }  // a block's shared word
 EPG_DEVICE void epg_st_release_sys(int* p, int v) { asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 EPG_DEVICE int epg_ld_acquire_sys(const int* p) { int v; asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 EPG_DEVICE void epg_pause() { __nanosleep(32); }
@@ -65,6 +66,19 @@ EPG_DEVICE float epg_add_product(float acc, float w, float f) { return __fadd_rn
 EPG_DEVICE float epg_mul_rn(float a, float b) { return __fmul_rn(a, b); }
 EPG_DEVICE epg_u64 epg_clock_ns() { epg_u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 // ---- portable helpers (every target; built only on the target library's primitives) ----------
+// Division by a value fixed for the whole kernel (an argument: experts per rank, the alignment). A division by a
+// variable has no instruction: it is a ~20-instruction dependent chain (a reciprocal, conversions, multiply-highs and
+// fix-ups), which a small batch's serial steps pay over and over. Here m = floor((2^32 - 1) / d) is worked out once;
+// then for every 32-bit n the high word of n * m is n / d or one less (n * (1/d - m / 2^32) < 1), fixed by one compare.
+struct EpgDiv {
+  epg_u32 d, m;
+  EPG_DEVICE explicit EpgDiv(epg_u32 divisor) : d(divisor), m(0xffffffffu / divisor) {}  // divisor >= 1
+  EPG_DEVICE epg_u32 div(epg_u32 n) const {
+    const epg_u32 q = (epg_u32)(((epg_u64)n * m) >> 32);
+    return n - q * d >= d ? q + 1u : q;
+  }
+  EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
