@@ -683,8 +683,9 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
 // min(count_e, capacity - start_e), the group padded to a multiple of `align` rows); with publish, block 0 publishes
 // offs, kept counts and drops (g.offs, g.kept_counts, g.dropped). Every thread of the block takes `per` consecutive
 // experts (one while the experts fit the block), a block-wide prefix of the threads' padded sums (a wave prefix by
-// shuffles, then the waves below) gives every group's start: a few short steps, where one wave taking eight experts
-// a lane ran sixteen dependent divisions in a row (~1.2 us at one token on an H200). Exact while no group reaches
+// shuffles, then the waves below) gives every group's start, the padding by the alignment a multiply-high (EpgDiv); one wave taking
+// eight experts a lane ran sixteen dependent divisions in a row (the tail's bounds at one token: 1.63 -> 1.32 us on an
+// H100; most of what is left is fetching its code, docs/PERF.md). Exact while no group reaches
 // past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the
 // recurrence serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
