@@ -1054,13 +1054,21 @@ EPG_KERNEL void epg_dispatch_ll__fp4_e2m1__intranode(EpArgs a) {
     const epg_u32* xs = (const epg_u32*)((const char*)a.x + t * a.row_bytes);
     epg_u32 w[EPG_LL_UNIT][3];
 #pragma unroll
-    for (int q = 0; q < EPG_LL_UNIT; ++q) {
+    for (int q = 0; q < EPG_LL_UNIT; ++q) {  // payload: three words of x
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
-      if (vv >= nv) continue;
-      if (3 * vv + 2 < P) {  // payload: three words of x
+      if (vv < nv && 3 * vv + 2 < P) {
         w[q][0] = xs[3 * vv]; w[q][1] = xs[3 * vv + 1]; w[q][2] = xs[3 * vv + 2];
-      } else {
-        for (int e = 0; e < 3; ++e) w[q][e] = epg_ll_row_word(a, t, 3 * vv + e, P, S);
+      }
+    }
+    // the message's other words (the payload's last partial vector, scales, ids, weights, source token) in the row's
+    // last unit only, after the payload's loads: the unrolled loop above stays one straight run of code (a small
+    // batch's steps pay for every jump into code not fetched yet in the launch: docs/PERF.md)
+    if (3 * ((epg_i64)(c + 1) * per_unit) > P) {  // uniform over the wave
+#pragma unroll
+      for (int q = 0; q < EPG_LL_UNIT; ++q) {
+        const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
+        if (vv < nv && 3 * vv + 2 >= P)
+          for (int e = 0; e < 3; ++e) w[q][e] = epg_ll_row_word(a, t, 3 * vv + e, P, S);
       }
     }
 #pragma unroll
