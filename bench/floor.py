@@ -36,7 +36,10 @@ cuda_driver_api, torch, world_size, target, sms):
                 first time: a straight-line region of code_steps independent integer steps (~3 instructions each,
                 eight chains) timed on its first pass after the L2 was flushed (code_cold_ns: a 128 MB write
                 between launches), on its first pass right after an identical launch (code_l2_ns) and on its
-                second pass in the launch (code_warm_ns: the instructions cached). The terms a 1-token kernel's
+                second pass in the launch (code_warm_ns: the instructions cached); and (epg_floor_jumps) the same
+                steps in code_jumps blocks, each one side of a branch whose other side lies in between, as a
+                kernel's hot path jumps over its inlined cold paths: its first pass in a launch
+                (code_jumps_first_ns) and its second (code_jumps_second_ns). The terms a 1-token kernel's
                 phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
@@ -239,16 +242,53 @@ extern "C" __global__ void epg_floor_code(unsigned long long* out, unsigned seed
   }
   out[2] = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
 }
+// the same, with the code_steps steps in JUMP_BLOCKS blocks, each one side of a branch on a bit of `sel` (fixed for the
+// launch, so both passes take the same sides): every block's run starts with a jump into code laid out past the other
+// side's, as a kernel's hot path jumps over its inlined cold paths
+extern "C" __global__ void epg_floor_jumps(unsigned long long* out, unsigned seed, unsigned sel) {
+  if (threadIdx.x || blockIdx.x) return;
+  unsigned a0 = seed, a1 = seed + 1u, a2 = seed + 2u, a3 = seed + 3u, a4 = seed + 4u, a5 = seed + 5u, a6 = seed + 6u,
+           a7 = seed + 7u;
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const unsigned long long t0 = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7);
+    a0 ^= (unsigned)t0;
+@JUMP_BLOCKS@
+    out[pass] = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7) - t0;
+  }
+  out[2] = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
+}
 """
 CODE_STEPS = 1024  # the code region's steps (~3 SASS instructions each on sm_90: ~48 KB, dispatch_ll's size)
 FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_STEPS@", "\n".join(
     f"    a{i % 8} = (a{i % 8} ^ (a{i % 8} >> {7 + i % 5}u)) * {0x9E3779B1 + 2 * i}u;" for i in range(CODE_STEPS)))
-SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code")
+JUMP_BLOCKS = 64  # the branchy region's blocks (CODE_STEPS / JUMP_BLOCKS steps a side, ~0.8 KB of SASS)
+JUMP_SEL = 0x5A5A5A5A  # the sides taken: bit (block % 32)
+
+
+def _step(i: int, salt: int) -> str:
+    return f"a{i % 8} = (a{i % 8} ^ (a{i % 8} >> {7 + i % 5}u)) * {0x9E3779B1 + 2 * i + salt}u;"
+
+
+def _jump_blocks() -> str:
+    per = CODE_STEPS // JUMP_BLOCKS
+    out = []
+    for b in range(JUMP_BLOCKS):
+        taken = " ".join(_step(b * per + j, 0) for j in range(per))
+        other = " ".join(_step(b * per + j, 0x10000) for j in range(per))
+        out.append(f"    if ((sel >> {b % 32}) & 1u) {{ {taken} }} else {{ {other} }}")
+    return "\n".join(out)
+
+
+FLOOR_KERNELS = FLOOR_KERNELS.replace("@JUMP_BLOCKS@", _jump_blocks())
+SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code",
+           "epg_floor_jumps")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
                     "hbm_load_ns", "store16_volatile_ns", "store16_ns", "pause_ns", "flag_round_tight_ns",
-                    "flag_round_pause_ns", "code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns")
+                    "flag_round_pause_ns", "code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns", "code_jumps",
+                    "code_jumps_first_ns", "code_jumps_second_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -297,10 +337,11 @@ class Kernels:
         if not arch.startswith("sm_"):
             raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
         image = compile_source(arch, FLOOR_KERNELS, "floor")
-        self.pingpong, self.signal, self.empty, self.primitives, self.code = (CudaKernel(image, s) for s in SYMBOLS)
+        self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps = (
+            CudaKernel(image, s) for s in SYMBOLS)
 
     def close(self):
-        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code):
+        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps):
             k.close()
 
 
@@ -449,8 +490,17 @@ def code_costs(kern: Kernels, dev, reps: int) -> dict:
             if i:  # the first round brings the module in
                 seen.append(float(first))
                 warm.append(float(second))
+    first, second = [], []
+    for i in range(reps + 1):  # the branchy region (epg_floor_jumps), its code in L2 from the launch before
+        kern.jumps.launch(1, THREADS, ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(i), ctypes.c_uint32(JUMP_SEL))
+        a, b, _ = (int(v) for v in out.tolist())
+        if i:
+            first.append(float(a))
+            second.append(float(b))
     return {"code_steps": float(CODE_STEPS), "code_cold_ns": statistics.median(cold),
-            "code_l2_ns": statistics.median(l2), "code_warm_ns": statistics.median(warm)}
+            "code_l2_ns": statistics.median(l2), "code_warm_ns": statistics.median(warm),
+            "code_jumps": float(JUMP_BLOCKS), "code_jumps_first_ns": statistics.median(first),
+            "code_jumps_second_ns": statistics.median(second)}
 
 
 def run(args, emit=lambda recs: None) -> list[dict]:
@@ -515,7 +565,8 @@ def floor_table(records: list[dict]) -> list[str]:
                 "| store + fence.acq_rel.sys ns | timer read ns | a launch's first load ns | its first barrier ns "
                 "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns | 16 B store, volatile ns "
                 "| 16 B store ns | pause ns | flag round, tight ns | flag round, paused ns | code steps "
-                "| code, first pass, L2 flushed ns | code, first pass ns | code, second pass ns |",
+                "| code, first pass, L2 flushed ns | code, first pass ns | code, second pass ns | branchy blocks "
+                "| branchy code, first pass ns | branchy code, second pass ns |",
                 "|" + "---|" * len(PRIMITIVE_FIELDS)]
         if r.get("error"):
             out.append(f"| failed: {r['error']} |" + " – |" * (len(PRIMITIVE_FIELDS) - 1))

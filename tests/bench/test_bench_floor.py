@@ -143,7 +143,8 @@ def test_floor_primitives_fields_and_table():
     assert late["flag_round_tight_ns"] is None and late["flag_round_pause_ns"] is None
     order = torch.tensor([3, 0, 2, 1])
     assert floor.cycle(order).tolist() == [2, 3, 1, 0]  # 3 -> 0 -> 2 -> 1 -> 3: one cycle through every word
-    got.update(code_steps=1024.0, code_cold_ns=9000.0, code_l2_ns=3000.0, code_warm_ns=700.0)
+    got.update(code_steps=1024.0, code_cold_ns=9000.0, code_l2_ns=3000.0, code_warm_ns=700.0, code_jumps=64.0,
+               code_jumps_first_ns=12000.0, code_jumps_second_ns=800.0)
     prim = floor.record(META, {"method": "primitives", "blocks": 1}, **got, blocks_launched=1)
     assert set(floor.PRIMITIVE_FIELDS) <= set(prim) and prim["error"] is None
     ping = floor.record(META, {"method": "pingpong", "rounds": 10}, round_trip_us=2.0, one_way_us=1.0)
@@ -152,7 +153,7 @@ def test_floor_primitives_fields_and_table():
     assert lines[2] == "| pingpong | – | 2.00 | 1.00 | – | – | – |" and lines[3] == ""
     assert lines[4].startswith("| SM clock GHz | block barrier ns | L2 load ns |")
     assert lines[6] == ("| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 | 45 | 400 "
-                        "| 1400 | 1024 | 9000 | 3000 | 700 |")
+                        "| 1400 | 1024 | 9000 | 3000 | 700 | 64 | 12000 | 800 |")
     assert lines[4].count("|") == lines[6].count("|")  # a header per field
     bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
     assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
@@ -170,6 +171,7 @@ def test_floor_arguments_are_validated(argv, msg):
 def test_floor_kernels_compile_for_sm90a():
     from bench.kernels import compile_source
 
+    assert floor.CODE_STEPS % floor.JUMP_BLOCKS == 0 and floor.FLOOR_KERNELS.count("if ((sel >> ") == floor.JUMP_BLOCKS
     cubin = compile_source("sm_90", floor.FLOOR_KERNELS, "floor")
     assert cubin[:4] == b"\x7fELF" and all(s.encode() in cubin for s in floor.SYMBOLS)
 

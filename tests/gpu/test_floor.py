@@ -92,6 +92,10 @@ def test_primitives_are_timed(floor_parts):
         assert got["code_steps"] == floor.CODE_STEPS
         for f in ("code_cold_ns", "code_l2_ns", "code_warm_ns"):
             assert 3 * floor.CODE_STEPS / 4.0 < got[f] < 1e6, (f, got[f])
+        # the branchy region ran whole on both passes; no order asserted here either (bench --floor reports it)
+        assert got["code_jumps"] == floor.JUMP_BLOCKS
+        for f in ("code_jumps_first_ns", "code_jumps_second_ns"):
+            assert 3 * floor.CODE_STEPS / 4.0 < got[f] < 1e6, (f, got[f])
         assert got["blocks_launched"] == 1
     run_collective(check)
 
