@@ -693,9 +693,9 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
 // experts (one while the experts fit the block), a block-wide prefix of the threads' padded sums (a wave prefix by
 // shuffles, then the waves below) gives every group's start, the padding by the alignment a multiply-high (EpgDiv); one wave taking
 // eight experts a lane ran sixteen dependent divisions in a row (the tail's bounds at one token: 1.63 -> 1.32 us on an
-// H100; most of what is left is fetching its code, docs/PERF.md). Exact while no group reaches
-// past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the
-// recurrence serially. Returns the end of the last group.
+// H100; what is left runs twice as fast the second time in a launch, not yet explained: docs/PERF.md). Exact while no
+// group reaches past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs
+// the recurrence serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
   const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE;
   const int E = (int)g.num_local;

@@ -705,9 +705,9 @@ EPG_DEVICE void epg_grouped_count_here(EpgGrouped& g, EpgGroupedShared& sh, EpgG
 // experts (one while the experts fit the block), a block-wide prefix of the threads' padded sums (a wave prefix by
 // shuffles, then the waves below) gives every group's start, the padding by the alignment a multiply-high (EpgDiv); one wave taking
 // eight experts a lane ran sixteen dependent divisions in a row (the tail's bounds at one token: 1.63 -> 1.32 us on an
-// H100; most of what is left is fetching its code, docs/PERF.md). Exact while no group reaches
-// past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs the
-// recurrence serially. Returns the end of the last group.
+// H100; what is left runs twice as fast the second time in a launch, not yet explained: docs/PERF.md). Exact while no
+// group reaches past the capacity (the default capacity, the worst case, never does); when one does, thread 0 runs
+// the recurrence serially. Returns the end of the last group.
 EPG_DEVICE int epg_grouped_bounds(const EpgGrouped& g, EpgGroupedShared& sh, bool publish = true) {
   const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE;
   const int E = (int)g.num_local;
@@ -1085,8 +1085,8 @@ EPG_KERNEL void epg_dispatch_ll__fp4_e2m1__intranode(EpArgs a) {
       }
     }
     // the message's other words (the payload's last partial vector, scales, ids, weights, source token) in the row's
-    // last unit only, after the payload's loads: the unrolled loop above stays one straight run of code (a small
-    // batch's steps pay for every jump into code not fetched yet in the launch: docs/PERF.md)
+    // last unit only, after the payload's loads: the unrolled loop above runs as straight code, with no branch per
+    // vector into an inlined copy of the word-by-word path (7.74 -> 7.30 us at eight tokens on an H100: docs/PERF.md)
     if (3 * ((epg_i64)(c + 1) * per_unit) > P) {  // uniform over the wave
 #pragma unroll
       for (int q = 0; q < EPG_LL_UNIT; ++q) {
