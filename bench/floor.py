@@ -223,64 +223,59 @@ extern "C" __global__ void epg_floor_primitives(const unsigned* chain, unsigned*
   out[16] = now_ns() - t0;
   out[8] = p ^ v ^ x ^ first ^ q ^ r ^ b;
 }
-// one thread runs a straight-line region of CODE_STEPS steps (xorshift and multiply on eight independent chains:
-// nothing folds) twice: out[0] ns of its first pass (its instructions fetched), out[1] of its second (cached); out[2]
-// keeps the chains live. The timer reads are tied to the chains' values (asm inputs), so no step moves across them.
+// one thread runs a code region twice: out[0] ns of its first pass, out[1] of its second; out[2] keeps the chains
+// live. The timer reads are tied to the chains' values (asm inputs), so no step moves across them. Two regions
+// (code_kernel below): epg_floor_code, straight-line (CODE_STEPS steps: xorshift and multiply on eight independent
+// chains, nothing folds), and epg_floor_jumps, the same steps in JUMP_BLOCKS blocks, each one side of a branch on a
+// bit of `sel` (fixed for the launch, so both passes take the same sides): every block's run starts with a jump into
+// code laid out past the other side's, as a kernel's hot path jumps over its inlined cold paths.
 __device__ __forceinline__ unsigned long long now_after(unsigned dep) {
   unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep)); return t;
 }
-extern "C" __global__ void epg_floor_code(unsigned long long* out, unsigned seed) {
-  if (threadIdx.x || blockIdx.x) return;
-  unsigned a0 = seed, a1 = seed + 1u, a2 = seed + 2u, a3 = seed + 3u, a4 = seed + 4u, a5 = seed + 5u, a6 = seed + 6u,
-           a7 = seed + 7u;
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    const unsigned long long t0 = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7);
-    a0 ^= (unsigned)t0;
-@CODE_STEPS@
-    out[pass] = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7) - t0;
-  }
-  out[2] = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
-}
-// the same, with the code_steps steps in JUMP_BLOCKS blocks, each one side of a branch on a bit of `sel` (fixed for the
-// launch, so both passes take the same sides): every block's run starts with a jump into code laid out past the other
-// side's, as a kernel's hot path jumps over its inlined cold paths
-extern "C" __global__ void epg_floor_jumps(unsigned long long* out, unsigned seed, unsigned sel) {
-  if (threadIdx.x || blockIdx.x) return;
-  unsigned a0 = seed, a1 = seed + 1u, a2 = seed + 2u, a3 = seed + 3u, a4 = seed + 4u, a5 = seed + 5u, a6 = seed + 6u,
-           a7 = seed + 7u;
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    const unsigned long long t0 = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7);
-    a0 ^= (unsigned)t0;
-@JUMP_BLOCKS@
-    out[pass] = now_after(a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7) - t0;
-  }
-  out[2] = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
-}
+@CODE_KERNELS@
 """
 CODE_STEPS = 1024  # the code region's steps (~3 SASS instructions each on sm_90: ~48 KB, dispatch_ll's size)
-FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_STEPS@", "\n".join(
-    f"    a{i % 8} = (a{i % 8} ^ (a{i % 8} >> {7 + i % 5}u)) * {0x9E3779B1 + 2 * i}u;" for i in range(CODE_STEPS)))
 JUMP_BLOCKS = 64  # the branchy region's blocks (CODE_STEPS / JUMP_BLOCKS steps a side, ~0.8 KB of SASS)
 JUMP_SEL = 0x5A5A5A5A  # the sides taken: bit (block % 32)
 
 
-def _step(i: int, salt: int) -> str:
+def _step(i: int, salt: int = 0) -> str:
     return f"a{i % 8} = (a{i % 8} ^ (a{i % 8} >> {7 + i % 5}u)) * {0x9E3779B1 + 2 * i + salt}u;"
 
 
-def _jump_blocks() -> str:
+def _code_kernel(name: str, params: str, body: list[str]) -> str:
+    """A one-thread kernel running `body` (lines of steps on the chains a0..a7) twice, each pass timed."""
+    chains = "a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7"
+    return "\n".join([
+        f'extern "C" __global__ void {name}(unsigned long long* out, unsigned seed{params}) {{',
+        "  if (threadIdx.x || blockIdx.x) return;",
+        "  unsigned a0 = seed, a1 = seed + 1u, a2 = seed + 2u, a3 = seed + 3u, a4 = seed + 4u, a5 = seed + 5u, "
+        "a6 = seed + 6u,",
+        "           a7 = seed + 7u;",
+        "#pragma unroll 1",
+        "  for (int pass = 0; pass < 2; ++pass) {",
+        f"    const unsigned long long t0 = now_after({chains});",
+        "    a0 ^= (unsigned)t0;",
+        *body,
+        f"    out[pass] = now_after({chains}) - t0;",
+        "  }",
+        f"  out[2] = {chains};",
+        "}"])
+
+
+def _jump_blocks() -> list[str]:
     per = CODE_STEPS // JUMP_BLOCKS
     out = []
     for b in range(JUMP_BLOCKS):
-        taken = " ".join(_step(b * per + j, 0) for j in range(per))
+        taken = " ".join(_step(b * per + j) for j in range(per))
         other = " ".join(_step(b * per + j, 0x10000) for j in range(per))
         out.append(f"    if ((sel >> {b % 32}) & 1u) {{ {taken} }} else {{ {other} }}")
-    return "\n".join(out)
+    return out
 
 
-FLOOR_KERNELS = FLOOR_KERNELS.replace("@JUMP_BLOCKS@", _jump_blocks())
+FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_KERNELS@", "\n".join([
+    _code_kernel("epg_floor_code", "", [f"    {_step(i)}" for i in range(CODE_STEPS)]),
+    _code_kernel("epg_floor_jumps", ", unsigned sel", _jump_blocks())]))
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code",
            "epg_floor_jumps")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")

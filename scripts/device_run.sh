@@ -40,9 +40,9 @@
 # SPIN_AB=1 (at W = 1, scripts/grouped_profile.py (SPIN_AB_ARGS), bench --floor and scripts/phase_trace.py
 # (SPIN_AB_PHASE_ARGS) built with sm_90's spin_polls = 0 (each wait pausing after every miss), then with
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
-# AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run there
-# first, without tests, into $OUT/base/, then here: an A/B on one machine), PHASE=1 (scripts/phase_trace.py at one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and
-# dispatch_direct's with --forms direct, records of kind
+# AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run
+# there first, without tests, into $OUT/base/, then here: an A/B on one machine), PHASE=1 (scripts/phase_trace.py at
+# one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
