@@ -39,7 +39,11 @@ cuda_driver_api, torch, world_size, target, sms):
                 second pass in the launch (code_warm_ns: the instructions cached); and (epg_floor_jumps) the same
                 steps in code_jumps blocks, each one side of a branch whose other side lies in between, as a
                 kernel's hot path jumps over its inlined cold paths: its first pass in a launch
-                (code_jumps_first_ns) and its second (code_jumps_second_ns). The terms a 1-token kernel's
+                (code_jumps_first_ns) and its second (code_jumps_second_ns); and (epg_floor_args) what reading
+                the launch's arguments costs: args_reads dependent reads of a 3.5 KB argument block 8 bytes apart
+                (args_dense_*) and 64 bytes apart (args_sparse_*), on their first pass in a launch and their
+                second, and, after one warp instruction that reads a word of every 64-byte line of the block
+                (args_prefetch_ns), their first pass (args_*_prefetched_ns). The terms a 1-token kernel's
                 phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
@@ -233,6 +237,43 @@ __device__ __forceinline__ unsigned long long now_after(unsigned dep) {
   unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep)); return t;
 }
 @CODE_KERNELS@
+// one thread reads launch arguments (the constant bank the driver fills per launch) in a dependent chain: each read's
+// offset waits for the chain (zero_after: 0 for all but one chain value, which ptxas cannot fold), so every read is
+// an LDC issued after the one before returned. ARGS_READS reads 8 bytes apart (dense: a few lines), then ARGS_READS
+// reads 64 bytes apart (sparse: a line each, from byte 512 of the block on), each region timed, twice (out[0..3]:
+// dense, sparse, dense, sparse). With `warm`, first one warp instruction reads a word of every 64-byte line of the
+// block (what a kernel's entry could do for its argument block), timed (out[4]). The EP kernels read their argument
+// block's fields (~9 lines of it) as LDCs and constant operands, first in each phase: this is what those reads cost
+// the first time in a launch and after.
+__device__ __forceinline__ unsigned zero_after(unsigned dep) { return dep == 0x5EEDF00Du ? 1u : 0u; }
+struct EpgFloorArgs { unsigned long long w[ARGS_WORDS]; };
+extern "C" __global__ void epg_floor_args(unsigned long long* out, unsigned seed, unsigned warm,
+                                          const __grid_constant__ EpgFloorArgs blk) {
+  if (blockIdx.x || threadIdx.x >= 32) return;
+  unsigned a = seed;
+  const unsigned long long tw = now_after(a);
+  if (warm) {
+    const unsigned line = threadIdx.x * 8u;  // lanes 0..31: lines 0..31, then lines 32..55 (lanes past wrap)
+    const unsigned v = (unsigned)blk.w[line] ^ (unsigned)blk.w[(line + 256u) % ARGS_WORDS];
+    a ^= __reduce_xor_sync(0xffffffffu, v) & 1u;
+  }
+  if (threadIdx.x) return;
+  out[4] = now_after(a) - tw;
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const unsigned long long t0 = now_after(a);
+    a ^= (unsigned)t0;
+#pragma unroll
+    for (int i = 0; i < ARGS_READS; ++i) a = (a ^ (unsigned)blk.w[zero_after(a) + i]) * 0x9E3779B1u;
+    const unsigned long long t1 = now_after(a);
+#pragma unroll
+    for (int i = 0; i < ARGS_READS; ++i) a = (a ^ (unsigned)blk.w[zero_after(a) + 64 + 8 * i]) * 0x9E3779B1u;
+    const unsigned long long t2 = now_after(a);
+    out[2 * pass] = t1 - t0;
+    out[2 * pass + 1] = t2 - t1;
+  }
+  out[5] = a;
+}
 """
 CODE_STEPS = 1024  # the code region's steps (~3 SASS instructions each on sm_90: ~48 KB, dispatch_ll's size)
 JUMP_BLOCKS = 64  # the branchy region's blocks (CODE_STEPS / JUMP_BLOCKS steps a side, ~0.8 KB of SASS)
@@ -273,17 +314,22 @@ def _jump_blocks() -> list[str]:
     return out
 
 
+ARGS_WORDS = 448  # the argument block's 8-byte words (3584 bytes: with the other arguments under the 4 KB limit)
+ARGS_READS = 48  # reads per region: dense 8 bytes apart (384 bytes), sparse 64 bytes apart (from byte 512 on)
+FLOOR_KERNELS = FLOOR_KERNELS.replace("ARGS_WORDS", str(ARGS_WORDS)).replace("ARGS_READS", str(ARGS_READS))
 FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_KERNELS@", "\n".join([
     _code_kernel("epg_floor_code", "", [f"    {_step(i)}" for i in range(CODE_STEPS)]),
     _code_kernel("epg_floor_jumps", ", unsigned sel", _jump_blocks())]))
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code",
-           "epg_floor_jumps")
+           "epg_floor_jumps", "epg_floor_args")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
                     "hbm_load_ns", "store16_volatile_ns", "store16_ns", "pause_ns", "flag_round_tight_ns",
                     "flag_round_pause_ns", "code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns", "code_jumps",
-                    "code_jumps_first_ns", "code_jumps_second_ns")
+                    "code_jumps_first_ns", "code_jumps_second_ns", "args_reads", "args_dense_first_ns",
+                    "args_dense_second_ns", "args_sparse_first_ns", "args_sparse_second_ns", "args_prefetch_ns",
+                    "args_dense_prefetched_ns", "args_sparse_prefetched_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -332,11 +378,11 @@ class Kernels:
         if not arch.startswith("sm_"):
             raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
         image = compile_source(arch, FLOOR_KERNELS, "floor")
-        self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps = (
+        self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps, self.args = (
             CudaKernel(image, s) for s in SYMBOLS)
 
     def close(self):
-        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps):
+        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps, self.args):
             k.close()
 
 
@@ -459,7 +505,7 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
                                ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS),
                                ctypes.c_uint64(scratch.data_ptr()))
         samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
-    code = code_costs(kern, dev, reps)
+    code = {**code_costs(kern, dev, reps), **args_costs(kern, dev, reps)}
     got = {}
     for f in PRIMITIVE_FIELDS:
         if f in code:  # the code kernel's own medians
@@ -496,6 +542,34 @@ def code_costs(kern: Kernels, dev, reps: int) -> dict:
             "code_l2_ns": statistics.median(l2), "code_warm_ns": statistics.median(warm),
             "code_jumps": float(JUMP_BLOCKS), "code_jumps_first_ns": statistics.median(first),
             "code_jumps_second_ns": statistics.median(second)}
+
+
+def args_costs(kern: Kernels, dev, reps: int) -> dict:
+    """The argument-read kernel (epg_floor_args), --reps times each way (after an untimed launch): without the
+    prefetch (first and second passes over the dense and the sparse region) and with it (its own time, then the
+    first passes) -> medians of the ns per region (args_reads: the reads in each region)."""
+    out = torch.zeros(6, dtype=torch.int64, device=dev)
+    block = (ctypes.c_uint64 * ARGS_WORDS)(*((i * 2654435761) & 0xFFFFFFFF for i in range(ARGS_WORDS)))
+    seen: dict[str, list[float]] = {f: [] for f in ARGS_FIELDS}
+    for i in range(reps + 1):
+        for warm in (0, 1):
+            kern.args.launch(1, THREADS, ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(i), ctypes.c_uint32(warm),
+                             block)
+            dense0, sparse0, dense1, sparse1, prefetch, _ = (float(v) for v in out.tolist())
+            if not i:
+                continue
+            if warm:
+                seen["args_prefetch_ns"].append(prefetch)
+                seen["args_dense_prefetched_ns"].append(dense0)
+                seen["args_sparse_prefetched_ns"].append(sparse0)
+            else:
+                for f, v in zip(ARGS_FIELDS[:4], (dense0, dense1, sparse0, sparse1)):
+                    seen[f].append(v)
+    return {"args_reads": float(ARGS_READS), **{f: statistics.median(v) for f, v in seen.items()}}
+
+
+ARGS_FIELDS = ("args_dense_first_ns", "args_dense_second_ns", "args_sparse_first_ns", "args_sparse_second_ns",
+               "args_prefetch_ns", "args_dense_prefetched_ns", "args_sparse_prefetched_ns")
 
 
 def run(args, emit=lambda recs: None) -> list[dict]:
@@ -561,7 +635,9 @@ def floor_table(records: list[dict]) -> list[str]:
                 "| L2 load, relaxed.sys ns | L2 load, volatile ns | HBM load ns | 16 B store, volatile ns "
                 "| 16 B store ns | pause ns | flag round, tight ns | flag round, paused ns | code steps "
                 "| code, first pass, L2 flushed ns | code, first pass ns | code, second pass ns | branchy blocks "
-                "| branchy code, first pass ns | branchy code, second pass ns |",
+                "| branchy code, first pass ns | branchy code, second pass ns | argument reads a region "
+                "| dense arguments, first pass ns | dense, second pass ns | sparse arguments, first pass ns "
+                "| sparse, second pass ns | argument lines prefetched ns | dense after it ns | sparse after it ns |",
                 "|" + "---|" * len(PRIMITIVE_FIELDS)]
         if r.get("error"):
             out.append(f"| failed: {r['error']} |" + " – |" * (len(PRIMITIVE_FIELDS) - 1))

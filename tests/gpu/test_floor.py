@@ -96,6 +96,12 @@ def test_primitives_are_timed(floor_parts):
         assert got["code_jumps"] == floor.JUMP_BLOCKS
         for f in ("code_jumps_first_ns", "code_jumps_second_ns"):
             assert 3 * floor.CODE_STEPS / 4.0 < got[f] < 1e6, (f, got[f])
+        # the argument reads ran whole: each region's dependent reads take at least a few cycles each, every pass
+        assert got["args_reads"] == floor.ARGS_READS
+        for f in floor.ARGS_FIELDS:
+            if f != "args_prefetch_ns":  # one warp instruction: no lower bound
+                assert 2 * floor.ARGS_READS / 4.0 < got[f] < 1e6, (f, got[f])
+        assert 0 <= got["args_prefetch_ns"] < 1e6
         assert got["blocks_launched"] == 1
     run_collective(check)
 
