@@ -43,7 +43,12 @@ cuda_driver_api, torch, world_size, target, sms):
                 the launch's arguments costs: args_reads dependent reads of a 3.5 KB argument block 8 bytes apart
                 (args_dense_*) and 64 bytes apart (args_sparse_*), on their first pass in a launch and their
                 second, and, after one warp instruction that reads a word of every 64-byte line of the block
-                (args_prefetch_ns), their first pass (args_*_prefetched_ns). The terms a 1-token kernel's
+                (args_prefetch_ns), their first pass (args_*_prefetched_ns); and (epg_floor_drain, a block of
+                512) what stores left in flight cost the next step: a shared-memory step of eight rounds (a load
+                of another thread's word, a store, a block barrier) with no stores before it (drain_none_ns),
+                right after drain_stores 16-byte stores a thread (drain_stored_first_ns, its second pass
+                drain_stored_second_ns), and after the stores and a fence (drain_fence_ns, then
+                drain_fenced_ns). The terms a 1-token kernel's
                 phases are read against (docs/PERF.md).
 
 The kernels are bench-only: CUDA source here, compiled with the target's toolchain (bench.kernels.compile_source,
@@ -274,6 +279,43 @@ extern "C" __global__ void epg_floor_args(unsigned long long* out, unsigned seed
   }
   out[5] = a;
 }
+// a block of DRAIN_THREADS threads: each stores `stores` 16-byte vectors, a line apart (as a receive writes rows), then
+// the block runs a shared-memory step (DRAIN_ROUNDS rounds of a load of another thread's word, a store of it and a
+// block barrier, as a block prefix does) twice, thread 0 timing each pass (out[0], out[1]). mode 0: no stores; 1: the
+// stores, then the step at once; 2: the stores, then fence.acq_rel.gpu (out[2]: its time) and a barrier first. What
+// the stores a phase leaves in flight cost the next phase's first shared-memory step.
+extern "C" __global__ void epg_floor_drain(unsigned long long* out, uint4* scratch, int stores, int mode, unsigned seed) {
+  __shared__ unsigned sh[2][DRAIN_THREADS];
+  const unsigned tid = threadIdx.x;
+  sh[0][tid] = (tid * 2654435761u + seed) % DRAIN_THREADS;
+  __syncthreads();
+  if (mode) {
+    for (int i = 0; i < stores; ++i) {
+      uint4* at = scratch + ((unsigned)i * DRAIN_THREADS + tid) * 4u;
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(at), "r"(tid), "r"(seed), "r"(i), "r"(mode)
+                   : "memory");
+    }
+  }
+  if (mode == 2) {
+    const unsigned long long f0 = now_after(tid);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    if (tid == 0) out[2] = now_after(tid) - f0;
+    __syncthreads();
+  }
+  unsigned v = sh[0][tid];
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const unsigned long long t0 = now_after(v);
+#pragma unroll
+    for (int r = 0; r < DRAIN_ROUNDS; ++r) {
+      v = sh[r & 1][(v + tid) % DRAIN_THREADS];
+      sh[(r + 1) & 1][tid] = v;
+      __syncthreads();
+    }
+    if (tid == 0) out[pass] = now_after(v) - t0;
+  }
+  if (tid == 0) out[3] = v;
+}
 """
 CODE_STEPS = 1024  # the code region's steps (~3 SASS instructions each on sm_90: ~48 KB, dispatch_ll's size)
 JUMP_BLOCKS = 64  # the branchy region's blocks (CODE_STEPS / JUMP_BLOCKS steps a side, ~0.8 KB of SASS)
@@ -316,12 +358,14 @@ def _jump_blocks() -> list[str]:
 
 ARGS_WORDS = 448  # the argument block's 8-byte words (3584 bytes: with the other arguments under the 4 KB limit)
 ARGS_READS = 48  # reads per region: dense 8 bytes apart (384 bytes), sparse 64 bytes apart (from byte 512 on)
+DRAIN_THREADS, DRAIN_ROUNDS, DRAIN_STORES = 512, 8, 8  # the drain kernel's block, its step's rounds, stores a thread
 FLOOR_KERNELS = FLOOR_KERNELS.replace("ARGS_WORDS", str(ARGS_WORDS)).replace("ARGS_READS", str(ARGS_READS))
+FLOOR_KERNELS = FLOOR_KERNELS.replace("DRAIN_THREADS", str(DRAIN_THREADS)).replace("DRAIN_ROUNDS", str(DRAIN_ROUNDS))
 FLOOR_KERNELS = FLOOR_KERNELS.replace("@CODE_KERNELS@", "\n".join([
     _code_kernel("epg_floor_code", "", [f"    {_step(i)}" for i in range(CODE_STEPS)]),
     _code_kernel("epg_floor_jumps", ", unsigned sel", _jump_blocks())]))
 SYMBOLS = ("epg_floor_pingpong", "epg_floor_signal", "epg_floor_empty", "epg_floor_primitives", "epg_floor_code",
-           "epg_floor_jumps", "epg_floor_args")
+           "epg_floor_jumps", "epg_floor_args", "epg_floor_drain")
 METHODS = ("pingpong", "signal_graph", "empty_graph", "primitives")
 PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fence_sys_ns", "fence_release_sys_ns",
                     "timer_read_ns", "first_load_ns", "first_barrier_ns", "l2_load_sys_ns", "l2_load_volatile_ns",
@@ -329,7 +373,8 @@ PRIMITIVE_FIELDS = ("sm_clock_ghz", "barrier_ns", "l2_load_ns", "atomic_ns", "fe
                     "flag_round_pause_ns", "code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns", "code_jumps",
                     "code_jumps_first_ns", "code_jumps_second_ns", "args_reads", "args_dense_first_ns",
                     "args_dense_second_ns", "args_sparse_first_ns", "args_sparse_second_ns", "args_prefetch_ns",
-                    "args_dense_prefetched_ns", "args_sparse_prefetched_ns")
+                    "args_dense_prefetched_ns", "args_sparse_prefetched_ns", "drain_stores", "drain_none_ns",
+                    "drain_stored_first_ns", "drain_stored_second_ns", "drain_fence_ns", "drain_fenced_ns")
 PRIM_THREADS, PRIM_HOPS, PRIM_REPS, CHAIN_WORDS = 512, 1000, 1000, 16384
 BIG_CHAIN_WORDS = 1 << 26  # 256 MB: five times an H200's L2
 THREADS = 32
@@ -378,11 +423,11 @@ class Kernels:
         if not arch.startswith("sm_"):
             raise RuntimeError(f"the floor kernels are CUDA source: no build for {arch}")
         image = compile_source(arch, FLOOR_KERNELS, "floor")
-        self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps, self.args = (
-            CudaKernel(image, s) for s in SYMBOLS)
+        self.all = tuple(CudaKernel(image, s) for s in SYMBOLS)
+        self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps, self.args, self.drain = self.all
 
     def close(self):
-        for k in (self.pingpong, self.signal, self.empty, self.primitives, self.code, self.jumps, self.args):
+        for k in self.all:
             k.close()
 
 
@@ -505,7 +550,7 @@ def measure_primitives(kern: Kernels, dev, reps: int) -> dict:
                                ctypes.c_uint64(big.data_ptr()), ctypes.c_uint32(i * 2654435761 % BIG_CHAIN_WORDS),
                                ctypes.c_uint64(scratch.data_ptr()))
         samples.append(primitive_costs([int(v) for v in out.tolist()], PRIM_HOPS, PRIM_REPS))
-    code = {**code_costs(kern, dev, reps), **args_costs(kern, dev, reps)}
+    code = {**code_costs(kern, dev, reps), **args_costs(kern, dev, reps), **drain_costs(kern, dev, reps)}
     got = {}
     for f in PRIMITIVE_FIELDS:
         if f in code:  # the code kernel's own medians
@@ -568,8 +613,35 @@ def args_costs(kern: Kernels, dev, reps: int) -> dict:
     return {"args_reads": float(ARGS_READS), **{f: statistics.median(v) for f, v in seen.items()}}
 
 
+def drain_costs(kern: Kernels, dev, reps: int) -> dict:
+    """The drain kernel (epg_floor_drain), --reps times each mode (after an untimed round): its shared-memory step
+    with no stores before it (drain_none_ns), right after DRAIN_STORES stores a thread (first and second pass), and
+    after those stores and a fence (the fence's own time, then the step) -> medians, ns."""
+    out = torch.zeros(4, dtype=torch.int64, device=dev)
+    scratch = torch.zeros(DRAIN_STORES * DRAIN_THREADS * 16, dtype=torch.int32, device=dev)  # a 64-byte line a store
+    seen: dict[str, list[float]] = {f: [] for f in DRAIN_FIELDS}
+    for i in range(reps + 1):
+        for mode in (0, 1, 2):
+            kern.drain.launch(1, DRAIN_THREADS, ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(scratch.data_ptr()),
+                              ctypes.c_int32(DRAIN_STORES), ctypes.c_int32(mode), ctypes.c_uint32(i))
+            first, second, fence, _ = (float(v) for v in out.tolist())
+            if not i:
+                continue
+            if mode == 0:
+                seen["drain_none_ns"].append(first)
+            elif mode == 1:
+                seen["drain_stored_first_ns"].append(first)
+                seen["drain_stored_second_ns"].append(second)
+            else:
+                seen["drain_fence_ns"].append(fence)
+                seen["drain_fenced_ns"].append(first)
+    return {"drain_stores": float(DRAIN_STORES), **{f: statistics.median(v) for f, v in seen.items()}}
+
+
+DRAIN_FIELDS = ("drain_none_ns", "drain_stored_first_ns", "drain_stored_second_ns", "drain_fence_ns", "drain_fenced_ns")
 ARGS_FIELDS = ("args_dense_first_ns", "args_dense_second_ns", "args_sparse_first_ns", "args_sparse_second_ns",
-               "args_prefetch_ns", "args_dense_prefetched_ns", "args_sparse_prefetched_ns")
+               "args_prefetch_ns", "args_dense_prefetched_ns", "args_sparse_prefetched_ns", "drain_stores", "drain_none_ns",
+                    "drain_stored_first_ns", "drain_stored_second_ns", "drain_fence_ns", "drain_fenced_ns")
 
 
 def run(args, emit=lambda recs: None) -> list[dict]:
@@ -637,7 +709,9 @@ def floor_table(records: list[dict]) -> list[str]:
                 "| code, first pass, L2 flushed ns | code, first pass ns | code, second pass ns | branchy blocks "
                 "| branchy code, first pass ns | branchy code, second pass ns | argument reads a region "
                 "| dense arguments, first pass ns | dense, second pass ns | sparse arguments, first pass ns "
-                "| sparse, second pass ns | argument lines prefetched ns | dense after it ns | sparse after it ns |",
+                "| sparse, second pass ns | argument lines prefetched ns | dense after it ns | sparse after it ns "
+                "| stores a thread | block step, no stores ns | after stores, first pass ns | second pass ns "
+                "| fence after stores ns | block step after the fence ns |",
                 "|" + "---|" * len(PRIMITIVE_FIELDS)]
         if r.get("error"):
             out.append(f"| failed: {r['error']} |" + " – |" * (len(PRIMITIVE_FIELDS) - 1))

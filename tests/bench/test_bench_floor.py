@@ -146,7 +146,9 @@ def test_floor_primitives_fields_and_table():
     got.update(code_steps=1024.0, code_cold_ns=9000.0, code_l2_ns=3000.0, code_warm_ns=700.0, code_jumps=64.0,
                code_jumps_first_ns=12000.0, code_jumps_second_ns=800.0, args_reads=48.0, args_dense_first_ns=2500.0,
                args_dense_second_ns=1500.0, args_sparse_first_ns=9000.0, args_sparse_second_ns=1600.0,
-               args_prefetch_ns=700.0, args_dense_prefetched_ns=1550.0, args_sparse_prefetched_ns=1650.0)
+               args_prefetch_ns=700.0, args_dense_prefetched_ns=1550.0, args_sparse_prefetched_ns=1650.0,
+               drain_stores=8.0, drain_none_ns=900.0, drain_stored_first_ns=2100.0, drain_stored_second_ns=950.0,
+               drain_fence_ns=1200.0, drain_fenced_ns=910.0)
     prim = floor.record(META, {"method": "primitives", "blocks": 1}, **got, blocks_launched=1)
     assert set(floor.PRIMITIVE_FIELDS) <= set(prim) and prim["error"] is None
     ping = floor.record(META, {"method": "pingpong", "rounds": 10}, round_trip_us=2.0, one_way_us=1.0)
@@ -156,7 +158,7 @@ def test_floor_primitives_fields_and_table():
     assert lines[4].startswith("| SM clock GHz | block barrier ns | L2 load ns |")
     assert lines[6] == ("| 1.98 | 40 | 600 | 900 | 1500 | 1300 | 30 | 800 | 50 | 650 | 700 | 2000 | 90 | 20 | 45 | 400 "
                         "| 1400 | 1024 | 9000 | 3000 | 700 | 64 | 12000 | 800 | 48 | 2500 | 1500 | 9000 | 1600 | 700 | 1550 "
-                        "| 1650 |")
+                        "| 1650 | 8 | 900 | 2100 | 950 | 1200 | 910 |")
     assert lines[4].count("|") == lines[6].count("|")  # a header per field
     bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
     assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
@@ -181,6 +183,7 @@ def test_floor_kernels_compile_for_sm90a():
     # past the dense one, every read inside the block
     assert 8 + 4 + 4 + 8 * floor.ARGS_WORDS <= 4096 and floor.ARGS_READS <= 64
     assert 64 + 8 * (floor.ARGS_READS - 1) + 1 < floor.ARGS_WORDS
+    assert floor.FLOOR_KERNELS.count("__shared__ unsigned sh[2][%d]" % floor.DRAIN_THREADS) == 1
 
 
 # --- profile-graph: plan, roles, records, table ------------------------------------------------------------

@@ -102,6 +102,12 @@ def test_primitives_are_timed(floor_parts):
             if f != "args_prefetch_ns":  # one warp instruction: no lower bound
                 assert 2 * floor.ARGS_READS / 4.0 < got[f] < 1e6, (f, got[f])
         assert 0 <= got["args_prefetch_ns"] < 1e6
+        # the drain kernel's step ran whole each way: eight block barriers at least, well under a millisecond
+        assert got["drain_stores"] == floor.DRAIN_STORES
+        for f in floor.DRAIN_FIELDS:
+            if f != "drain_fence_ns":
+                assert floor.DRAIN_ROUNDS * 5 < got[f] < 1e6, (f, got[f])
+        assert 0 <= got["drain_fence_ns"] < 1e6
         assert got["blocks_launched"] == 1
     run_collective(check)
 
