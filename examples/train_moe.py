@@ -120,7 +120,9 @@ def train(args) -> list[tuple[float, float | None]]:
     gate, w13, w2 = initial_weights(args.experts, args.hidden, args.intermediate, args.seed, device, torch.float32)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     losses = []
-    with EpDispatchCombineOp(cfg) as op:
+    # --single-thread-backward: the autograd engine runs every backward node on this thread, with no hand-off to
+    # its per-GPU thread and back (thread-local; docs/TRAINING.md, "Small batches"); the gradients are the same
+    with torch.autograd.set_multithreading_enabled(not args.single_thread_backward), EpDispatchCombineOp(cfg) as op:
         model = EPMoE(op, gate, w13[mine], w2[mine])
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         dense = DenseMoE(gate, w13, w2, args.topk) if rank == 0 and args.check else None
@@ -199,6 +201,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the dense run on rank 0")
     p.add_argument("--plot", metavar="FILE.png", help="save the loss curve (needs matplotlib)")
+    p.add_argument("--single-thread-backward", action="store_true",
+                   help="run the backward on the calling thread (torch.autograd.set_multithreading_enabled(False)): "
+                        "less host time per step at small batches")
     return p
 
 

@@ -1,6 +1,6 @@
-"""examples/train_moe.py on CPU: its torchrun command at 2 gloo ranks (torch backend) for a few steps: the loss per
-step agrees with the dense single-process run of the same model and falls; the loss curve, and the message
-without matplotlib."""
+"""examples/train_moe.py on CPU: its torchrun command at 2 gloo ranks (torch backend) for a few steps, the backward on
+the calling thread: the loss per step agrees with the dense single-process run of the same model and falls; the loss
+curve, and the message without matplotlib."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_training_at_two_ranks_matches_the_dense_run_and_the_loss_falls(tmp_path
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EPGEN_KERNEL_BACKEND="torch")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_moe.py"), "--steps", "8", "--tokens", "16", "--hidden", "32",
-           "--intermediate", "16", "--plot", str(png)]
+           "--intermediate", "16", "--plot", str(png), "--single-thread-backward"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     steps = [STEP.match(line) for line in res.stdout.splitlines()]
@@ -33,6 +33,12 @@ def test_training_at_two_ranks_matches_the_dense_run_and_the_loss_falls(tmp_path
     assert ep[-1] < 0.9 * ep[0], res.stdout  # it learns
     assert f"loss curve written to {png}" in res.stdout and png.stat().st_size > 0
     assert res.stdout.strip().splitlines()[-1].startswith("OK: 2 rank(s), 8 steps: loss "), res.stdout
+
+
+def test_the_backward_runs_on_the_calling_thread_only_when_asked():
+    ex = load_example("train_moe")
+    assert ex.parser().parse_args([]).single_thread_backward is False
+    assert ex.parser().parse_args(["--single-thread-backward"]).single_thread_backward is True
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
