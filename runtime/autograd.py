@@ -20,10 +20,20 @@ Public surface (names stable; each takes the op first):
 Every function takes the op's own path, unchanged, when autograd is off (``torch.is_grad_enabled()`` False:
 ``torch.no_grad()``, inference): the op's outputs are then its buffers, as with the op methods. With autograd on it
 runs as the custom op ``epgen::NAME`` (torch.library, ``register_autograd``), whose arguments are tensors and
-integers only: the op and the handle are named by integer ids in this module's registries (as torchtitan's
-DeepEP integration names its handles). The custom op runs wherever named ops can be seen (a torch dispatch mode is
-active: selective activation checkpointing, tracing, fake tensors); a plain eager call runs the same forward,
-setup and backward as a torch.autograd.Function, which skips the custom op's Python dispatch layers (_Leg).
+integers only: the op is named by its uid (runtime.op.LIVE_OPS), a forward's routing by its handle id, which the
+forward returns as a CPU scalar (the handle tensor; as torchtitan's DeepEP integration names its handles). The
+custom op runs wherever named ops can be seen (a torch dispatch mode is active: selective activation
+checkpointing, tracing, fake tensors; torch.compile); a plain eager call runs the same forward and backward work as
+a torch.autograd.Function, which skips the custom op's Python dispatch layers (_Leg).
+
+Under torch.compile the grouped legs compile whole (``fullgraph=True``; tests/runtime/test_autograd.py and, with
+torchtitan's MoE, tests/runtime/test_torchtitan_dispatcher.py): dispatch_grouped and combine_grouped then call
+their custom ops alone (_traced_dispatch_grouped), combine_grouped taking the dispatch's handle tensor; the ops'
+registered backwards keep nothing but ctx attributes and saved tensors and call the custom ops
+``epgen::dispatch_grouped_backward`` / ``epgen::combine_grouped_backward``, which find the routing when they run:
+dispatch_grouped's handle tensor holds it (an attribute; autograd keeps a saved tensor's Python object, so it lives
+as long as the graph that saved it, eager or compiled). The plain legs run between the compiled parts
+(torch.compiler.disable: a graph break).
 
 Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
@@ -53,7 +63,6 @@ save them) runs the dispatch again in the backward, and that dispatch may number
 the layout's weights) are the recomputation's, so every backward takes the routing of the forward whose saved
 tensors it has, named by a handle id saved beside them (_remember / _routing_of), never the first forward's; the
 routing of a forward recomputed inside a backward is kept until that backward ends (_keep_while_in_backward).
-Under torch.compile the four functions run as they are between the compiled parts (torch.compiler.disable).
 """
 
 from __future__ import annotations
@@ -65,9 +74,11 @@ from typing import Optional
 
 import attrs
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import grouped
 from .errors import ClosedError, InputError
+from .op import LIVE_OPS
 from .routing import RoutingHandle
 
 OP_NAMES = ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
@@ -100,23 +111,27 @@ class _Saved:
 class Handle:
     """A forward's routing for combine / combine_grouped and for the backwards (see the module docstring).
 
-    routing: the op's RoutingHandle; id: this handle's id in the registry the custom ops read; weights: the
-    grouped layout's differentiable weights (dispatch_grouped; combine_grouped applies them)."""
+    routing: the op's RoutingHandle (None for a handle made under torch.compile: the routing stays with `tensor`);
+    id: this handle's id in the registry the custom ops read (0 under torch.compile); weights: the grouped layout's
+    differentiable weights (dispatch_grouped; combine_grouped applies them); tensor: the forward custom op's last
+    output, the CPU scalar naming its routing (None where autograd was off)."""
 
-    __slots__ = ("id", "op_uid", "routing", "weights", "_saved")
+    __slots__ = ("id", "op_uid", "routing", "weights", "_saved", "tensor", "_tokens")
 
-    def __init__(self, op, routing: RoutingHandle, saved: _Saved | None, weights: torch.Tensor | None = None,
-                 handle_id: int = 0):
+    def __init__(self, op, routing: RoutingHandle | None, saved: _Saved | None, weights: torch.Tensor | None = None,
+                 handle_id: int = 0, tensor: torch.Tensor | None = None, tokens=None):
         self.id, self.op_uid, self.routing, self.weights, self._saved = handle_id, op.uid, routing, weights, saved
+        self.tensor, self._tokens = tensor, tokens
         if saved is not None:
             _HANDLES[handle_id] = saved
 
     @property
     def num_tokens(self) -> int:
-        return self.routing.num_tokens
+        return self.routing.num_tokens if self.routing is not None else self._tokens
 
     def __repr__(self) -> str:
-        return f"Handle(id={self.id}, op_uid={self.op_uid}, seq={self.routing.seq}, tokens={self.num_tokens})"
+        seq = self.routing.seq if self.routing is not None else None
+        return f"Handle(id={self.id}, op_uid={self.op_uid}, seq={seq}, tokens={self.num_tokens})"
 
 
 # --- registries ------------------------------------------------------------------------------------
@@ -134,8 +149,20 @@ def _register(op) -> None:
 
 def _op(op_id: int, call: str):
     op = _OPS.get(op_id)
+    if op is None:  # a custom op called by a compiled graph: no wrapper registered the op (runtime.op.LIVE_OPS)
+        op = LIVE_OPS.get(op_id)
+        if op is not None and not op.closed:
+            _register(op)
     if op is None or op.closed:
         raise ClosedError(f"{call}: the op (uid {op_id}) is closed or gone")
+    return op
+
+
+def _traced_op(op_id: int):
+    """Op `op_id` as the fake implementations see it while tracing (its config and device: the shapes)."""
+    op = _OPS.get(op_id) or LIVE_OPS.get(op_id)
+    if op is None:
+        raise ClosedError(f"epgen autograd: the op (uid {op_id}) is gone")
     return op
 
 
@@ -165,12 +192,37 @@ def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
                          f"no gradient can go back through it; dispatch with autograd on")
 
 
-def _handle_tensor(handle_id: int, saved: _Saved) -> torch.Tensor:
-    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device),
-    kept with the routing it names for the combine's setup (_remember)."""
+def _handle_tensor(handle_id: int, saved: _Saved, grouped_leg: bool = False) -> torch.Tensor:
+    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device).
+    dispatch_grouped's holds the routing it names (an attribute: autograd keeps a saved tensor's Python object, so
+    the routing lives exactly as long as the tensor, in an eager graph or among a compiled graph's saved
+    activations), and its combine takes the tensor as an input; the plain dispatch's is kept with the routing
+    for its combine's setup (_remember)."""
     t = torch.scalar_tensor(handle_id, dtype=torch.int64)
-    saved.named = (handle_id, t)
+    if grouped_leg:
+        t._epgen_saved = saved
+        saved.named = (handle_id, None)  # not the tensor: it holds the routing
+    else:
+        saved.named = (handle_id, t)
+    _HANDLES[handle_id] = saved
     return t
+
+
+def _saved_of(handle_t: torch.Tensor) -> _Saved:
+    """The routing a handle tensor names: the one it holds, or (a copy of it: selective checkpointing stores the
+    saved outputs detached) the registry's under its id."""
+    saved = getattr(handle_t, "_epgen_saved", None)
+    return saved if saved is not None else _take(int(handle_t))
+
+
+def _keep(handle_t: torch.Tensor) -> _Saved | None:
+    """What a custom op's setup keeps on ctx for its backward: the routing (None while tracing: fake tensors name
+    none; a compiled graph keeps the handle tensor itself among its saved activations)."""
+    if is_fake(handle_t):
+        return None
+    handle_id = int(handle_t)  # read every time: a selective checkpoint's replay must see the forward's torch ops
+    saved = getattr(handle_t, "_epgen_saved", None)
+    return saved if saved is not None else _take(handle_id)
 
 
 def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
@@ -222,7 +274,8 @@ def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None 
         # may name that routing by another id than handle_id (a selective checkpoint's replay hands the first
         # forward's routing to a new id): _routing_of then takes it by that id, the same routing. Never a new
         # tensor here on one run and none on another: a checkpoint's replay must see the forward's torch ops.
-        handle_t = saved.named[1] if saved.named is not None else torch.scalar_tensor(handle_id, dtype=torch.int64)
+        named = saved.named[1] if saved.named is not None else None
+        handle_t = named if named is not None else torch.scalar_tensor(handle_id, dtype=torch.int64)
     return handle_t
 
 
@@ -244,8 +297,10 @@ class _Leg:
 
     __slots__ = ("custom_op", "function")
 
-    def __init__(self, custom_op, impl, setup, backward):
-        torch.library.register_autograd(custom_op, backward, setup_context=setup)
+    def __init__(self, custom_op, impl, setup, backward, op_setup=None, op_backward=None):
+        # the custom op's own setup and backward (op_setup / op_backward where given: torch.compile traces them, so
+        # they keep no Python state but ctx attributes and call only custom ops), the Function's setup and backward
+        torch.library.register_autograd(custom_op, op_backward or backward, setup_context=op_setup or setup)
         self.custom_op = custom_op
 
         def forward(ctx, *args):  # ctx in forward: apply() then skips binding the arguments by signature per call
@@ -442,18 +497,22 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     """-> (x rows [P, cols] with the padding rows zeroed, weights [P], scales [P, scale cols] (0 columns
     without), meta int32 (the layout's block without its pair map: grouped.meta_parts), the handle id)."""
     op = _op(op_id, "epgen::dispatch_grouped")
+    traced = handle_id == 0  # called by a compiled graph (_traced_dispatch_grouped): the id is made here
+    if traced:
+        handle_id = next(_IDS)
     # a layout of this forward's own (no copies: the placing kernel writes it whole, every row without a pair
     # zeroed, so a grouped GEMM over a group's padding gives finite, zero, weight gradients); the backward keeps
     # its pair map and pair ids (views of its int32 block, whose head is the output `meta`) and the token ids as
     # they are, guarded against in-place changes (_live)
     layout, routing = op.dispatch_grouped(x, weights, None, indices, fresh=True)
     block = layout.block
-    _PENDING[handle_id] = saved = _Saved(op, routing, indices, pair_pos=layout.pair_pos, src=layout.src,
-                                         guard=(indices, block))
+    saved = _Saved(op, routing, indices, pair_pos=layout.pair_pos, src=layout.src, guard=(indices, block))
     scales = layout.scales if layout.scales is not None else x.new_empty((layout.rows, 0))
     meta = block[:block.numel() - layout.pair_pos.numel()]
-    saved.parts = (meta, layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped)
-    return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved)
+    if not traced:  # the wrapper takes it (_forward) and builds the layout from these views
+        _PENDING[handle_id] = saved
+        saved.parts = (meta, layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped)
+    return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved, grouped_leg=True)
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -462,7 +521,7 @@ _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispa
 
 @_dispatch_grouped_op.register_fake
 def _(x, weights, indices, op_id, handle_id):
-    op = _OPS[op_id]
+    op = _traced_op(op_id)
     cfg = op.config
     P = cfg.resolved_grouped_capacity
     shape, dtype = op.grouped_x_spec()
@@ -483,56 +542,125 @@ def _dispatch_grouped_setup(ctx, inputs, output):
         ctx.mark_non_differentiable(output[0])
 
 
-def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
-    saved = _routing_of(ctx, *ctx.saved_tensors)
+def _dispatch_grouped_grads(saved: _Saved, grad_xg, grad_wg, want_x: bool, want_w: bool, x_dtype):
+    """dispatch_grouped's backward along `saved`: -> (grad x [T, H] x_dtype or None, grad weights [T, k] float32 or
+    None), each None where not wanted."""
     op = _live(saved, "epgen::dispatch_grouped")
     cfg = op.config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
-    want_w = grad_wg is not None and ctx.needs_input_grad[1]
-    pair_w = grad_wg.float().contiguous() if want_w else None
+    pair_w = grad_wg.float().contiguous() if grad_wg is not None and want_w else None
     if _pairs_in_combine(op, saved, grad_xg):  # one combine kernel forms the rows from the pairs (and their weights)
         gx, gw = _combine_through(op, saved.routing, saved, grad_xg, None, pairs=(saved.pair_pos, pair_w))
     else:
         rows, rows_w = _sum_pairs(op, grad_xg, saved.pair_pos, R, k, pair_w)
         gx, gw = _gather_back(saved, "epgen::dispatch_grouped", rows, rows_w)
-    gx = gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-    if gw is None and ctx.needs_input_grad[1]:  # the weights took part in the forward: zeros, not "unused"
+    gx = gx.to(x_dtype) if want_x else None
+    if gw is None and want_w:  # the weights took part in the forward: zeros, not "unused"
         gw = torch.zeros((saved.routing.num_tokens, cfg.num_experts_per_token), dtype=torch.float32,
                          device=op.device)
-    return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
+    return gx, (gw if want_w else None)
+
+
+def _dispatch_grouped_backward(ctx, grad_xg, grad_wg, *_):
+    saved = _routing_of(ctx, *ctx.saved_tensors)
+    gx, gw = _dispatch_grouped_grads(saved, grad_xg, grad_wg, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                     ctx.x_dtype)
+    return gx, gw, None, None, None
+
+
+# the custom op's own setup and backward (torch.compile traces them): the routing is named by the saved handle
+# tensor and resolved inside epgen::dispatch_grouped_backward, an op of its own, when the backward runs
+def _dispatch_grouped_op_setup(ctx, inputs, output):
+    x, _, _, op_id, _ = inputs
+    ctx.op_id, ctx.x_dtype, ctx.num_tokens = op_id, x.dtype, x.shape[0]
+    ctx.keep = _keep(output[-1])  # eager: the routing, held as long as the graph (a checkpoint's copy names it)
+    ctx.save_for_backward(output[-1])
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[2:])
+    if output[0].dtype not in _FLOAT_DTYPES:
+        ctx.mark_non_differentiable(output[0])
+
+
+def _dispatch_grouped_op_backward(ctx, grad_xg, grad_wg, *_):
+    want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (want_x or want_w):
+        return None, None, None, None, None
+    gx, gw = _dispatch_grouped_backward_op(grad_xg, grad_wg, *ctx.saved_tensors, ctx.op_id, ctx.num_tokens, want_x,
+                                           want_w, ctx.x_dtype)
+    return (gx if want_x else None), (gw if want_w else None), None, None, None
+
+
+def _dispatch_grouped_backward_impl(grad_xg: Optional[torch.Tensor], grad_wg: Optional[torch.Tensor],
+                                    handle: torch.Tensor, op_id: int, num_tokens: int, want_x: bool, want_w: bool,
+                                    x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad x, grad weights); an empty tensor where one is not wanted (an op returns tensors)."""
+    gx, gw = _dispatch_grouped_grads(_saved_of(handle), grad_xg, grad_wg, want_x, want_w, x_dtype)
+    device = _op(op_id, "epgen::dispatch_grouped_backward").device
+    return (gx if gx is not None else torch.empty((0,), device=device)), \
+        (gw if gw is not None else torch.empty((0,), device=device))
+
+
+_dispatch_grouped_backward_op = torch.library.custom_op("epgen::dispatch_grouped_backward",
+                                                        _dispatch_grouped_backward_impl, mutates_args=())
+
+
+@_dispatch_grouped_backward_op.register_fake
+def _(grad_xg, grad_wg, handle, op_id, num_tokens, want_x, want_w, x_dtype):
+    op = _traced_op(op_id)
+    cfg, dev = op.config, op.device
+    gx = torch.empty((num_tokens, cfg.hidden_dim) if want_x else (0,), dtype=x_dtype if want_x else torch.float32,
+                     device=dev)
+    gw = torch.empty((num_tokens, cfg.num_experts_per_token) if want_w else (0,), dtype=torch.float32, device=dev)
+    return gx, gw
 
 
 _DISPATCH_GROUPED = _Leg(_dispatch_grouped_op, _dispatch_grouped_impl, _dispatch_grouped_setup,
-                         _dispatch_grouped_backward)
+                         _dispatch_grouped_backward, _dispatch_grouped_op_setup, _dispatch_grouped_op_backward)
 
 
-@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
 def dispatch_grouped(op, x, weights=None, indices=None):
     """op.dispatch_grouped(x, weights, None, indices) recording autograd -> (GroupedLayout, Handle); see the
     module docstring. The layout's x and weights are differentiable (x: float payloads, or grouped_dequantize)."""
+    if torch.compiler.is_compiling():
+        return _traced_dispatch_grouped(op, x, weights, indices)
     if not torch.is_grad_enabled():
         layout, routing = op.dispatch_grouped(x, weights, None, indices)
         return layout, Handle(op, routing, None, layout.weights)
     _register(op)
-    (xg, wg, scales, meta, _), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
+    (xg, wg, scales, meta, handle_t), saved, hid = _forward(_DISPATCH_GROUPED, x, weights, indices, op.uid)
     parts, saved.parts = saved.parts, None
     if parts is not None and parts[0] is meta and not torch._C._len_torch_dispatch_stack():
         offs, counts, src, m_idx, dropped = parts[1:]  # the Function path (_Leg): the forward's own layout views
     else:  # the custom op (a dispatch mode sees its ops: the split runs in a checkpoint's forward and its replay alike)
         offs, counts, src, m_idx, dropped = grouped.meta_parts(meta, xg.shape[0])
         dropped = dropped.view(())
-    handle = Handle(op, saved.routing, saved, wg, hid)
+    handle = Handle(op, saved.routing, saved, wg, hid, handle_t)
     layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
                                    src=src, m_indices=m_idx, weights=wg, dropped=dropped,
                                    pair_pos=saved.pair_pos, seq=saved.routing.seq)
     return layout, handle
 
 
+def _traced_dispatch_grouped(op, x, weights, indices):
+    """dispatch_grouped as torch.compile traces it: the custom op alone (with autograd on or off: the layout is the
+    call's own either way), the layout's views of its outputs, a handle naming the routing by the op's handle
+    tensor. No registry is touched here (the op's impl registers what its backward and the combine need)."""
+    xg, wg, scales, meta, handle_t = _dispatch_grouped_op(x.contiguous(),
+                                                          None if weights is None else weights.contiguous(),
+                                                          indices, op.uid, 0)
+    offs, counts, src, m_idx, dropped = grouped.meta_parts(meta, xg.shape[0])
+    layout = grouped.GroupedLayout(x=xg, scales=scales if scales.shape[1] else None, offs=offs, counts=counts,
+                                   src=src, m_indices=m_idx, weights=wg, dropped=dropped.view(()), pair_pos=None)
+    return layout, Handle(op, None, None, wg, 0, handle_t, x.shape[0])
+
+
 # --- epgen::combine_grouped ------------------------------------------------------------------------
-def _combine_grouped_impl(y: torch.Tensor, wg: torch.Tensor, op_id: int, handle_id: int,
+def _combine_grouped_impl(y: torch.Tensor, wg: torch.Tensor, handle: torch.Tensor, op_id: int, num_tokens: int,
                           apply_weights: bool) -> torch.Tensor:
+    """-> out [num_tokens, hidden]; handle: the dispatch's handle tensor (its last output), num_tokens its token
+    count (the output's rows, for tracing)."""
     op = _op(op_id, "epgen::combine_grouped")
-    saved = _take(handle_id)
+    saved = _saved_of(handle)
     last = op._grouped_by.get(saved.routing.slot)
     if last is not None and last.seq == saved.routing.seq:  # the op's own path: its slot's layout is this handle's
         return op.combine_grouped(y, saved.routing, apply_weights)[0]
@@ -554,50 +682,93 @@ _combine_grouped_op = torch.library.custom_op("epgen::combine_grouped", _combine
 
 
 @_combine_grouped_op.register_fake
-def _(y, wg, op_id, handle_id, apply_weights):
-    cfg = _OPS[op_id].config
-    return y.new_empty((_HANDLES[handle_id].routing.num_tokens, cfg.hidden_dim), dtype=cfg.combine_dtype)
+def _(y, wg, handle, op_id, num_tokens, apply_weights):
+    cfg = _traced_op(op_id).config
+    return y.new_empty((num_tokens, cfg.hidden_dim), dtype=cfg.combine_dtype)
 
 
 def _combine_grouped_setup(ctx, inputs, output):
-    y, wg, _, handle_id, apply_weights = inputs
+    y, wg, handle_t, _, _, apply_weights = inputs
     ctx.apply_weights = apply_weights
-    ctx.save_for_backward(y, wg, _remember(ctx, handle_id, _take(handle_id)))
+    saved = _saved_of(handle_t)
+    ctx.saved, ctx.handle_id = saved, saved.named[0]
+    ctx.save_for_backward(y, wg, handle_t)
 
 
 def _combine_grouped_backward(ctx, grad_out):
     y, wg, handle_t = ctx.saved_tensors
-    saved = _routing_of(ctx, handle_t)
-    op = _live(saved, "epgen::combine_grouped")
     want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.apply_weights
+    grad_y, grad_w = _combine_grouped_grads(_routing_of(ctx, handle_t), grad_out, y, wg, ctx.apply_weights, want_y,
+                                            want_w)
+    return grad_y, grad_w, None, None, None, None
+
+
+def _combine_grouped_grads(saved: _Saved, grad_out, y, wg, apply_weights: bool, want_y: bool, want_w: bool):
+    """combine_grouped's backward along `saved`: -> (grad y [P, H] or None, grad weights [P] float32 or None)."""
+    op = _live(saved, "epgen::combine_grouped")
     own = getattr(op._backend, "grouped_scale", None)
     if own is not None and (want_y or want_w) and y.dtype == op.config.data_type and wg.dtype == torch.float32 \
             and y.is_contiguous() and wg.is_contiguous():
         # one kernel from the replayed rows: each pair's row times its weight and <y, g>, y read once (grad_w
         # summed in another order than below: the same float32 products, sums that may differ in the last bits)
         rows = _replay_rows(saved, "epgen::combine_grouped", grad_out)
-        grad_y, grad_w = own(rows, saved.src, wg if ctx.apply_weights else None, y if want_w else None,
+        grad_y, grad_w = own(rows, saved.src, wg if apply_weights else None, y if want_w else None,
                              k=op.config.num_experts_per_token, pair_pos=saved.pair_pos)
-        return (grad_y if want_y else None), grad_w, None, None, None
+        return (grad_y if want_y else None), grad_w
     g = _replay_grouped(saved, "epgen::combine_grouped", grad_out)  # [P, H]: each pair's token gradient
     filled = saved.src >= 0  # the grouped rows that hold a pair (padding rows of g may hold anything)
     grad_y = grad_w = None
     if want_y:
         grad_y = torch.empty_like(y)
-        if ctx.apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
+        if apply_weights:  # w * g in float32, one rounding (torch.mul computes in the promoted dtype)
             torch.mul(g, wg.unsqueeze(1), out=grad_y)
         else:
             grad_y.copy_(g)
         grad_y.masked_fill_(~filled.unsqueeze(1), 0)  # padding rows (their g and weight may hold anything)
     if want_w:  # padding rows of y may hold anything: 0 there
         grad_w = _where(filled, (y.float() * g).sum(1))
-    return grad_y, grad_w, None, None, None
+    return grad_y, grad_w
 
 
-_COMBINE_GROUPED = _Leg(_combine_grouped_op, _combine_grouped_impl, _combine_grouped_setup, _combine_grouped_backward)
+# the custom op's own setup and backward (torch.compile traces them; see dispatch_grouped's)
+def _combine_grouped_op_setup(ctx, inputs, output):
+    y, wg, handle_t, op_id, _, apply_weights = inputs
+    ctx.op_id, ctx.apply_weights = op_id, apply_weights
+    ctx.keep = _keep(handle_t)
+    ctx.save_for_backward(y, wg, handle_t)
 
 
-@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
+def _combine_grouped_op_backward(ctx, grad_out):
+    want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.apply_weights
+    if not (want_y or want_w):
+        return None, None, None, None, None, None
+    grad_y, grad_w = _combine_grouped_backward_op(grad_out, *ctx.saved_tensors, ctx.op_id, ctx.apply_weights, want_y,
+                                                  want_w)
+    return (grad_y if want_y else None), (grad_w if want_w else None), None, None, None, None
+
+
+def _combine_grouped_backward_impl(grad_out: torch.Tensor, y: torch.Tensor, wg: torch.Tensor, handle: torch.Tensor,
+                                   op_id: int, apply_weights: bool, want_y: bool,
+                                   want_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad y, grad weights); an empty tensor where one is not wanted."""
+    grad_y, grad_w = _combine_grouped_grads(_saved_of(handle), grad_out, y, wg, apply_weights, want_y, want_w)
+    return (grad_y if grad_y is not None else y.new_empty((0,))), (grad_w if grad_w is not None else wg.new_empty((0,)))
+
+
+_combine_grouped_backward_op = torch.library.custom_op("epgen::combine_grouped_backward",
+                                                       _combine_grouped_backward_impl, mutates_args=())
+
+
+@_combine_grouped_backward_op.register_fake
+def _(grad_out, y, wg, handle, op_id, apply_weights, want_y, want_w):
+    return (torch.empty_like(y) if want_y else y.new_empty((0,))), \
+        (torch.empty_like(wg) if want_w else wg.new_empty((0,)))
+
+
+_COMBINE_GROUPED = _Leg(_combine_grouped_op, _combine_grouped_impl, _combine_grouped_setup, _combine_grouped_backward,
+                        _combine_grouped_op_setup, _combine_grouped_op_backward)
+
+
 def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.Tensor:
     """op.combine_grouped(y, handle.routing, apply_weights) recording autograd -> out [num_tokens, hidden]
     (a fresh tensor); gradients reach y and, with apply_weights, the layout's weights (module docstring)."""
@@ -607,13 +778,20 @@ def combine_grouped(op, y, handle: Handle, apply_weights: bool = True) -> torch.
     if handle.op_uid != op.uid:
         raise InputError(f"combine_grouped: the handle comes from another op (uid {handle.op_uid}, this op is uid "
                          f"{op.uid})")
+    if torch.compiler.is_compiling():  # the custom op alone (_traced_dispatch_grouped)
+        if handle.tensor is None or handle.weights is None:
+            raise InputError("combine_grouped under torch.compile: the handle must come from dispatch_grouped "
+                             "called with autograd on or in the compiled code")
+        return _combine_grouped_op(y.contiguous(), handle.weights, handle.tensor, op.uid, handle.num_tokens,
+                                   bool(apply_weights))
     if not torch.is_grad_enabled() or handle._saved is None:
         _no_saved_routing("combine_grouped", handle, y)
         return op.combine_grouped(y, handle.routing, apply_weights)[0]
     if handle.weights is None:
         raise InputError("combine_grouped: the handle is not from dispatch_grouped")
     _register(op)
-    return _COMBINE_GROUPED(y.contiguous(), handle.weights, op.uid, handle.id, bool(apply_weights))
+    return _COMBINE_GROUPED(y.contiguous(), handle.weights, handle.tensor, op.uid, handle.num_tokens,
+                            bool(apply_weights))
 
 
 # --- epgen::dispatch (plain) -----------------------------------------------------------------------
@@ -678,8 +856,9 @@ def dispatch(op, x, weights=None, indices=None):
         return out, out_w, out_i, total, Handle(op, routing, None)
     _check_plain(op, "dispatch")
     _register(op)
-    (out, out_w, out_i, total, _), saved, hid = _forward(_DISPATCH, x, weights, indices, op.uid)
-    return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid)
+    (out, out_w, out_i, total, handle_t), saved, hid = _forward(_DISPATCH, x, weights, indices, op.uid)
+    return out, (out_w if weights is not None else None), out_i, total, Handle(op, saved.routing, saved, None, hid,
+                                                                               handle_t)
 
 
 # --- epgen::combine (plain) ------------------------------------------------------------------------

@@ -24,11 +24,12 @@ Semantics (E = num_experts_per_rank, A = expert_alignment, P = resolved_grouped_
 
 from __future__ import annotations
 
-import attrs
+import dataclasses
+
 import torch
 
 
-@attrs.frozen(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class GroupedLayout:
     """The last dispatch's local pairs grouped per local expert (see the module docstring).
 
@@ -54,11 +55,12 @@ class GroupedLayout:
     m_indices: torch.Tensor
     weights: torch.Tensor
     dropped: torch.Tensor
-    pair_pos: torch.Tensor = attrs.field(repr=False)  # int32 [R * k]: grouped row of each pair, -1 none (combine)
-    seq: int = attrs.field(default=0, repr=False)  # the dispatch it was made from
+    pair_pos: torch.Tensor | None = dataclasses.field(repr=False)  # int32 [R * k]: grouped row of each pair, -1 none
+    # (combine); None in a layout made under torch.compile (runtime.autograd: the pair map stays with the handle)
+    seq: int = dataclasses.field(default=0, repr=False)  # the dispatch it was made from
     # a fresh layout's (dispatch_grouped(fresh=True)) int32 block, which offs, counts, src, m_indices, dropped and
     # pair_pos are views of (block_parts); None for a layout in the op's buffers
-    block: torch.Tensor | None = attrs.field(default=None, repr=False)
+    block: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -166,7 +168,7 @@ def dequantized(layout: GroupedLayout, quant_type: str, dtype: torch.dtype) -> G
         f = numerics.dequantize_fp4(x, s, torch.float32)
     else:
         raise ValueError(f"grouped dequantize: {quant_type!r} is not a quantized dispatch")
-    return attrs.evolve(layout, x=f.to(dtype).to(layout.x.device), scales=None)
+    return dataclasses.replace(layout, x=f.to(dtype).to(layout.x.device), scales=None)
 
 
 def reduce(expert_out: torch.Tensor, layout: GroupedLayout, out_weights, rows: int, k: int,

@@ -27,8 +27,10 @@ in the combine dtype (combine_data_type, else data_type) and returns that dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import weakref
 
 import attrs
 import torch
@@ -43,6 +45,9 @@ from .pending import Pending, SlotTable, StreamOrder
 from .routing import RoutingHandle
 
 _UIDS = itertools.count(1)
+#: every op built in this process by uid, while it is alive: the custom ops of runtime/autograd.py name an op by its
+#: uid (an integer argument, a constant of a compiled graph) and find it here
+LIVE_OPS: "weakref.WeakValueDictionary[int, EpDispatchCombineOp]" = weakref.WeakValueDictionary()
 
 
 class EpDispatchCombineOp:
@@ -84,6 +89,7 @@ class EpDispatchCombineOp:
         self._grad_op: EpDispatchCombineOp | None = None  # runtime/autograd.py: a quantized op's gradients move here
         self._backend = backends.make(config, group)
         self._steady = self._steady_signature() if steady else None
+        LIVE_OPS[self.uid] = self
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -668,7 +674,7 @@ class EpDispatchCombineOp:
                                pair_pos=pair_pos, block=block)
                 if out is not None:  # out_x: the rows (fresh here, padding zeroed) copied into the caller's
                     changes["x"] = out["x"].copy_(layout.x)
-            layout = attrs.evolve(layout, **changes)
+            layout = dataclasses.replace(layout, **changes)
         self._grouped_by[last["slot"]] = layout
         return layout
 

@@ -70,6 +70,7 @@ from torchtitan.models.common.token_dispatcher import (  # noqa: E402
 )
 
 from .. import EpDispatchCombineConfig, EpDispatchCombineOp, autograd  # noqa: E402
+from ..errors import ConfigError  # noqa: E402
 from ..grouped import grouped_rows  # noqa: E402  (the default rows; scripts/train_layer.py sizes its op so too)
 
 
@@ -158,6 +159,13 @@ class EpgenTokenDispatcher(BaseEPTokenDispatcher):
         cfg = None if self.op is None else self.op.config
         if (cfg is None or tokens > cfg.max_num_inp_token_per_rank or hidden != cfg.hidden_dim
                 or x_TD.dtype != cfg.data_type):
+            if torch.compiler.is_compiling():  # building an op is collective host work, no part of a graph
+                raise ConfigError(
+                    f"EpgenTokenDispatcher under torch.compile needs its op built before tracing, for {tokens} "
+                    f"tokens of width {hidden} in {x_TD.dtype} (it has "
+                    f"{'none' if cfg is None else f'one for {cfg.max_num_inp_token_per_rank} x {cfg.hidden_dim} in {cfg.data_type}'}"
+                    f"): give its Config hidden_dim, num_max_tokens_per_rank (at least the tokens a rank dispatches) "
+                    f"and dtype, so that init_buffer() builds it")
             return self._build(hidden, max(tokens, self.num_max_tokens_per_rank or 0), x_TD.dtype)
         return self.op
 

@@ -5,8 +5,8 @@ bits, so every sum is exact whatever its order (the legs' own sums also run in t
 dispatch_grouped's backward in one combine launch against the pair sum and combine it replaced, on random rows;
 an fp8_blockwise dispatch (grouped_dequantize) moves the same bf16 gradients as a bf16 op; several forwards in
 flight (bandwidth, low-latency and scatter combines); a checkpointed forward recomputed in the backward (its
-dispatch receiving in another order); a forward + backward captured in one CUDA graph, replayed on new inputs; and
-examples/train_moe.py's training in bf16 against its dense run.
+dispatch receiving in another order); the layer under torch.compile(fullgraph=True); a forward + backward captured
+in one CUDA graph, replayed on new inputs; and examples/train_moe.py's training in bf16 against its dense run.
 
 Run: torchrun --nproc-per-node 2 -m pytest -m multigpu -q tests/gpu/test_ep_autograd.py
 """
@@ -285,6 +285,23 @@ def test_checkpoint_recomputation_in_arrival_order():
                 torch.cuda.synchronize()
                 want = grouped_step(ref, *_on(ref, inputs))
                 _equal(got, want, f"checkpointed, seed {seed}")
+    run_collective(check)
+
+
+@pytest.mark.parametrize("protocol,backend,checkpointed", [("bw", "aot_eager", False), ("ll", "aot_eager", False),
+                                                            ("bw", "aot_eager", True), ("bw", "inductor", False)])
+def test_a_compiled_layer_matches_the_torch_backend(protocol, backend, checkpointed):
+    """The layer under torch.compile(fullgraph=True) on the native kernels (its custom ops called by the compiled
+    graphs, their backward ops too) against the eager layer on the torch backend: bit-exact, twice (new routings)."""
+    def check():
+        with EpDispatchCombineOp(_cfg("native", torch.bfloat16, intranode_protocol=protocol)) as op, \
+                EpDispatchCombineOp(_cfg("torch", torch.bfloat16)) as ref:
+            for seed in (3, 4):
+                inputs = _inputs(seed, torch.bfloat16)
+                got = grouped_step(op, *inputs, checkpointed=checkpointed, compiled=backend)
+                torch.cuda.synchronize()
+                want = grouped_step(ref, *_on(ref, inputs))
+                _equal(got, want, f"compiled ({backend}), seed {seed}")
     run_collective(check)
 
 

@@ -6,7 +6,8 @@ titan_check.low_precision_misses), also
 with a rank that receives no token and an expert without pairs, two layers sharing one op, groups padded to 16 rows,
 and activation checkpointing (torch's and torchtitan's SelectiveAC, which recompute epgen's dispatch in the backward:
 the bandwidth dispatch receives in arrival order, so the recomputation's rows may be laid out differently from the
-first forward's; and EpgenSelectiveAC saving epgen's ops). A failure names each tensor's relative errors, epgen's
+first forward's; and EpgenSelectiveAC saving epgen's ops), and each layer under torch.compile(fullgraph=True), as
+torchtitan compiles its blocks (alone and checkpointed). A failure names each tensor's relative errors, epgen's
 and the all-to-all dispatcher's, against float32 (titan_check.low_precision_misses).
 
 Run (2 ranks sharing one H200: the group is gloo, epgen's workspace the runtime's IPC one):
@@ -39,7 +40,9 @@ CASES = {"balanced": {}, "starved": dict(starve_rank=True, starve_expert=True),
          "two-layers": dict(layers=2), "padded-16": dict(layers=2, pad_multiple=16),
          "two-layers-checkpointed": dict(layers=2, ac="full"),
          "two-layers-torchtitan-selective-ac": dict(layers=2, ac="selective"),
-         "two-layers-epgen-selective-ac": dict(layers=2, ac="selective_epgen")}
+         "two-layers-epgen-selective-ac": dict(layers=2, ac="selective_epgen"),
+         "two-layers-compiled": dict(layers=2, compile=True),
+         "two-layers-compiled-checkpointed": dict(layers=2, ac="full", compile=True)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

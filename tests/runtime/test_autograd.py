@@ -370,18 +370,59 @@ def test_the_custom_ops_are_registered_under_epgen():
         assert hasattr(getattr(torch.ops, ns), op_name)
 
 
-def test_a_compiled_layer_runs_the_legs_as_they_are():
-    """torch.compile of a layer calling the legs: they run eagerly between the compiled parts (graph breaks), with
-    the same gradients."""
-    cfg = _cfg(0, 1, 5, hidden_dim=8)
-    x, w, ids, ew, grad = _step_inputs(0, cfg, 8, 5)
+def _graph_ops(record: list):
+    """A torch.compile backend (AOTAutograd, then the graphs run as they are) that appends the ops each forward and
+    backward graph calls to `record`: what torch.compile saw of the layer."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def seen(gm, _inputs):
+        record.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+    return aot_autograd(fw_compiler=seen, bw_compiler=seen)
+
+
+def scn_compiled(rank, world):
+    """A layer on the grouped legs under torch.compile(fullgraph=True): its gradients against the eager layer's, with
+    activation checkpointing inside the compiled code, and its no-grad forward; the forward and backward graphs
+    name epgen's ops; no routing is left registered after."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = _cfg(rank, world, 5, hidden_dim=8)
+    x, w, ids, ew, grad = _step_inputs(rank, cfg, 8, 5)
+    out = {}
     with EpDispatchCombineOp(cfg) as op:
         layer = _layer(op, ids)
         want = _grads(layer, (x, w, ew), grad)
-        compiled = torch.compile(layer, backend="aot_eager")
-        for _ in range(2):
-            got = _grads(compiled, (x, w, ew), grad)
-            assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(want, got))
+        graphs: list = []
+        compiled = torch.compile(layer, backend=_graph_ops(graphs), fullgraph=True)
+        out["grads"] = [[float((u - v).abs().max()) for u, v in zip(_grads(compiled, (x, w, ew), grad), want)]
+                        for _ in range(2)]  # the second call: the same graphs, new routings
+        out["graphs"] = graphs
+        checkpointed = torch.compile(lambda *a: checkpoint(layer, *a, use_reentrant=False), backend="aot_eager",
+                                     fullgraph=True)
+        out["checkpointed"] = [float((u - v).abs().max()) for u, v in zip(_grads(checkpointed, (x, w, ew), grad),
+                                                                            want)]
+        with torch.no_grad():
+            eager = layer(x, w, ew)
+            out["no_grad"] = float((torch.compile(layer, backend="aot_eager", fullgraph=True)(x, w, ew) - eager)
+                                   .abs().max())
+    out["left"] = (len(ag._HANDLES), len(ag._PENDING), len(ag._KEPT))
+    return out
+
+
+def test_a_layer_on_the_grouped_legs_compiles_whole():
+    """torch.compile(fullgraph=True) of a layer calling dispatch_grouped and combine_grouped: no graph break; the
+    forward graph calls epgen::dispatch_grouped and epgen::combine_grouped, the backward graph their backward ops;
+    the gradients are the eager layer's, bit for bit (the same ops in the same order), also with the layer
+    checkpointed inside the compiled code; the no-grad forward likewise; every routing released after."""
+    names = {f"epgen.{n.split('::')[1]}.default" for n in ag.OP_NAMES if "grouped" in n}
+    for res in get_world(2).run(scn_compiled, timeout=240):
+        assert res["grads"] == [[0.0, 0.0, 0.0]] * 2 and res["checkpointed"] == [0.0, 0.0, 0.0], res
+        assert res["no_grad"] == 0.0 and res["left"] == (0, 0, 0), res
+        forward, backward = res["graphs"][:2]
+        assert names <= forward and not names & backward, res["graphs"]
+        assert {"epgen.dispatch_grouped_backward.default", "epgen.combine_grouped_backward.default"} <= backward
 
 
 class _Watching(torch.utils._python_dispatch.TorchDispatchMode):

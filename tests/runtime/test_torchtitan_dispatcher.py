@@ -127,6 +127,35 @@ def test_two_layers_match_under_activation_checkpointing_and_padding(opts, dispa
     assert all(k in results[0] for k in ("router1", "w11", "w21", "w31"))
 
 
+@pytest.mark.parametrize("opts,dispatches", [({}, 4), ({"ac": "full", "arrival_order": True}, 6),
+                                              ({"ac": "selective_epgen"}, 4),
+                                              ({"starve_rank": True, "starve_expert": True, "pad_multiple": 4}, 4)],
+                         ids=["compiled", "compiled-checkpointed-arrival-order", "compiled-epgen-selective-ac",
+                              "compiled-rank-without-tokens-padded"])
+def test_two_layers_compiled_whole_match(opts, dispatches):
+    """Each epgen MoE layer under torch.compile(fullgraph=True), as torchtitan compiles its transformer blocks (its
+    dispatcher given its sizes: the op exists before tracing): no graph break, and the outputs and gradients of
+    torchtitan's all-to-all dispatcher run eagerly; with the layers checkpointed (their dispatches recomputed in
+    the backward, rows arriving in a shuffled order), with EpgenSelectiveAC, and with a rank that receives nothing
+    and padded groups."""
+    results = check(2, layers=2, seed=4, compile=True, **opts)
+    assert [r["dispatches"] for r in results] == [dispatches] * 2 and all(r["ops"] == 1 for r in results)
+
+
+def scn_compile_unsized(rank, world):
+    try:
+        titan_check.compare(compile=True, unsized=True)
+    except Exception as e:  # torch.compile wraps what the traced code raised
+        return str(e)
+    return ""
+
+
+def test_a_compiled_layer_whose_dispatcher_has_no_sizes_says_what_to_give():
+    for msg in get_world(2).run(scn_compile_unsized, timeout=240):
+        assert "EpgenTokenDispatcher under torch.compile needs its op built before tracing" in msg, msg[-2000:]
+        assert "give its Config hidden_dim, num_max_tokens_per_rank" in msg
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_matches_with_a_rank_without_tokens_and_an_expert_without_pairs(world):
     results = check(world, starve_rank=True, starve_expert=True, seed=1)

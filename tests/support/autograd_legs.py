@@ -107,10 +107,11 @@ def linear_experts(layout, expert_w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(layout.x.float().unsqueeze(1), expert_w.float()[m]).squeeze(1).to(layout.x.dtype)
 
 
-def grouped_step(op, x, w, ids, expert_w, grad_out, apply_weights=True, checkpointed=False):
+def grouped_step(op, x, w, ids, expert_w, grad_out, apply_weights=True, checkpointed=False, compiled=None):
     """One grouped forward (a per-expert linear map expert_w [E_local, H, H] on layout.x) and its backward with
     the upstream gradient grad_out -> (out, grad x, grad w, grad expert_w). checkpointed: the forward under
-    torch.utils.checkpoint (non-reentrant), recomputed in the backward, dispatch and combine included."""
+    torch.utils.checkpoint (non-reentrant), recomputed in the backward, dispatch and combine included. compiled: a
+    torch.compile backend ("aot_eager", "inductor") the layer is compiled with, whole (fullgraph=True)."""
     x = x.detach().requires_grad_(True)
     w = w.detach().requires_grad_(True)
     ew = expert_w.detach().requires_grad_(True)
@@ -119,11 +120,14 @@ def grouped_step(op, x, w, ids, expert_w, grad_out, apply_weights=True, checkpoi
         layout, h = ag.dispatch_grouped(op, x, w, ids)
         return ag.combine_grouped(op, linear_experts(layout, ew), h, apply_weights=apply_weights)
 
+    run = layer
     if checkpointed:
         from torch.utils.checkpoint import checkpoint
 
-        out = checkpoint(layer, x, w, ew, use_reentrant=False)
-    else:
-        out = layer(x, w, ew)
+        def run(*a):
+            return checkpoint(layer, *a, use_reentrant=False)
+    if compiled:
+        run = torch.compile(run, backend=compiled, fullgraph=True)
+    out = run(x, w, ew)
     gx, gw, gew = torch.autograd.grad(out, (x, w, ew), grad_out)
     return out.detach(), gx, gw, gew

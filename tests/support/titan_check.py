@@ -16,7 +16,6 @@ tokens with the list form of ``dist.all_to_all``, which gloo refuses for unequal
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 import torch.distributed as dist
@@ -100,7 +99,8 @@ def relerr(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k: int = 3, batch: int = 2,
             seq: int = 5, layers: int = 1, dtype=torch.float32, device="cpu", seed: int = 0, starve_rank: bool = False,
             starve_expert: bool = False, kernel_backend: str | None = None, grads: bool = True,
-            ac: str | None = None, pad_multiple: int | None = None) -> dict:
+            ac: str | None = None, pad_multiple: int | None = None, compile: bool = False,
+            unsized: bool = False) -> dict:
     """This rank's relative errors, epgen against torchtitan's all-to-all dispatcher (see the module docstring), for
     ``layers`` MoE layers in a row (each layer's dispatcher its own, epgen's sharing one op: the forwards of the later
     layers run before the backwards of the earlier ones): {"out", "x", and per layer l "router{l}", "w1{l}", "w2{l}",
@@ -114,7 +114,9 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     recomputed in the backward, dispatch and combine included) or "selective" (torchtitan's SelectiveAC policy, which
     recomputes the ops it does not list: epgen's among them) or "selective_epgen" (runtime.integrations.torchtitan's
     EpgenSelectiveAC: the same policy, epgen's ops saved). ``pad_multiple``: epgen's groups padded to a multiple of
-    it (the reference's are not: the padding rows must change nothing)."""
+    it (the reference's are not: the padding rows must change nothing). ``compile``: each epgen layer under
+    ``torch.compile(fullgraph=True, backend="aot_eager")``, as torchtitan compiles its blocks (the dispatcher given
+    its sizes, so its op exists before tracing; ``unsized``: not given them)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -135,8 +137,10 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     models = {"ref": [], "ours": []}
     for layer in range(layers):
         ref = build_moe(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k), **shape)
+        sizes = dict(hidden_dim=dim, num_max_tokens_per_rank=batch * seq, dtype=dtype) if compile and not unsized \
+            else {}
         ours = build_moe(EpgenTokenDispatcher.Config(num_experts=experts, top_k=top_k, kernel_backend=kernel_backend,
-                                                     pad_multiple=pad_multiple), **shape)
+                                                     pad_multiple=pad_multiple, **sizes), **shape)
         init_weights(ref, rank, world, seed + 101 * layer)
         ours.load_state_dict(ref.state_dict())
         for name, m in (("ref", ref), ("ours", ours)):
@@ -157,6 +161,8 @@ def compare(*, dim: int = 64, inter: int = 48, experts_per_rank: int = 4, top_k:
     run = dict(models)
     if ac is not None:
         run["ours"] = [checkpointed(m, ac) for m in models["ours"]]
+    if compile:
+        run["ours"] = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in run["ours"]]
     from runtime import EpDispatchCombineOp
 
     moved = []  # epgen's dispatches (forward, recomputation, the combine backwards' replays)
