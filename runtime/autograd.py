@@ -26,14 +26,12 @@ custom op runs wherever named ops can be seen (a torch dispatch mode is active: 
 checkpointing, tracing, fake tensors; torch.compile); a plain eager call runs the same forward and backward work as
 a torch.autograd.Function, which skips the custom op's Python dispatch layers (_Leg).
 
-Under torch.compile the grouped legs compile whole (``fullgraph=True``; tests/runtime/test_autograd.py and, with
-torchtitan's MoE, tests/runtime/test_torchtitan_dispatcher.py): dispatch_grouped and combine_grouped then call
-their custom ops alone (_traced_dispatch_grouped), combine_grouped taking the dispatch's handle tensor; the ops'
-registered backwards keep nothing but ctx attributes and saved tensors and call the custom ops
-``epgen::dispatch_grouped_backward`` / ``epgen::combine_grouped_backward``, which find the routing when they run:
-dispatch_grouped's handle tensor holds it (an attribute; autograd keeps a saved tensor's Python object, so it lives
-as long as the graph that saved it, eager or compiled). The plain legs run between the compiled parts
-(torch.compiler.disable: a graph break).
+Under torch.compile the legs compile whole (``fullgraph=True``; tests/runtime/test_autograd.py and, with
+torchtitan's MoE, tests/runtime/test_torchtitan_dispatcher.py): each function then calls its custom op alone
+(_traced_dispatch_grouped), a combine taking its dispatch's handle tensor; the ops' registered backwards keep
+nothing but ctx attributes and saved tensors and call the custom ops ``epgen::NAME_backward`` (BACKWARD_OP_NAMES),
+which find the routing when they run: the dispatch's handle tensor holds it (an attribute; autograd keeps a saved
+tensor's Python object, so it lives as long as the graph that saved it, eager or compiled).
 
 Backward (no new routing, no host sync):
   * dispatch's backward is a combine of the gradient rows through the forward's routing (each token's gradient
@@ -82,6 +80,8 @@ from .op import LIVE_OPS
 from .routing import RoutingHandle
 
 OP_NAMES = ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
+#: the ops the forward ops' backwards call (what a compiled backward graph names)
+BACKWARD_OP_NAMES = tuple(f"{name}_backward" for name in OP_NAMES)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _OPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # op uid -> op
@@ -104,7 +104,7 @@ class _Saved:
         self.op, self.routing, self.ids = op, routing, ids
         self.total, self.pair_pos, self.src = total, pair_pos, src
         self.guard = tuple((t, t._version) for t in guard)
-        self.named = None  # (handle id, its CPU scalar): the forward's last output, which a combine saves again
+        self.named = None  # (handle id,): the id its handle tensor (the forward's last output) carries
         self.parts = None  # dispatch_grouped: (its meta output, the layout's offs, counts, src, m_indices, dropped)
 
 
@@ -192,18 +192,14 @@ def _no_saved_routing(call: str, handle: Handle, *inputs) -> None:
                          f"no gradient can go back through it; dispatch with autograd on")
 
 
-def _handle_tensor(handle_id: int, saved: _Saved, grouped_leg: bool = False) -> torch.Tensor:
-    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device).
-    dispatch_grouped's holds the routing it names (an attribute: autograd keeps a saved tensor's Python object, so
-    the routing lives exactly as long as the tensor, in an eager graph or among a compiled graph's saved
-    activations), and its combine takes the tensor as an input; the plain dispatch's is kept with the routing
-    for its combine's setup (_remember)."""
+def _handle_tensor(handle_id: int, saved: _Saved) -> torch.Tensor:
+    """A forward custom op's last output: its handle id (a CPU scalar: reading it never waits for the device). It
+    holds the routing it names (an attribute: autograd keeps a saved tensor's Python object, so the routing lives
+    exactly as long as the tensor, in an eager graph or among a compiled graph's saved activations); the combine
+    takes the tensor as an input. The routing does not hold it (no reference cycle)."""
     t = torch.scalar_tensor(handle_id, dtype=torch.int64)
-    if grouped_leg:
-        t._epgen_saved = saved
-        saved.named = (handle_id, None)  # not the tensor: it holds the routing
-    else:
-        saved.named = (handle_id, t)
+    t._epgen_saved = saved
+    saved.named = (handle_id,)
     _HANDLES[handle_id] = saved
     return t
 
@@ -265,17 +261,12 @@ def _take(handle_id: int) -> _Saved:
     return saved
 
 
-def _remember(ctx, handle_id: int, saved: _Saved, handle_t: torch.Tensor | None = None) -> torch.Tensor:
-    """setup_context's record of the routing a forward ran: ctx holds it, and the returned handle id (a CPU
-    scalar: handle_t, the forward's own output, where it has one) goes into ctx.save_for_backward beside the
-    other saved tensors, for _routing_of."""
-    ctx.saved, ctx.handle_id = saved, handle_id
-    if handle_t is None:  # a combine: the scalar its dispatch made for the routing it ran on (no new tensor). It
-        # may name that routing by another id than handle_id (a selective checkpoint's replay hands the first
-        # forward's routing to a new id): _routing_of then takes it by that id, the same routing. Never a new
-        # tensor here on one run and none on another: a checkpoint's replay must see the forward's torch ops.
-        named = saved.named[1] if saved.named is not None else None
-        handle_t = named if named is not None else torch.scalar_tensor(handle_id, dtype=torch.int64)
+def _remember(ctx, saved: _Saved, handle_t: torch.Tensor) -> torch.Tensor:
+    """setup_context's record of the routing a forward ran (a Function's: eager calls): ctx holds it, and the
+    handle tensor naming it (the dispatch's last output; a combine's input) goes into ctx.save_for_backward beside
+    the other saved tensors, for _routing_of. Under a selective checkpoint's replay the tensor may be a copy naming
+    the first forward's routing by the same id."""
+    ctx.saved, ctx.handle_id = saved, saved.named[0]
     return handle_t
 
 
@@ -512,7 +503,7 @@ def _dispatch_grouped_impl(x: torch.Tensor, weights: Optional[torch.Tensor], ind
     if not traced:  # the wrapper takes it (_forward) and builds the layout from these views
         _PENDING[handle_id] = saved
         saved.parts = (meta, layout.offs, layout.counts, layout.src, layout.m_indices, layout.dropped)
-    return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved, grouped_leg=True)
+    return layout.x, layout.weights, scales, meta, _handle_tensor(handle_id, saved)
 
 
 _dispatch_grouped_op = torch.library.custom_op("epgen::dispatch_grouped", _dispatch_grouped_impl,
@@ -533,8 +524,7 @@ def _(x, weights, indices, op_id, handle_id):
 
 
 def _dispatch_grouped_setup(ctx, inputs, output):
-    handle_id = int(output[-1])
-    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id), output[-1]))
+    ctx.save_for_backward(_remember(ctx, _take(int(output[-1])), output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.set_materialize_grads(False)  # an output no gradient reached comes as None: no zero tensors made for it
     ctx.mark_non_differentiable(*output[2:])
@@ -691,7 +681,7 @@ def _combine_grouped_setup(ctx, inputs, output):
     y, wg, handle_t, _, _, apply_weights = inputs
     ctx.apply_weights = apply_weights
     saved = _saved_of(handle_t)
-    ctx.saved, ctx.handle_id = saved, saved.named[0]
+    ctx.saved, ctx.handle_id = saved, saved.named[0]  # _remember's record, inline (this leg's host budget)
     ctx.save_for_backward(y, wg, handle_t)
 
 
@@ -805,9 +795,14 @@ def _check_plain(op, call: str) -> None:
 def _dispatch_impl(x: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, op_id: int,
                    handle_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = _op(op_id, "epgen::dispatch")
+    traced = handle_id == 0  # called by a compiled graph (dispatch's traced path): the id is made here
+    if traced:
+        handle_id = next(_IDS)
     out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
     total = total.clone()
-    _PENDING[handle_id] = saved = _Saved(op, routing, indices.clone(), total=total)
+    saved = _Saved(op, routing, indices.clone(), total=total)
+    if not traced:
+        _PENDING[handle_id] = saved
     if out_w is None:
         out_w = torch.zeros(out_i.shape, dtype=torch.float32, device=out_i.device)
     return out.clone(), out_w.clone(), out_i.clone(), total.clone(), _handle_tensor(handle_id, saved)
@@ -818,7 +813,7 @@ _dispatch_op = torch.library.custom_op("epgen::dispatch", _dispatch_impl, mutate
 
 @_dispatch_op.register_fake
 def _(x, weights, indices, op_id, handle_id):
-    cfg = _OPS[op_id].config
+    cfg = _traced_op(op_id).config
     R, k = cfg.max_recv_tokens, cfg.num_experts_per_token
     return (x.new_empty((R, x.shape[1])), x.new_empty((R, k), dtype=torch.float32),
             x.new_empty((R, k), dtype=torch.int32), x.new_empty((1,), dtype=torch.int32),
@@ -826,31 +821,84 @@ def _(x, weights, indices, op_id, handle_id):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    handle_id = int(output[-1])
-    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
+    ctx.save_for_backward(_remember(ctx, _take(int(output[-1])), output[-1]))
     ctx.x_dtype = inputs[0].dtype
     ctx.mark_non_differentiable(output[2], output[3])
 
 
-def _dispatch_backward(ctx, grad_out, grad_w, *_):
-    saved = _routing_of(ctx, *ctx.saved_tensors)
+def _dispatch_grads(saved: _Saved, grad_out, grad_w, want_x: bool, want_w: bool, x_dtype):
+    """dispatch's backward along `saved`: -> (grad x [T, H] x_dtype or None, grad weights [T, k] float32 or None)."""
     keep = _rows_mask(saved.total, grad_out.shape[0])
     rows = _where(keep, grad_out)
-    rows_w = None
-    if ctx.needs_input_grad[1]:
-        rows_w = _where(keep, grad_w).contiguous()
+    rows_w = _where(keep, grad_w).contiguous() if want_w else None
     gx, gw = _gather_back(saved, "epgen::dispatch", rows, rows_w)
-    return (gx.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None), gw, None, None, None
+    return (gx.to(x_dtype) if want_x else None), gw
 
 
-_DISPATCH = _Leg(_dispatch_op, _dispatch_impl, _dispatch_setup, _dispatch_backward)
+def _dispatch_backward(ctx, grad_out, grad_w, *_):
+    gx, gw = _dispatch_grads(_routing_of(ctx, *ctx.saved_tensors), grad_out, grad_w, ctx.needs_input_grad[0],
+                             ctx.needs_input_grad[1], ctx.x_dtype)
+    return gx, gw, None, None, None
 
 
-@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
+# the custom op's own setup and backward (torch.compile traces them; see dispatch_grouped's)
+def _dispatch_op_setup(ctx, inputs, output):
+    x, _, _, op_id, _ = inputs
+    ctx.op_id, ctx.x_dtype, ctx.num_tokens = op_id, x.dtype, x.shape[0]
+    ctx.keep = _keep(output[-1])
+    ctx.save_for_backward(output[-1])
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _dispatch_op_backward(ctx, grad_out, grad_w, *_):
+    want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (want_x or want_w):
+        return None, None, None, None, None
+    gx, gw = _dispatch_backward_op(grad_out, grad_w if want_w else None, *ctx.saved_tensors, ctx.op_id,
+                                   ctx.num_tokens, want_x, want_w, ctx.x_dtype)
+    return (gx if want_x else None), (gw if want_w else None), None, None, None
+
+
+def _dispatch_backward_impl(grad_out: torch.Tensor, grad_w: Optional[torch.Tensor], handle: torch.Tensor, op_id: int,
+                            num_tokens: int, want_x: bool, want_w: bool,
+                            x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad x, grad weights); an empty tensor where one is not wanted."""
+    saved = _saved_of(handle)
+    gx, gw = _dispatch_grads(saved, grad_out, grad_w, want_x, want_w, x_dtype)
+    device = _op(op_id, "epgen::dispatch_backward").device
+    return (gx if gx is not None else torch.empty((0,), device=device)), \
+        (gw if gw is not None else torch.empty((0,), device=device))
+
+
+_dispatch_backward_op = torch.library.custom_op("epgen::dispatch_backward", _dispatch_backward_impl,
+                                                mutates_args=())
+
+
+@_dispatch_backward_op.register_fake
+def _(grad_out, grad_w, handle, op_id, num_tokens, want_x, want_w, x_dtype):
+    cfg = _traced_op(op_id).config
+    dev = grad_out.device
+    gx = torch.empty((num_tokens, cfg.hidden_dim) if want_x else (0,), dtype=x_dtype if want_x else torch.float32,
+                     device=dev)
+    gw = torch.empty((num_tokens, cfg.num_experts_per_token) if want_w else (0,), dtype=torch.float32, device=dev)
+    return gx, gw
+
+
+_DISPATCH = _Leg(_dispatch_op, _dispatch_impl, _dispatch_setup, _dispatch_backward, _dispatch_op_setup,
+                 _dispatch_op_backward)
+
+
 def dispatch(op, x, weights=None, indices=None):
     """op.dispatch(x, weights, None, indices, return_routing=True) recording autograd -> (out [R, H],
     out_weights [R, k] float32 or None, out_indices, total_recv, Handle); out and out_weights are differentiable
     (bf16/fp32 payloads; a quantized dispatch trains through dispatch_grouped)."""
+    if torch.compiler.is_compiling():  # the custom op alone (see _traced_dispatch_grouped)
+        _check_plain(op, "dispatch")
+        out, out_w, out_i, total, handle_t = _dispatch_op(x.contiguous(),
+                                                          None if weights is None else weights.contiguous(),
+                                                          indices, op.uid, 0)
+        return out, (out_w if weights is not None else None), out_i, total, Handle(op, None, None, None, 0, handle_t,
+                                                                                   x.shape[0])
     if not torch.is_grad_enabled():
         out, out_w, _, out_i, total, routing = op.dispatch(x, weights, None, indices, return_routing=True)
         return out, out_w, out_i, total, Handle(op, routing, None)
@@ -862,10 +910,11 @@ def dispatch(op, x, weights=None, indices=None):
 
 
 # --- epgen::combine (plain) ------------------------------------------------------------------------
-def _combine_impl(y: torch.Tensor, weights: Optional[torch.Tensor], op_id: int,
-                  handle_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_impl(y: torch.Tensor, weights: Optional[torch.Tensor], handle: torch.Tensor, op_id: int,
+                  num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [num_tokens, H], out weights [num_tokens, k]); handle: the dispatch's handle tensor."""
     op = _op(op_id, "epgen::combine")
-    saved = _take(handle_id)
+    saved = _saved_of(handle)
     out, out_w = op.combine(y, weights, routing=saved.routing)
     if out_w is None:
         out_w = torch.zeros((out.shape[0], op.config.num_experts_per_token), dtype=torch.float32, device=out.device)
@@ -876,31 +925,71 @@ _combine_op = torch.library.custom_op("epgen::combine", _combine_impl, mutates_a
 
 
 @_combine_op.register_fake
-def _(y, weights, op_id, handle_id):
-    cfg = _OPS[op_id].config
-    T = _HANDLES[handle_id].routing.num_tokens
-    return (y.new_empty((T, cfg.hidden_dim), dtype=cfg.combine_dtype),
-            y.new_empty((T, cfg.num_experts_per_token), dtype=torch.float32))
+def _(y, weights, handle, op_id, num_tokens):
+    cfg = _traced_op(op_id).config
+    return (y.new_empty((num_tokens, cfg.hidden_dim), dtype=cfg.combine_dtype),
+            y.new_empty((num_tokens, cfg.num_experts_per_token), dtype=torch.float32))
 
 
 def _combine_setup(ctx, inputs, output):
-    y, weights, _, handle_id = inputs
+    y, _, handle_t, _, _ = inputs
     ctx.rows, ctx.y_dtype = y.shape[0], y.dtype
-    ctx.save_for_backward(_remember(ctx, handle_id, _take(handle_id)))
+    ctx.save_for_backward(_remember(ctx, _saved_of(handle_t), handle_t))
+
+
+def _combine_grads(saved: _Saved, grad_out, grad_w, rows: int, want_y: bool, want_w: bool, y_dtype):
+    """combine's backward along `saved`: -> (grad y [rows, H] y_dtype or None, grad weights [rows, k] or None)."""
+    got, got_w = _replay(saved, "epgen::combine", grad_out, grad_w.contiguous() if want_w else None)
+    return (got[:rows].to(y_dtype) if want_y else None), (got_w[:rows] if got_w is not None else None)
 
 
 def _combine_backward(ctx, grad_out, grad_w):
-    rows, rows_w = _replay(_routing_of(ctx, *ctx.saved_tensors), "epgen::combine", grad_out,
-                           grad_w.contiguous() if ctx.needs_input_grad[1] else None)
-    grad_y = rows[:ctx.rows].to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
-    grad_weights = rows_w[:ctx.rows] if rows_w is not None else None
-    return grad_y, grad_weights, None, None
+    grad_y, grad_weights = _combine_grads(_routing_of(ctx, *ctx.saved_tensors), grad_out, grad_w, ctx.rows,
+                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.y_dtype)
+    return grad_y, grad_weights, None, None, None
 
 
-_COMBINE = _Leg(_combine_op, _combine_impl, _combine_setup, _combine_backward)
+# the custom op's own setup and backward (torch.compile traces them; see dispatch_grouped's)
+def _combine_op_setup(ctx, inputs, output):
+    y, _, handle_t, op_id, _ = inputs
+    ctx.op_id, ctx.rows, ctx.y_dtype = op_id, y.shape[0], y.dtype
+    ctx.keep = _keep(handle_t)
+    ctx.save_for_backward(handle_t)
 
 
-@torch.compiler.disable  # compiled callers run it as it is (a graph break): its registries are Python state
+def _combine_op_backward(ctx, grad_out, grad_w):
+    want_y, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (want_y or want_w):
+        return None, None, None, None, None
+    grad_y, grad_weights = _combine_backward_op(grad_out, grad_w if want_w else None, *ctx.saved_tensors,
+                                                ctx.op_id, ctx.rows, want_y, want_w, ctx.y_dtype)
+    return (grad_y if want_y else None), (grad_weights if want_w else None), None, None, None
+
+
+def _combine_backward_impl(grad_out: torch.Tensor, grad_w: Optional[torch.Tensor], handle: torch.Tensor, op_id: int,
+                           rows: int, want_y: bool, want_w: bool,
+                           y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad y, grad weights); an empty tensor where one is not wanted."""
+    grad_y, grad_weights = _combine_grads(_saved_of(handle), grad_out, grad_w, rows, want_y, want_w, y_dtype)
+    empty = grad_out.new_empty((0,))
+    return (grad_y if grad_y is not None else empty), (grad_weights if grad_weights is not None else empty.clone())
+
+
+_combine_backward_op = torch.library.custom_op("epgen::combine_backward", _combine_backward_impl, mutates_args=())
+
+
+@_combine_backward_op.register_fake
+def _(grad_out, grad_w, handle, op_id, rows, want_y, want_w, y_dtype):
+    cfg = _traced_op(op_id).config
+    gy = grad_out.new_empty((rows, cfg.hidden_dim) if want_y else (0,), dtype=y_dtype if want_y else grad_out.dtype)
+    gw = grad_out.new_empty((rows, cfg.num_experts_per_token) if want_w else (0,), dtype=torch.float32)
+    return gy, gw
+
+
+_COMBINE = _Leg(_combine_op, _combine_impl, _combine_setup, _combine_backward, _combine_op_setup,
+                _combine_op_backward)
+
+
 def combine(op, y, handle: Handle, weights=None):
     """op.combine(y, weights, routing=handle.routing) recording autograd -> (out [num_tokens, H], out_weights
     [num_tokens, k] or None); gradients reach y and weights."""
@@ -908,9 +997,16 @@ def combine(op, y, handle: Handle, weights=None):
         raise InputError(f"combine: handle must be a runtime.autograd.Handle, got {type(handle).__name__}")
     if handle.op_uid != op.uid:
         raise InputError(f"combine: the handle comes from another op (uid {handle.op_uid}, this op is uid {op.uid})")
+    w = None if weights is None else weights.contiguous()
+    if torch.compiler.is_compiling():  # the custom op alone (see _traced_dispatch_grouped)
+        if handle.tensor is None:
+            raise InputError("combine under torch.compile: the handle must come from dispatch called with "
+                             "autograd on or in the compiled code")
+        out, out_w = _combine_op(y.contiguous(), w, handle.tensor, op.uid, handle.num_tokens)
+        return out, (out_w if weights is not None else None)
     if not torch.is_grad_enabled() or handle._saved is None:
         _no_saved_routing("combine", handle, y, weights)
         return op.combine(y, weights, routing=handle.routing)
     _register(op)
-    out, out_w = _COMBINE(y.contiguous(), None if weights is None else weights.contiguous(), op.uid, handle.id)
+    out, out_w = _COMBINE(y.contiguous(), w, handle.tensor, op.uid, handle.num_tokens)
     return out, (out_w if weights is not None else None)

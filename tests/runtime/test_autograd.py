@@ -365,7 +365,8 @@ def test_plain_dispatch_of_a_quantized_op_says_where_to_train():
 
 def test_the_custom_ops_are_registered_under_epgen():
     assert ag.OP_NAMES == ("epgen::dispatch", "epgen::combine", "epgen::dispatch_grouped", "epgen::combine_grouped")
-    for name in ag.OP_NAMES:
+    assert ag.BACKWARD_OP_NAMES == tuple(name + "_backward" for name in ag.OP_NAMES)
+    for name in ag.OP_NAMES + ag.BACKWARD_OP_NAMES:
         ns, op_name = name.split("::")
         assert hasattr(getattr(torch.ops, ns), op_name)
 
@@ -407,22 +408,33 @@ def scn_compiled(rank, world):
             eager = layer(x, w, ew)
             out["no_grad"] = float((torch.compile(layer, backend="aot_eager", fullgraph=True)(x, w, ew) - eager)
                                    .abs().max())
+        plain = _plain_layer(op, ids)  # the plain legs
+        want = _grads(plain, (x, w), grad)
+        plain_graphs: list = []
+        got = _grads(torch.compile(plain, backend=_graph_ops(plain_graphs), fullgraph=True), (x, w), grad)
+        out["plain"] = [float((u - v).abs().max()) for u, v in zip(got, want)]
+        out["plain_graphs"] = plain_graphs
     out["left"] = (len(ag._HANDLES), len(ag._PENDING), len(ag._KEPT))
     return out
 
 
-def test_a_layer_on_the_grouped_legs_compiles_whole():
-    """torch.compile(fullgraph=True) of a layer calling dispatch_grouped and combine_grouped: no graph break; the
-    forward graph calls epgen::dispatch_grouped and epgen::combine_grouped, the backward graph their backward ops;
-    the gradients are the eager layer's, bit for bit (the same ops in the same order), also with the layer
-    checkpointed inside the compiled code; the no-grad forward likewise; every routing released after."""
-    names = {f"epgen.{n.split('::')[1]}.default" for n in ag.OP_NAMES if "grouped" in n}
+def _op_targets(names, grouped: bool) -> set:
+    return {f"epgen.{n.split('::')[1]}.default" for n in names if ("grouped" in n) == grouped}
+
+
+def test_a_layer_on_the_legs_compiles_whole():
+    """torch.compile(fullgraph=True) of a layer calling dispatch_grouped and combine_grouped, and of one calling the
+    plain legs: no graph break; the forward graph calls the legs' custom ops, the backward graph their backward ops
+    (ag.BACKWARD_OP_NAMES); the gradients are the eager layer's, bit for bit (the same ops in the same order), also
+    with the layer checkpointed inside the compiled code; the no-grad forward likewise; every routing released
+    after."""
     for res in get_world(2).run(scn_compiled, timeout=240):
         assert res["grads"] == [[0.0, 0.0, 0.0]] * 2 and res["checkpointed"] == [0.0, 0.0, 0.0], res
-        assert res["no_grad"] == 0.0 and res["left"] == (0, 0, 0), res
-        forward, backward = res["graphs"][:2]
-        assert names <= forward and not names & backward, res["graphs"]
-        assert {"epgen.dispatch_grouped_backward.default", "epgen.combine_grouped_backward.default"} <= backward
+        assert res["no_grad"] == 0.0 and res["plain"] == [0.0, 0.0] and res["left"] == (0, 0, 0), res
+        for grouped, graphs in ((True, res["graphs"]), (False, res["plain_graphs"])):
+            forward, backward = graphs[:2]
+            ops, back = _op_targets(ag.OP_NAMES, grouped), _op_targets(ag.BACKWARD_OP_NAMES, grouped)
+            assert ops <= forward and not ops & backward and back <= backward, (grouped, graphs)
 
 
 class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
