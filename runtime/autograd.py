@@ -971,8 +971,8 @@ def _combine_backward_impl(grad_out: torch.Tensor, grad_w: Optional[torch.Tensor
                            y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (grad y, grad weights); an empty tensor where one is not wanted."""
     grad_y, grad_weights = _combine_grads(_saved_of(handle), grad_out, grad_w, rows, want_y, want_w, y_dtype)
-    empty = grad_out.new_empty((0,))
-    return (grad_y if grad_y is not None else empty), (grad_weights if grad_weights is not None else empty.clone())
+    return (grad_y if grad_y is not None else grad_out.new_empty((0,))), \
+        (grad_weights if grad_weights is not None else grad_out.new_empty((0,), dtype=torch.float32))
 
 
 _combine_backward_op = torch.library.custom_op("epgen::combine_backward", _combine_backward_impl, mutates_args=())

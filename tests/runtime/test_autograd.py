@@ -414,6 +414,12 @@ def scn_compiled(rank, world):
         got = _grads(torch.compile(plain, backend=_graph_ops(plain_graphs), fullgraph=True), (x, w), grad)
         out["plain"] = [float((u - v).abs().max()) for u, v in zip(got, want)]
         out["plain_graphs"] = plain_graphs
+
+        def unweighted(x):  # the plain legs without routing weights: no weights' gradient anywhere
+            moved, _, _, _, h = ag.dispatch(op, x, None, ids)
+            return ag.combine(op, torch.tanh(moved), h)[0]
+        got = _grads(torch.compile(unweighted, backend="aot_eager", fullgraph=True), (x,), grad)
+        out["unweighted"] = float((got[0] - _grads(unweighted, (x,), grad)[0]).abs().max())
     out["left"] = (len(ag._HANDLES), len(ag._PENDING), len(ag._KEPT))
     return out
 
@@ -430,7 +436,8 @@ def test_a_layer_on_the_legs_compiles_whole():
     after."""
     for res in get_world(2).run(scn_compiled, timeout=240):
         assert res["grads"] == [[0.0, 0.0, 0.0]] * 2 and res["checkpointed"] == [0.0, 0.0, 0.0], res
-        assert res["no_grad"] == 0.0 and res["plain"] == [0.0, 0.0] and res["left"] == (0, 0, 0), res
+        assert res["no_grad"] == 0.0 and res["plain"] == [0.0, 0.0] and res["unweighted"] == 0.0, res
+        assert res["left"] == (0, 0, 0), res
         for grouped, graphs in ((True, res["graphs"]), (False, res["plain_graphs"])):
             forward, backward = graphs[:2]
             ops, back = _op_targets(ag.OP_NAMES, grouped), _op_targets(ag.BACKWARD_OP_NAMES, grouped)
