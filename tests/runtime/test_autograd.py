@@ -374,7 +374,7 @@ def test_the_custom_ops_are_registered_under_epgen():
 def _graph_ops(record: list):
     """A torch.compile backend (AOTAutograd, then the graphs run as they are) that appends the ops each forward and
     backward graph calls to `record`: what torch.compile saw of the layer."""
-    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def seen(gm, _inputs):
