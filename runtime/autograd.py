@@ -204,21 +204,21 @@ def _handle_tensor(handle_id: int, saved: _Saved) -> torch.Tensor:
     return t
 
 
-def _saved_of(handle_t: torch.Tensor) -> _Saved:
+def _saved_of(handle_t: torch.Tensor, read_id: bool = False) -> _Saved:
     """The routing a handle tensor names: the one it holds, or (a copy of it: selective checkpointing stores the
-    saved outputs detached) the registry's under its id."""
+    saved outputs detached) the registry's under its id. read_id: read the id even where the tensor holds the
+    routing (a selective checkpoint's replay must see the forward's torch ops)."""
+    handle_id = int(handle_t) if read_id else None
     saved = getattr(handle_t, "_epgen_saved", None)
-    return saved if saved is not None else _take(int(handle_t))
+    if saved is not None:
+        return saved
+    return _take(handle_id if handle_id is not None else int(handle_t))
 
 
 def _keep(handle_t: torch.Tensor) -> _Saved | None:
     """What a custom op's setup keeps on ctx for its backward: the routing (None while tracing: fake tensors name
     none; a compiled graph keeps the handle tensor itself among its saved activations)."""
-    if is_fake(handle_t):
-        return None
-    handle_id = int(handle_t)  # read every time: a selective checkpoint's replay must see the forward's torch ops
-    saved = getattr(handle_t, "_epgen_saved", None)
-    return saved if saved is not None else _take(handle_id)
+    return None if is_fake(handle_t) else _saved_of(handle_t, read_id=True)
 
 
 def _saved_after(handle_id: int, handle_t: torch.Tensor) -> _Saved:
@@ -584,8 +584,9 @@ def _dispatch_grouped_backward_impl(grad_xg: Optional[torch.Tensor], grad_wg: Op
                                     handle: torch.Tensor, op_id: int, num_tokens: int, want_x: bool, want_w: bool,
                                     x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (grad x, grad weights); an empty tensor where one is not wanted (an op returns tensors)."""
-    gx, gw = _dispatch_grouped_grads(_saved_of(handle), grad_xg, grad_wg, want_x, want_w, x_dtype)
-    device = _op(op_id, "epgen::dispatch_grouped_backward").device
+    saved = _saved_of(handle)
+    gx, gw = _dispatch_grouped_grads(saved, grad_xg, grad_wg, want_x, want_w, x_dtype)
+    device = saved.op.device
     return (gx if gx is not None else torch.empty((0,), device=device)), \
         (gw if gw is not None else torch.empty((0,), device=device))
 
@@ -865,7 +866,7 @@ def _dispatch_backward_impl(grad_out: torch.Tensor, grad_w: Optional[torch.Tenso
     """-> (grad x, grad weights); an empty tensor where one is not wanted."""
     saved = _saved_of(handle)
     gx, gw = _dispatch_grads(saved, grad_out, grad_w, want_x, want_w, x_dtype)
-    device = _op(op_id, "epgen::dispatch_backward").device
+    device = saved.op.device
     return (gx if gx is not None else torch.empty((0,), device=device)), \
         (gw if gw is not None else torch.empty((0,), device=device))
 

@@ -16,6 +16,7 @@ tokens with the list form of ``dist.all_to_all``, which gloo refuses for unequal
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.distributed as dist
