@@ -210,9 +210,7 @@ def _saved_of(handle_t: torch.Tensor, read_id: bool = False) -> _Saved:
     routing (a selective checkpoint's replay must see the forward's torch ops)."""
     handle_id = int(handle_t) if read_id else None
     saved = getattr(handle_t, "_epgen_saved", None)
-    if saved is not None:
-        return saved
-    return _take(handle_id if handle_id is not None else int(handle_t))
+    return saved if saved is not None else _take(handle_id if read_id else int(handle_t))
 
 
 def _keep(handle_t: torch.Tensor) -> _Saved | None:
