@@ -79,6 +79,21 @@ struct EpgDiv {
   }
   EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
 };
+// A grid-stride walk over items (row, col) = divmod(i, cols): the first step's row and column by one division, every
+// later step's by additions (a 64-bit division by a variable is a call of ~70 instructions on sm_90, paid per item).
+struct EpgWalk {
+  epg_i64 row, col, cols, drow, dcol;
+  EPG_DEVICE EpgWalk(epg_i64 start, epg_i64 step, epg_i64 columns)
+      : row(start / columns), col(start % columns), cols(columns), drow(step / columns), dcol(step % columns) {}
+  EPG_DEVICE void next() {
+    row += drow;
+    col += dcol;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
@@ -908,8 +923,8 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
   const epg_i64 n8 = a.hidden / 8;
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
-  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
-    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+  for (EpgWalk it((epg_i64)epg_block() * epg_block_dim() + epg_thread(), step, n8); it.row < rows; it.next()) {
+    const epg_i64 row = it.row, elem = 8 * it.col;
     float acc[8];
     epg_grouped_reduce8<EPG_STAGE_U>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
                         (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
