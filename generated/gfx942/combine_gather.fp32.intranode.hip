@@ -1014,6 +1014,18 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // peers (the slots dispatch recorded) and accumulates them in fp32. Split phase (a.phase): the send half is the
 // entry barrier and the staging; the receive half (a later launch: the staged rows are complete, stream order)
 // signals the peers, waits for theirs and reads.
+// The staged row a gather slot names (slot * world + rank) in its rank's combine buffer, null for -1: worked out once
+// per token by the lane holding the slot (a peer-table load and a division), then handed to the wave by shuffles.
+EPG_DEVICE const char* epg_gather_row(const EpArgs& a, int slot) {
+  if (slot < 0) return nullptr;
+  const int r = slot % (int)a.world;
+  return epg_peer(a, r) + a.off_comb_x + (epg_i64)(slot / (int)a.world) * a.row_bytes;
+}
+EPG_DEVICE const char* epg_shfl_ptr(const char* p, int src) {  // lane src's pointer
+  const epg_u64 v = (epg_u64)p;
+  return (const char*)((epg_u64)epg_shfl((epg_u32)(v >> 32), src) << 32 | epg_shfl((epg_u32)v, src));
+}
+
 EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
@@ -1078,6 +1090,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
     const epg_i64 t = it / parts;
     const epg_i64 s0 = (it % parts) * per, s1 = s0 + per < nseg ? s0 + per : nseg;
     const int slot0 = lane < a.k ? slots[t * a.k + lane] : -1;  // slot * world + rank, or -1
+    const char* src0 = epg_gather_row(a, slot0);                  // lane j's row: slot j0 + j's (k <= a wave: all)
     for (epg_i64 seg = s0; seg < s1; ++seg) {
       const epg_i64 c0 = seg * seg_chunks + lane;  // this lane's first chunk
       float acc[EPG_CH][8];
@@ -1087,6 +1100,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
         for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
       for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
         const int mine_slot = j0 == 0 ? slot0 : (j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1);
+        const char* mine_src = j0 == 0 ? src0 : epg_gather_row(a, mine_slot);
         epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loop below is uniform
         while (live) {
           const char* src[EPG_SRC];
@@ -1096,8 +1110,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
             if (live) {
               const int j = epg_popc((live & (~live + 1)) - 1);  // the lowest live lane: ascending k
               live &= live - 1;
-              const int sr = (int)epg_shfl((epg_u32)mine_slot, j);
-              src[u] = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
+              src[u] = epg_shfl_ptr(mine_src, j);
             }
           }
           epg_vec16 v[EPG_SRC][EPG_CH];
