@@ -993,7 +993,8 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
         if (g[u] >= 0) r[u] = epg_ld_raw8((const char*)a.expert_out + (epg_i64)g[u] * a.row_bytes + elem * 4);
       const epg_i64 row = it.row;
       it.next();
-      if (it.row < rows) epg_stage_pairs(a, recv_w, it.row, gn, wn);  // the next item's, behind this item's rows
+      const bool more = it.row < rows;
+      if (more) epg_stage_pairs(a, recv_w, it.row, gn, wn);  // the next item's, behind this item's rows
       float acc[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -1007,10 +1008,12 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
         }
       }
       epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 4, acc);
+      if (more) {
 #pragma unroll
-      for (int u = 0; u < EPG_STAGE_U; ++u) {
-        g[u] = gn[u];
-        w[u] = wn[u];
+        for (int u = 0; u < EPG_STAGE_U; ++u) {
+          g[u] = gn[u];
+          w[u] = wn[u];
+        }
       }
     }
     return;
