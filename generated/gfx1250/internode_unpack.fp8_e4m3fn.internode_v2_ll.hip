@@ -108,6 +108,21 @@ struct EpgDiv {
   }
   EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
 };
+// A grid-stride walk over items (row, col) = divmod(i, cols): the first step's row and column by one division, every
+// later step's by additions (a 64-bit division by a variable is a call of ~70 instructions on sm_90, paid per item).
+struct EpgWalk {
+  epg_i64 row, col, cols, drow, dcol;
+  EPG_DEVICE EpgWalk(epg_i64 start, epg_i64 step, epg_i64 columns)
+      : row(start / columns), col(start % columns), cols(columns), drow(step / columns), dcol(step % columns) {}
+  EPG_DEVICE void next() {
+    row += drow;
+    col += dcol;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);

@@ -108,6 +108,21 @@ struct EpgDiv {
   }
   EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
 };
+// A grid-stride walk over items (row, col) = divmod(i, cols): the first step's row and column by one division, every
+// later step's by additions (a 64-bit division by a variable is a call of ~70 instructions on sm_90, paid per item).
+struct EpgWalk {
+  epg_i64 row, col, cols, drow, dcol;
+  EPG_DEVICE EpgWalk(epg_i64 start, epg_i64 step, epg_i64 columns)
+      : row(start / columns), col(start % columns), cols(columns), drow(step / columns), dcol(step % columns) {}
+  EPG_DEVICE void next() {
+    row += drow;
+    col += dcol;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
@@ -575,7 +590,7 @@ EPG_KERNEL void epg_grouped_reduce__bf16(const char* __restrict__ expert_out,
     float* __restrict__ out_w) {
   const epg_i64 row_bytes = hidden * 2;
   const epg_i64 n8 = hidden / 8;
-  const epg_i64 items = (epg_i64)*total_recv * n8;
+  const epg_i64 rows = *total_recv, items = rows * n8;
   const bool apply = apply_weights != 0;
   if (epg_block_dim() == EPG_REDUCE_SLOTS * EPG_REDUCE_ITEMS && items <= (epg_i64)epg_nblocks() * EPG_REDUCE_ITEMS) {
     __shared__ float prod[EPG_REDUCE_SLOTS][8][EPG_REDUCE_ITEMS];
@@ -610,8 +625,8 @@ EPG_KERNEL void epg_grouped_reduce__bf16(const char* __restrict__ expert_out,
     return;
   }
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
-  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < items; i += step) {
-    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+  for (EpgWalk it((epg_i64)epg_block() * epg_block_dim() + epg_thread(), step, n8); it.row < rows; it.next()) {
+    const epg_i64 row = it.row, elem = 8 * it.col;
     float acc[8];
     epg_grouped_reduce8<EPG_REDUCE_U>(expert_out, row_bytes, pair_pos, recv_w, row, (int)k, elem, apply, acc);
     epg_store8(out + row * row_bytes + elem * 2, acc);

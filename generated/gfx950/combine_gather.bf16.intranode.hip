@@ -108,6 +108,21 @@ struct EpgDiv {
   }
   EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
 };
+// A grid-stride walk over items (row, col) = divmod(i, cols): the first step's row and column by one division, every
+// later step's by additions (a 64-bit division by a variable is a call of ~70 instructions on sm_90, paid per item).
+struct EpgWalk {
+  epg_i64 row, col, cols, drow, dcol;
+  EPG_DEVICE EpgWalk(epg_i64 start, epg_i64 step, epg_i64 columns)
+      : row(start / columns), col(start % columns), cols(columns), drow(step / columns), dcol(step % columns) {}
+  EPG_DEVICE void next() {
+    row += drow;
+    col += dcol;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
@@ -949,16 +964,69 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // combine's grid is one 512-thread block per SM (its gather holds 87 registers), half the threads the standalone
 // grouped_reduce keeps in flight (two blocks at 48 registers, 4 pairs each): twice the pairs per thread keep as
 // many bytes in flight per SM (sm_90: 92 registers in bf16, 128 in fp32).
+// With k <= EPG_STAGE_U (bf16 at top-8) a thread loads its next item's pair positions and weights while the current
+// item's rows are in flight: a block's threads step to a new row together, so otherwise every step began with the
+// whole block waiting on one position load before any row load could issue. The same sums as epg_grouped_reduce8.
 constexpr int EPG_STAGE_U = 8;
+EPG_DEVICE void epg_stage_pairs(const EpArgs& a, const float* recv_w, epg_i64 row, int g[EPG_STAGE_U],
+                                float w[EPG_STAGE_U]) {
+  const int* pos = (const int*)a.grp_pair_pos + row * a.k;
+  const float* rw = recv_w + row * a.k;
+#pragma unroll
+  for (int u = 0; u < EPG_STAGE_U; ++u) {
+    g[u] = u < a.k ? pos[u] : -1;  // -1: not local, or dropped past the grouped buffer
+    w[u] = u < a.k && a.grp_apply_weights != 0 ? rw[u] : 1.0f;
+  }
+}
 EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
   char* mine = epg_peer(a, a.rank);
   const epg_i64 n8 = a.hidden / 8;
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
-  for (epg_i64 i = (epg_i64)epg_block() * epg_block_dim() + epg_thread(); i < rows * n8; i += step) {
-    const epg_i64 row = i / n8, elem = 8 * (i % n8);
+  const epg_i64 first = (epg_i64)epg_block() * epg_block_dim() + epg_thread();
+  const float* recv_w = (const float*)(mine + a.off_recv_w);
+  if (a.k <= EPG_STAGE_U) {
+    int g[EPG_STAGE_U], gn[EPG_STAGE_U];
+    float w[EPG_STAGE_U], wn[EPG_STAGE_U];
+    EpgWalk it(first, step, n8);
+    if (it.row < rows) epg_stage_pairs(a, recv_w, it.row, g, w);
+    while (it.row < rows) {
+      const epg_i64 elem = 8 * it.col;
+      epg_raw8 r[EPG_STAGE_U];
+#pragma unroll
+      for (int u = 0; u < EPG_STAGE_U; ++u)
+        if (g[u] >= 0) r[u] = epg_ld_raw8((const char*)a.expert_out + (epg_i64)g[u] * a.row_bytes + elem * 2);
+      const epg_i64 row = it.row;
+      it.next();
+      const bool more = it.row < rows;
+      if (more) epg_stage_pairs(a, recv_w, it.row, gn, wn);  // the next item's, behind this item's rows
+      float acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int u = 0; u < EPG_STAGE_U; ++u) {
+        if (g[u] >= 0) {  // ascending j, as epg_grouped_reduce8
+          float f[8];
+          epg_unpack8(r[u], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w[u], f[e]);
+        }
+      }
+      epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < EPG_STAGE_U; ++u) {
+          g[u] = gn[u];
+          w[u] = wn[u];
+        }
+      }
+    }
+    return;
+  }
+  for (EpgWalk it(first, step, n8); it.row < rows; it.next()) {
+    const epg_i64 row = it.row, elem = 8 * it.col;
     float acc[8];
     epg_grouped_reduce8<EPG_STAGE_U>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
-                        (const float*)(mine + a.off_recv_w), row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
+                        recv_w, row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
     epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
   }
 }
@@ -971,6 +1039,18 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // peers (the slots dispatch recorded) and accumulates them in fp32. Split phase (a.phase): the send half is the
 // entry barrier and the staging; the receive half (a later launch: the staged rows are complete, stream order)
 // signals the peers, waits for theirs and reads.
+// The staged row a gather slot names (slot * world + rank) in its rank's combine buffer, null for -1: worked out once
+// per token by the lane holding the slot (a peer-table load and a division), then handed to the wave by shuffles.
+EPG_DEVICE const char* epg_gather_row(const EpArgs& a, int slot) {
+  if (slot < 0) return nullptr;
+  const int r = slot % (int)a.world;
+  return epg_peer(a, r) + a.off_comb_x + (epg_i64)(slot / (int)a.world) * a.row_bytes;
+}
+EPG_DEVICE const char* epg_shfl_ptr(const char* p, int src) {  // lane src's pointer
+  const epg_u64 v = (epg_u64)p;
+  return (const char*)((epg_u64)epg_shfl((epg_u32)(v >> 32), src) << 32 | epg_shfl((epg_u32)v, src));
+}
+
 EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
@@ -1035,6 +1115,7 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
     const epg_i64 t = it / parts;
     const epg_i64 s0 = (it % parts) * per, s1 = s0 + per < nseg ? s0 + per : nseg;
     const int slot0 = lane < a.k ? slots[t * a.k + lane] : -1;  // slot * world + rank, or -1
+    const char* src0 = epg_gather_row(a, slot0);                  // lane j's row: slot j0 + j's (k <= a wave: all)
     for (epg_i64 seg = s0; seg < s1; ++seg) {
       const epg_i64 c0 = seg * seg_chunks + lane;  // this lane's first chunk
       float acc[EPG_CH][8];
@@ -1044,6 +1125,7 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
         for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
       for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
         const int mine_slot = j0 == 0 ? slot0 : (j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1);
+        const char* mine_src = j0 == 0 ? src0 : epg_gather_row(a, mine_slot);
         epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loop below is uniform
         while (live) {
           const char* src[EPG_SRC];
@@ -1053,8 +1135,7 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
             if (live) {
               const int j = epg_popc((live & (~live + 1)) - 1);  // the lowest live lane: ascending k
               live &= live - 1;
-              const int sr = (int)epg_shfl((epg_u32)mine_slot, j);
-              src[u] = epg_peer(a, sr % (int)a.world) + a.off_comb_x + (epg_i64)(sr / (int)a.world) * a.row_bytes;
+              src[u] = epg_shfl_ptr(mine_src, j);
             }
           }
           epg_vec16 v[EPG_SRC][EPG_CH];

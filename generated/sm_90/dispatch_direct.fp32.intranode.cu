@@ -79,6 +79,21 @@ struct EpgDiv {
   }
   EPG_DEVICE epg_u32 round_up(epg_u32 n) const { return div(n + d - 1u) * d; }  // n + d - 1 < 2^32
 };
+// A grid-stride walk over items (row, col) = divmod(i, cols): the first step's row and column by one division, every
+// later step's by additions (a 64-bit division by a variable is a call of ~70 instructions on sm_90, paid per item).
+struct EpgWalk {
+  epg_i64 row, col, cols, drow, dcol;
+  EPG_DEVICE EpgWalk(epg_i64 start, epg_i64 step, epg_i64 columns)
+      : row(start / columns), col(start % columns), cols(columns), drow(step / columns), dcol(step % columns) {}
+  EPG_DEVICE void next() {
+    row += drow;
+    col += dcol;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+};
 EPG_DEVICE float epg_bf16_to_f32(epg_u16 h) { return epg_bits_f32((epg_u32)h << 16); }
 EPG_DEVICE epg_u16 epg_f32_to_bf16(float f) {  // round to nearest even; NaN -> canonical 0x7fc0
   epg_u32 u = epg_f32_bits(f);
@@ -884,6 +899,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   __shared__ EpgDirectShared sh;
   const int W = (int)a.world, K = (int)a.k, E = (int)a.experts_per_rank, NX = W * E, me = (int)a.rank;
   const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE, waves = nt / EPG_WAVE;
+  const EpgDiv per_rank((epg_u32)E);  // an expert's rank: a multiply-high, not a division's chain per id
   const epg_i64 T = a.num_tokens;
   const epg_i64 per = (T + epg_nblocks() - 1) / epg_nblocks();
   const epg_i64 t0 = (epg_i64)epg_block() * per < T ? (epg_i64)epg_block() * per : T;
@@ -907,7 +923,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
       for (int q = 0; q < 8; ++q)
         if (e[q] >= 0 && e[q] < a.num_experts) {
           epg_atomic_add_dev(&h[e[q]], 1);
-          ranks |= 1ull << (e[q] / E);
+          ranks |= 1ull << per_rank.div((epg_u32)e[q]);
         }
     }
     for (int r = 0; ranks; ++r, ranks >>= 1)
@@ -995,6 +1011,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
 
   // 4. the block's tokens, a chunk at a time
   const int n16 = (int)(a.row_bytes / 16);
+  const EpgDiv per_row((epg_u32)n16);  // a chunk vector's token
   const epg_u64 below_me = (1ull << lane) - 1ull;
   for (epg_i64 c0 = t0; sh.ok && c0 < t1; c0 += EPG_DIRECT_CHUNK) {
     const int nc = (int)(t1 - c0 < EPG_DIRECT_CHUNK ? t1 - c0 : EPG_DIRECT_CHUNK);
@@ -1022,7 +1039,7 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
           epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
           epg_note_bad_id(a, e);
         }
-        const int r = ok ? e / E : -1;
+        const int r = ok ? (int)per_rank.div((epg_u32)e) : -1;
         const epg_u64 same_e = epg_match_any(ok ? e : -1 - lane);  // equal experts of this token (repeated ids)
         const epg_u64 same_r = epg_match_any(ok ? r : -1 - lane);  // this token's k naming the same rank
         const int g = ok ? sh.hb[e] + epg_popc(same_e & below_me) : -1;
@@ -1052,14 +1069,17 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
 #pragma unroll
       for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
         const int v = v0 + u * nt;
-        if (v < nv) val[u] = epg_ld16(xs + (epg_i64)(v / n16) * a.row_bytes + 16 * (epg_i64)(v % n16));
+        if (v < nv) {
+          const int c = (int)per_row.div((epg_u32)v);
+          val[u] = epg_ld16(xs + (epg_i64)c * a.row_bytes + 16 * (epg_i64)(v - c * n16));
+        }
       }
 #pragma unroll
       for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
         const int v = v0 + u * nt;
         if (v >= nv) break;
-        const int c = v / n16;
-        const epg_i64 at = 16 * (epg_i64)(v % n16);
+        const int c = (int)per_row.div((epg_u32)v);
+        const epg_i64 at = 16 * (epg_i64)(v - c * n16);
         for (int j = 0; j < K; ++j) {
           char* to = sh.to[c][j];
           if (to) epg_st16(to + at, val[u]);
