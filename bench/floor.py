@@ -640,8 +640,7 @@ def drain_costs(kern: Kernels, dev, reps: int) -> dict:
 
 DRAIN_FIELDS = ("drain_none_ns", "drain_stored_first_ns", "drain_stored_second_ns", "drain_fence_ns", "drain_fenced_ns")
 ARGS_FIELDS = ("args_dense_first_ns", "args_dense_second_ns", "args_sparse_first_ns", "args_sparse_second_ns",
-               "args_prefetch_ns", "args_dense_prefetched_ns", "args_sparse_prefetched_ns", "drain_stores", "drain_none_ns",
-                    "drain_stored_first_ns", "drain_stored_second_ns", "drain_fence_ns", "drain_fenced_ns")
+               "args_prefetch_ns", "args_dense_prefetched_ns", "args_sparse_prefetched_ns")
 
 
 def run(args, emit=lambda recs: None) -> list[dict]:

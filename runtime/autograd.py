@@ -159,7 +159,11 @@ def _op(op_id: int, call: str):
 
 
 def _traced_op(op_id: int):
-    """Op `op_id` as the fake implementations see it while tracing (its config and device: the shapes)."""
+    """Op `op_id` as the fake implementations see it while tracing (its config and device: the shapes). Once a
+    second op has run through the same compiled code, torch.compile passes the uid as a symbolic int (a graph
+    input): reading its value here guards the graph on it, so each op gets a graph of its own shapes."""
+    if isinstance(op_id, torch.SymInt):
+        op_id = int(op_id)
     op = _OPS.get(op_id) or LIVE_OPS.get(op_id)
     if op is None:
         raise ClosedError(f"epgen autograd: the op (uid {op_id}) is gone")

@@ -4,6 +4,7 @@ entries end to end on 2 gloo ranks with the GPU-only calls stubbed; the floor ke
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import types
@@ -162,6 +163,36 @@ def test_floor_primitives_fields_and_table():
     assert lines[4].count("|") == lines[6].count("|")  # a header per field
     bad = floor.record(META, {"method": "primitives", "blocks": 1}, error="no build")
     assert floor.floor_table([bad])[-1].startswith("| failed: no build |")
+
+
+class _FakeLaunch:
+    """A kernel's launch on the host: writes `words(args)` (int64s) where the launch's first argument points."""
+    def __init__(self, words):
+        self.words, self.calls = words, []
+
+    def launch(self, blocks, threads, out, *args):
+        self.calls.append(args)
+        vals = self.words(args)
+        ctypes.memmove(out.value, (ctypes.c_int64 * len(vals))(*vals), 8 * len(vals))
+
+
+def test_args_and_drain_costs_fill_each_of_their_fields_from_their_own_words():
+    """args_costs / drain_costs through launches faked on the host: each field is the median of its own out word
+    over the timed rounds (the untimed first round left out), and the fields are exactly the record's."""
+    args = _FakeLaunch(lambda a: [100 + a[0].value, 200, 300, 400, 500 + 10 * a[1].value, 0])  # (round, warm, block)
+    drain = _FakeLaunch(lambda a: [1000 * (a[2].value + 1) + a[3].value, 70, 80, 0])  # (scratch, stores, mode, round)
+    kern = types.SimpleNamespace(args=args, drain=drain)
+    got = floor.args_costs(kern, "cpu", 3)
+    assert got == {"args_reads": float(floor.ARGS_READS), "args_dense_first_ns": 102.0, "args_dense_second_ns": 300.0,
+                   "args_sparse_first_ns": 200.0, "args_sparse_second_ns": 400.0, "args_prefetch_ns": 510.0,
+                   "args_dense_prefetched_ns": 102.0, "args_sparse_prefetched_ns": 200.0}
+    assert len(args.calls) == 8  # an untimed round and three timed ones, each without and with the prefetch
+    got = floor.drain_costs(kern, "cpu", 3)
+    assert got == {"drain_stores": float(floor.DRAIN_STORES), "drain_none_ns": 1002.0, "drain_stored_first_ns": 2002.0,
+                   "drain_stored_second_ns": 70.0, "drain_fence_ns": 80.0, "drain_fenced_ns": 3002.0}
+    fields = {"code_steps", "code_cold_ns", "code_l2_ns", "code_warm_ns", "code_jumps", "code_jumps_first_ns",
+              "code_jumps_second_ns", *floor.ARGS_FIELDS, "args_reads", *floor.DRAIN_FIELDS, "drain_stores"}
+    assert set(floor.PRIMITIVE_FIELDS) - set(floor.primitive_costs([1] * 19, 1, 1)) == fields
 
 
 @pytest.mark.parametrize("argv,msg", [(["--floor-rounds", "0"], "--floor-rounds"), (["--layers", "0"], "--layers"),

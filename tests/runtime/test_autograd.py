@@ -420,6 +420,14 @@ def scn_compiled(rank, world):
             return ag.combine(op, torch.tanh(moved), h)[0]
         got = _grads(torch.compile(unweighted, backend="aot_eager", fullgraph=True), (x,), grad)
         out["unweighted"] = float((got[0] - _grads(unweighted, (x,), grad)[0]).abs().max())
+    with EpDispatchCombineOp(cfg) as op2, EpDispatchCombineOp(_cfg(rank, world, 5, hidden_dim=16)) as op3:
+        # more ops through the same code: torch.compile turns the op's uid into a graph input once it has seen a
+        # second value; each op still gets its own shapes (op3's hidden size differs)
+        for o, h in ((op2, 8), (op3, 16)):
+            xs, ews, grads = x.repeat(1, h // 8), ew.repeat(1, h // 8, h // 8), grad.repeat(1, h // 8)
+            got = _grads(torch.compile(_layer(o, ids), backend="aot_eager", fullgraph=True), (xs, w, ews), grads)
+            out.setdefault("more_ops", []).append(
+                [float((u - v).abs().max()) for u, v in zip(got, _grads(_layer(o, ids), (xs, w, ews), grads))])
     out["left"] = (len(ag._HANDLES), len(ag._PENDING), len(ag._KEPT))
     return out
 
@@ -437,6 +445,7 @@ def test_a_layer_on_the_legs_compiles_whole():
     for res in get_world(2).run(scn_compiled, timeout=240):
         assert res["grads"] == [[0.0, 0.0, 0.0]] * 2 and res["checkpointed"] == [0.0, 0.0, 0.0], res
         assert res["no_grad"] == 0.0 and res["plain"] == [0.0, 0.0] and res["unweighted"] == 0.0, res
+        assert res["more_ops"] == [[0.0, 0.0, 0.0]] * 2, res
         assert res["left"] == (0, 0, 0), res
         for grouped, graphs in ((True, res["graphs"]), (False, res["plain_graphs"])):
             forward, backward = graphs[:2]
