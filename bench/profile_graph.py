@@ -104,15 +104,29 @@ def profile_point(T: int, protocol: str, args, meta: dict) -> dict:
                 layer()
         per_layer = stats([ms / args.layers for ms in graphprof.replay_ms(g, args.reps)])
         replays = max(3, args.reps // 3)
-        events = graphprof.graph_kernel_events(g, replays, sync=dist.barrier)
+        symbols = {sym: ("dispatch" if "dispatch" in sym else "combine") for sym in op.capabilities.get("kernels", ())}
+        events = _profiled(g, replays, replays * args.layers, symbols)
         op.check()
         del g
-        symbols = {sym: ("dispatch" if "dispatch" in sym else "combine") for sym in op.capabilities.get("kernels", ())}
     summary = graphprof.summarize(_replays(events, args.layers, symbols), lambda n: role_of(n, symbols))
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, summary)
     return profile_record(meta, rank, T, protocol, ran, args.layers, replays, (per_layer[0] * 1e3, per_layer[1] * 1e3),
                           per_rank)
+
+
+def _profiled(g, replays: int, want: int, symbols: dict[str, str], tries: int = 3) -> list:
+    """graphprof.graph_kernel_events of `replays` replays, taken again (every rank together) while any rank's
+    capture holds fewer than `want` dispatch kernels: with processes sharing a GPU, kineto has come back without
+    the graph's kernels after a long run of tests. Raises, naming the counts, if every try came back short."""
+    world = dist.get_world_size()
+    for _ in range(tries):
+        events = graphprof.graph_kernel_events(g, replays, sync=dist.barrier)
+        seen = [None] * world
+        dist.all_gather_object(seen, sum(role_of(e[0], symbols) == "dispatch" for e in events))
+        if min(seen) >= want:
+            return events
+    raise RuntimeError(f"kineto captured {seen} dispatch kernels per rank of the {want} replayed, in {tries} tries")
 
 
 def _replays(events, layers: int, symbols: dict[str, str]) -> list[list]:

@@ -358,3 +358,31 @@ def test_topk_is_bounded_by_the_experts(argv):
     """k of E experts, 1 <= k <= E (the config refuses more): said before the machine is asked for GPUs."""
     with pytest.raises(SystemExit, match=r"--topk must be in \[1, --experts="):
         cli.main(argv)
+
+
+def scn_profiled(rank, world, short_tries):
+    """pg._profiled over a faked kineto capture: rank 1's first `short_tries` captures miss one dispatch kernel."""
+    from unittest import mock
+    tries = []
+
+    def capture(g, replays, sync):
+        sync()
+        tries.append(len(tries))
+        n = 2 * replays - (rank == 1 and len(tries) <= short_tries)
+        return [("epg_dispatch__bf16__intranode", float(i), 1.0) for i in range(n)] + [("copy", 9.0, 1.0)]
+
+    with mock.patch.object(pg.graphprof, "graph_kernel_events", capture):
+        try:
+            events = pg._profiled(None, 3, 6, {"epg_dispatch__bf16__intranode": "dispatch"})
+        except RuntimeError as e:
+            return len(tries), str(e)
+    return len(tries), len(events)
+
+
+@pytest.mark.parametrize("short_tries,want", [(0, (1, 7)), (2, (3, 7)),
+                                              (3, (3, "kineto captured [6, 5] dispatch kernels per rank of the 6 "
+                                                      "replayed, in 3 tries"))])
+def test_a_short_kineto_capture_is_taken_again_on_every_rank(short_tries, want):
+    """A capture that missed a graph kernel on any rank is taken again by every rank (the captures are collective);
+    still short after the last try: one message naming each rank's count."""
+    assert get_world(2).run(scn_profiled, short_tries, timeout=60) == [want, want]
