@@ -41,7 +41,8 @@
 # (SPIN_AB_PHASE_ARGS) built with sm_90's spin_polls = 0 (each wait pausing after every miss), then with
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
 # AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run
-# there first, without tests, into $OUT/base/, then here: an A/B on one machine), PHASE=1 (scripts/phase_trace.py at
+# there first, without tests, into $OUT/base/, then here: an A/B on one machine; more than 8 files under $OUT are
+# packed at the end, logs and the base's files into $OUT/rest.tar.gz, NO_PACK=1 leaves them), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
@@ -56,7 +57,7 @@ OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngp
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
 if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
-  (cd "$AB_BASE" && AB_BASE= OUT="$OUT/base" NO_TESTS=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  (cd "$AB_BASE" && AB_BASE= OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
@@ -220,5 +221,21 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
   CUDA_VISIBLE_DEVICES=0 timeout 300 torchrun --nproc-per-node 2 -m pytest -q -rs -p no:cacheprovider -m multigpu \
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
+# The device tool brings back at most 8 files from $OUT: where there are more, this tree's records ($OUT/*.jsonl) stay
+# files and the rest (logs, an A/B base's files) goes into $OUT/rest.tar.gz; where the records alone are more than
+# 7, everything does.
+pack_out() {
+  local n keep
+  n=$(find "$OUT" -type f | wc -l)
+  [ "$n" -le 8 ] && return 0
+  keep=$(find "$OUT" -maxdepth 1 -type f -name '*.jsonl' | wc -l)
+  (cd "$OUT" && if [ "$keep" -le 7 ]; then
+      find . -type f ! -path ./rest.tar.gz \( -path './*/*' -o ! -name '*.jsonl' \) -print0
+    else
+      find . -type f ! -path ./rest.tar.gz -print0
+    fi | tar --null -czf rest.tar.gz -T - --remove-files)
+  echo "== $n files under OUT: $(find "$OUT" -type f | wc -l) come back, the rest packed in rest.tar.gz"
+}
+[ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
 for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
