@@ -42,7 +42,7 @@
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
 # AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run
 # there first, without tests, into $OUT/base/, then here: an A/B on one machine; more than 8 files under $OUT are
-# packed at the end, logs and the base's files into $OUT/rest.tar.gz, NO_PACK=1 leaves them), PHASE=1 (scripts/phase_trace.py at
+# packed at the end, the logs into $OUT/rest.tar.gz (the records stay files where they fit), NO_PACK=1 leaves them), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
@@ -221,16 +221,17 @@ if [ -n "${TITAN:-}" ]; then  # the torchtitan check (a CUDA torch brings triton
   CUDA_VISIBLE_DEVICES=0 timeout 300 torchrun --nproc-per-node 2 -m pytest -q -rs -p no:cacheprovider -m multigpu \
     tests/gpu/test_torchtitan_gpu.py 2>&1 | tee "$OUT/titan.log" | grep -vE "^\s*$" | tail -14; status[titan]=${PIPESTATUS[0]}
 fi
-# The device tool brings back at most 8 files from $OUT: where there are more, this tree's records ($OUT/*.jsonl) stay
-# files and the rest (logs, an A/B base's files) goes into $OUT/rest.tar.gz; where the records alone are more than
-# 7, everything does.
+# The device tool brings back at most 8 files from $OUT: where there are more, the records (*.jsonl, an A/B base's
+# in base/ too) stay files and the rest (logs) goes into $OUT/rest.tar.gz; where those records are more than 7, only
+# this tree's stay files (the base's are packed too); where even those are more than 7, everything is packed.
 pack_out() {
-  local n keep
+  local n
   n=$(find "$OUT" -type f | wc -l)
   [ "$n" -le 8 ] && return 0
-  keep=$(find "$OUT" -maxdepth 1 -type f -name '*.jsonl' | wc -l)
-  (cd "$OUT" && if [ "$keep" -le 7 ]; then
-      find . -type f ! -path ./rest.tar.gz \( -path './*/*' -o ! -name '*.jsonl' \) -print0
+  (cd "$OUT" && if [ "$(find . -maxdepth 2 -type f -name '*.jsonl' | wc -l)" -le 7 ]; then
+      find . -type f ! -path ./rest.tar.gz \( ! -name '*.jsonl' -o -path './*/*/*' \) -print0
+    elif [ "$(find . -maxdepth 1 -type f -name '*.jsonl' | wc -l)" -le 7 ]; then
+      find . -type f ! -path ./rest.tar.gz \( ! -name '*.jsonl' -o -path './*/*' \) -print0
     else
       find . -type f ! -path ./rest.tar.gz -print0
     fi | tar --null -czf rest.tar.gz -T - --remove-files)
