@@ -837,8 +837,9 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
-//  4. The block's tokens, a chunk at a time: its first wave loads the chunk's ids, then numbers each token's pairs
-//     in (token, k) order (equal experts by a match, each rank's first k by another) and the rows; then the block's
+//  4. The block's tokens, a chunk at a time: its first wave loads the chunk's ids, then numbers the pairs in (token,
+//     k) order, EPG_WAVE / k tokens a step (equal experts by a match, each token's first k naming a rank by another,
+//     the step's first k of a rank by a third) and the rows; then the block's
 //     threads take the chunk's 16-byte vectors, each loaded once (four per thread in flight) and stored into the
 //     grouped row of every kept pair of its token, straight on r; then one thread per (token, k) writes a kept
 //     pair's src / m_indices / weight, and the first k naming r the received row's ids, weights, source and pair
@@ -1036,30 +1037,40 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
         }
         epg_syncwave();
       }
-      for (int c = 0; c < nc; ++c) {  // in token order: each bucket's counter moves on in (token, k) order
-        const int e = sh.e[c][lane];
-        const bool ok = e >= 0 && e < a.num_experts;
-        if (lane < K && e >= a.num_experts) {  // counted and noted for the host, as the bandwidth dispatch does
+      // EPG_WAVE / K tokens at a time, lane = (token, k) token-major, so the lanes below a lane are its token's
+      // earlier k and the earlier tokens' pairs: each bucket's counter moves on in (token, k) order as one token at a
+      // time moved it (three matches a step where one token a step took two: the step's fixed cost, its matches and
+      // wave barriers, paid once per EPG_WAVE / K tokens)
+      const int tpi = EPG_WAVE / K, lc = lane / K, lj = lane % K;  // (K <= EPG_WAVE: direct_grouped)
+      for (int cb = 0; cb < nc; cb += tpi) {
+        const int c = cb + lc;
+        const bool act = lc < tpi && c < nc;  // this lane's (token, k) is the chunk's
+        const int e = act ? sh.e[c][lj] : -1;
+        const bool ok = act && e >= 0 && e < a.num_experts;
+        if (act && e >= a.num_experts) {  // counted and noted for the host, as the bandwidth dispatch does
           epg_atomic_add_dev(state + EPG_ST_BAD_IDS, 1);
           epg_note_bad_id(a, e);
         }
         const int r = ok ? (int)per_rank.div((epg_u32)e) : -1;
-        const epg_u64 same_e = epg_match_any(ok ? e : -1 - lane);  // equal experts of this token (repeated ids)
-        const epg_u64 same_r = epg_match_any(ok ? r : -1 - lane);  // this token's k naming the same rank
+        const epg_u64 same_e = epg_match_any(ok ? e : -1 - lane);          // equal experts among the step's pairs
+        const epg_u64 same_r = epg_match_any(ok ? lc * W + r : -1 - lane);  // this token's k naming the same rank
         const int g = ok ? sh.hb[e] + epg_popc(same_e & below_me) : -1;
-        const bool first = ok && (same_r & below_me) == 0;  // the rank's first k: it holds the row
-        const int row0 = first ? sh.hb[NX + r] : 0;
+        const bool first = ok && (same_r & below_me) == 0;  // the rank's first k of its token: it holds the row
+        const epg_u64 same_f = epg_match_any(first ? r : -1 - lane);  // the step's tokens' first k naming r
+        const int row0 = first ? sh.hb[NX + r] + epg_popc(same_f & below_me) : 0;
         epg_syncwave();  // every lane read its counters before they move
         if (ok && (same_e >> (lane + 1)) == 0) sh.hb[e] += epg_popc(same_e);  // the last lane of equal experts
-        if (first) sh.hb[NX + r] = row0 + 1;
+        if (first && (same_f >> (lane + 1)) == 0) sh.hb[NX + r] += epg_popc(same_f);  // the last first k naming r
         const int lead = epg_popc((same_r & (~same_r + 1)) - 1);  // the lowest lane naming r (itself if no expert)
-        const int row = (int)epg_shfl((epg_u32)row0, lead);        // the rank's first k's row index
+        const int row = (int)epg_shfl((epg_u32)row0, lead);        // its token's first k's row index
         epg_syncwave();
-        const bool kept = ok && g < sh.ht[e];
-        sh.g[c][lane] = kept ? g : -1;
-        sh.to[c][lane] = kept ? epg_direct_peer(a, a.grp_x, r) + (epg_i64)g * a.row_bytes : nullptr;
-        sh.row[c][lane] = ok ? row : -1;
-        sh.dst[c][lane] = ok ? r | (first ? EPG_DIRECT_FIRST : 0) : -1;
+        if (act) {
+          const bool kept = ok && g < sh.ht[e];
+          sh.g[c][lj] = kept ? g : -1;
+          sh.to[c][lj] = kept ? epg_direct_peer(a, a.grp_x, r) + (epg_i64)g * a.row_bytes : nullptr;
+          sh.row[c][lj] = ok ? row : -1;
+          sh.dst[c][lj] = ok ? r | (first ? EPG_DIRECT_FIRST : 0) : -1;
+        }
       }
     }
     epg_syncthreads();
