@@ -1,5 +1,6 @@
 """Where a leg's time goes inside its kernel: phase stamps of the device's global timer from dispatch_ll and
-combine_ll (issue #35, item 3: budget each 1-token kernel term by term), and from the direct grouped dispatch.
+combine_ll (issue #35, item 3: budget each 1-token kernel term by term), and from the direct grouped dispatch and the
+gather combine that stages the groups.
 
   torchrun --nproc-per-node 1 scripts/phase_trace.py [--tokens 1 8] [--forms plain grouped one direct] [--iters 200]
                                                      [--hidden 7168] [--topk 8] [--experts 256] [--warm-dispatch]
@@ -8,8 +9,8 @@ combine_ll (issue #35, item 3: budget each 1-token kernel term by term), and fro
 Per (tokens, form), the low-latency protocol (intranode_protocol="ll"), bf16: "plain" is dispatch -> combine of
 the received rows, "grouped" dispatch_grouped -> combine_grouped with the separate passes, "one" the same with one
 kernel per leg (the grouped layout placed in dispatch_ll's tail, combine_ll forming the rows it sends); "direct"
-is dispatch_grouped under the bandwidth protocol through dispatch_direct (its phases alone: the bandwidth combine
-after it stamps nothing). After
+is the bandwidth protocol's two-kernel layer: dispatch_grouped through dispatch_direct, then combine_grouped as one
+combine_gather that stages each received row from its pairs' grouped rows. After
 warm-up, --iters eager calls, each with the op's trace buffer (NativeBackend.trace_phases) reset: every block's
 thread 0 stamps the global timer (ns) when its block reaches a phase (templates/kernels/ep_common.j2 epg_trace:
 a block barrier first, so only while tracing) into its own slot of the buffer (a plain store; records with
@@ -47,11 +48,13 @@ PHASES = {
     "dispatch_direct": ("entry", "histograms counted", "totals posted (block 0)", "tables read",
                         "groups worked out", "last chunk numbered", "last chunk's rows stored",
                         "last chunk's books written", "arrival added", "arrivals in (block 0)"),
+    "combine_gather": ("entry", "entry barrier passed", "rows staged", "every rank staged", "tokens gathered",
+                       "weights summed"),
 }
 FORMS = ("plain", "grouped", "one", "direct")
-# per form, the kernels in the order of the trace buffer's halves (the bandwidth combine after the direct dispatch
-# stamps nothing)
-KERNELS = {form: ("dispatch_direct",) if form == "direct" else ("dispatch_ll", "combine_ll") for form in FORMS}
+# per form, the kernels in the order of the trace buffer's halves
+KERNELS = {form: ("dispatch_direct", "combine_gather") if form == "direct" else ("dispatch_ll", "combine_ll")
+           for form in FORMS}
 UNSET = (1 << 63) - 1  # an earliest entry no block wrote
 
 
@@ -118,7 +121,7 @@ def point(T: int, form: str, args, meta: dict, keep: list) -> dict:
     keep.append(op)
     backend = op._backend
     if form != "plain":
-        backend.one_kernel = "always" if form == "one" else "never"
+        backend.one_kernel = "always" if form in ("one", "direct") else "never"
     backend.direct = "always" if form == "direct" else "never"
     if form == "direct" and not backend.plan.direct:
         raise SystemExit(f"phase_trace: the direct dispatch does not serve this op (runtime.plan.direct_grouped) at "

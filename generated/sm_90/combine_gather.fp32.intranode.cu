@@ -1009,8 +1009,10 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
   const bool send = a.phase != EPG_PHASE_RECV;
+  epg_trace(a, 0);  // diagnostics (a.trace, scripts/phase_trace.py --forms direct): entry
   if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // peers done reading the previous combine
       epg_barrier(a, epoch = epg_next(epoch), true, 3) == EPG_BAR_FAIL) return;
+  epg_trace(a, 1);  // past the entry barrier (peers done reading the previous combine)
 
   char* mine = epg_peer(a, a.rank);
   const int n16 = (int)(a.row_bytes / 16);
@@ -1040,6 +1042,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
     for (epg_i64 i = gtid; i < nrecv * a.k; i += gthreads)
       ((float*)(mine + a.off_comb_w))[i] = ((const float*)a.expert_weights)[i];
   }
+  epg_trace(a, 2);  // this rank's rows and weights staged
   if (a.phase == EPG_PHASE_SEND) return;  // staged: the receive half is a later launch
   // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
   // (stream order; its signal went out above), so each block only waits for the peers' signals
@@ -1047,6 +1050,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   const int bar = epg_barrier(a, epoch = epg_next(epoch), staged, 4, !staged, !staged);
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
+  epg_trace(a, 3);  // every rank's rows staged (the staging barrier passed)
 
   // One wave per (token, run of segments), a segment being EPG_CH * EPG_WAVE 16-byte chunks: the grid's waves
   // split the tokens' segments evenly (a whole token per wave when there are more tokens than waves). The
@@ -1111,6 +1115,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
           epg_st16((char*)a.out + t * a.row_bytes + 16 * (c0 + c * EPG_WAVE), epg_pack16(acc[c]));
     }
   }
+  epg_trace(a, 4);  // the block's tokens gathered
   if (a.has_weights) {
     for (epg_i64 i = gtid; i < a.num_tokens * a.k; i += gthreads) {
       const epg_i64 t = i / a.k;
@@ -1122,4 +1127,5 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
       ((float*)a.out_weights)[i] = w;
     }
   }
+  epg_trace(a, 5);  // the weights summed: the block done
 }

@@ -240,9 +240,9 @@ class NativeBackend:
             setattr(self, name, value)
 
     def trace_phases(self, buf: torch.Tensor | None) -> None:
-        """Diagnostics (scripts/phase_trace.py): from now on the low-latency kernels and the direct grouped dispatch
-        stamp their phases into `buf`, an int64 tensor [2, trace_blocks, trace_phases] on this op's device
-        (dispatch_ll's or dispatch_direct's, then combine_ll's: per
+        """Diagnostics (scripts/phase_trace.py): from now on the low-latency kernels, the direct grouped dispatch and
+        the gather combine stamp their phases into `buf`, an int64 tensor [2, trace_blocks, trace_phases] on this
+        op's device (dispatch_ll's or dispatch_direct's, then combine_ll's or combine_gather's: per
         block and phase the device's global timer in ns when that block reached it; the caller zeroes each call's
         entries first: a zero is a phase the block did not reach), or stop (None). Every workspace slot's argument
         blocks."""

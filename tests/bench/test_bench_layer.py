@@ -395,12 +395,18 @@ def test_phase_trace_reads_stamps_relative_to_the_first_entry():
            "phases": pt.summarize([one, pt.relative(later, pt.KERNELS["plain"])], pt.KERNELS["plain"])}
     lines = pt.table(rec)
     assert lines[3] == "| dispatch_ll | entry | 0.00 | 0.50 |" and len(lines) == 6
-    # the direct dispatch: its own phases in the buffer's first half, the second half not read
-    direct = pt.relative([disp, comb], pt.KERNELS["direct"])
-    assert list(direct) == ["dispatch_direct"] and len(direct["dispatch_direct"]) == len(pt.PHASES["dispatch_direct"])
+    # the direct form: dispatch_direct's phases in the buffer's first half, combine_gather's in the second, each
+    # relative to its own kernel's first entry
+    gather = [[9000, 9300], [9800, 9900], [U, 0], [U, 0], [12000, 12500]] + [[U, 0]] * 7
+    direct = pt.relative([disp, gather], pt.KERNELS["direct"])
+    assert list(direct) == ["dispatch_direct", "combine_gather"]
+    assert len(direct["dispatch_direct"]) == len(pt.PHASES["dispatch_direct"])
     assert direct["dispatch_direct"][1] == (1.0, 1.6) and direct["dispatch_direct"][9] is None
+    assert direct["combine_gather"] == [(0.0, 0.3), (0.8, 0.9), None, None, (3.0, 3.5), None]
     drec = {**rec, "form": "direct", "phases": pt.summarize([direct], pt.KERNELS["direct"])}
-    assert pt.table(drec)[4] == "| dispatch_direct | histograms counted | 1.00 | 1.60 |" and len(pt.table(drec)) == 6
+    lines = pt.table(drec)
+    assert lines[4] == "| dispatch_direct | histograms counted | 1.00 | 1.60 |" and len(lines) == 9
+    assert lines[-1] == "| combine_gather | tokens gathered | 3.00 | 3.50 |"
     # the kernels' per-block slots [kernel][block][phase] (0: not reached) -> [kernel][phase][earliest, latest]
     buf = torch.zeros((2, 3, 8), dtype=torch.int64)
     buf[0, 0, 0], buf[0, 2, 0], buf[0, 2, 1] = 1500, 1000, 2600
