@@ -42,7 +42,10 @@
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
 # AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run
 # there first, without tests, into $OUT/base/, then here: an A/B on one machine; more than 8 files under $OUT are
-# packed at the end, the logs into $OUT/rest.tar.gz (the records stay files where they fit), NO_PACK=1 leaves them), PHASE=1 (scripts/phase_trace.py at
+# packed at the end, the logs into $OUT/rest.tar.gz (the records stay files where they fit), NO_PACK=1 leaves them),
+# AB_TREES="DIR ..." (more trees measured in the same call, each as AB_BASE, after it, into $OUT/<the folder's name>/:
+# several candidates against one base on one machine; e.g. `git archive BRANCH | tar -x -C .ab/NAME --exclude=generated
+# --exclude=results`, carrying `.ab`; each tree builds its own sm_90 variants), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
 set -uo pipefail
@@ -60,6 +63,16 @@ if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the ba
   (cd "$AB_BASE" && AB_BASE= OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
+trees=()
+for tree in ${AB_TREES:-}; do  # more candidates, each measured as the base is (no tests), into $OUT/<its folder's name>
+  name=$(basename "$tree")
+  if ! [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || [ "$name" = base ] || [ ! -f "$tree/scripts/device_run.sh" ]; then
+    echo "== AB_TREES: $tree is not a tree to measure (a folder holding scripts/device_run.sh, named [A-Za-z0-9_.-], not 'base')"
+    status[tree_$name]=2; trees+=("$name"); continue
+  fi
+  (cd "$tree" && AB_BASE= AB_TREES= OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
+  status[tree_$name]=${PIPESTATUS[0]}; trees+=("$name")
+done
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
 tail -3 "$OUT/build.log"
 if [ -z "${NO_TESTS:-}" ]; then
@@ -240,3 +253,4 @@ pack_out() {
 [ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
 for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for name in ${trees[@]+"${trees[@]}"}; do printf '%-6s %s\n' "tree $name" "${status[tree_$name]}"; done
