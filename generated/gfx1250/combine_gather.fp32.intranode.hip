@@ -431,8 +431,9 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
-// wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
-// need the peers' blocks done but not this rank's own). With signaled, this rank's signal for `epoch`
+// wait_peers instead, every block waits for every rank's signal itself, its own rank's included (the last
+// block signals this rank too, once all of its blocks arrived: two hops less than the release, and no release
+// word is written). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
 // first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
@@ -471,7 +472,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
     if (tid == 0) {
       state[EPG_ST_DONE] = 0;
       state[EPG_ST_EPOCH] = epoch;  // every block read the start epoch before arriving here
-      if (ok && !signaled) epg_st_release_sys(state + EPG_ST_GO, epoch);
+      if (ok && !signaled && wait_all) epg_st_release_sys(state + EPG_ST_GO, epoch);  // the grid's release
     }
   }
   if (wait_all && !last) {
@@ -1076,10 +1077,13 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   }
   epg_trace(a, 2);  // this rank's rows and weights staged
   if (a.phase == EPG_PHASE_SEND) return;  // staged: the receive half is a later launch
-  // every rank's rows staged: with nothing staged here this rank's own rows were complete at launch
-  // (stream order; its signal went out above), so each block only waits for the peers' signals
+  // every rank's rows staged: every block waits for every rank's signal, its own rank's included. Staged here, the
+  // grid's last block to arrive signals every rank (itself too) once all of this rank's blocks have staged; with
+  // nothing staged, this rank's own rows were complete at launch (stream order; its signal went out above). (The
+  // staged form waited for the last block's release of the grid after its own wait for the peers: two hops more,
+  // ~4 µs from the last block's staging to the first block past the barrier at 128 tokens on one H100.)
   const bool staged = stage_x || stage_w;
-  const int bar = epg_barrier(a, epoch = epg_next(epoch), staged, 4, !staged, !staged);
+  const int bar = epg_barrier(a, epoch = epg_next(epoch), false, 4, true, !staged);
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
   epg_trace(a, 3);  // every rank's rows staged (the staging barrier passed)

@@ -441,8 +441,9 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
-// wait_peers instead, every block waits for the peers' signals itself (one hop less, for callers that
-// need the peers' blocks done but not this rank's own). With signaled, this rank's signal for `epoch`
+// wait_peers instead, every block waits for every rank's signal itself, its own rank's included (the last
+// block signals this rank too, once all of its blocks arrived: two hops less than the release, and no release
+// word is written). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
 // first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
@@ -481,7 +482,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
     if (tid == 0) {
       state[EPG_ST_DONE] = 0;
       state[EPG_ST_EPOCH] = epoch;  // every block read the start epoch before arriving here
-      if (ok && !signaled) epg_st_release_sys(state + EPG_ST_GO, epoch);
+      if (ok && !signaled && wait_all) epg_st_release_sys(state + EPG_ST_GO, epoch);  // the grid's release
     }
   }
   if (wait_all && !last) {
