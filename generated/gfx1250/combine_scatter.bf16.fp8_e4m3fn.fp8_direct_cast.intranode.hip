@@ -607,7 +607,9 @@ EPG_KERNEL void epg_combine_scatter__bf16__fp8_e4m3fn__fp8_direct_cast__intranod
     for (int j = lane; a.has_weights && j < a.k; j += EPG_WAVE)  // any k
       ((float*)(origin + a.off_scat_w))[cell * a.k + j] = ((const float*)a.expert_weights)[i * a.k + j];
   }
-  const int bar = epg_barrier(a, epoch = epg_next(epoch), true, 4);
+  // every rank's pushes landed: every block waits for every rank's signal, its own rank's included (each rank's
+  // last block signals once all of its blocks have pushed; see combine_gather.j2's staging barrier)
+  const int bar = epg_barrier(a, epoch = epg_next(epoch), false, 4, true);
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
 
