@@ -1099,9 +1099,9 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   epg_trace(a, 3);  // every rank's rows staged (the staging barrier passed)
 
   // The tokens' segments (a segment being EPG_CH * EPG_WAVE 16-byte chunks), in (token, segment) order, split into
-  // one contiguous range per wave, the ranges' lengths at most one segment apart (whole tokens per wave left a
-  // wave with two tokens where the average was 1.3 at 4096 tokens: the phase trace's gather ran at that wave's
-  // pace). A wave reads a token's slots once per token its range touches (lane j holds slot j0 + j) and shares them
+  // one contiguous range per wave, the ranges' lengths at most one segment apart (whole tokens per wave leave
+  // waves a token apart: at 3000 tokens over 2112 waves two tokens on 888 waves, one on the rest, the kernel at the
+  // two-token waves' pace). A wave reads a token's slots once per token its range touches (lane j holds slot j0 + j) and shares them
   // by shuffles; each lane takes EPG_CH chunks of a segment, one wave width apart (every load instruction
   // coalesced), and reads them from EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight per lane, with no slot load ahead of them.
   // Sources are added in k order, so the sums are bit-identical to one chunk at a time. (sm_90, bf16: 80
