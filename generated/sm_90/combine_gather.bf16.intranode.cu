@@ -1060,11 +1060,12 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
   epg_trace(a, 3);  // every rank's rows staged (the staging barrier passed)
 
-  // One wave per (token, run of segments), a segment being EPG_CH * EPG_WAVE 16-byte chunks: the grid's waves
-  // split the tokens' segments evenly (a whole token per wave when there are more tokens than waves). The
-  // token's slots are read once per run (lane j holds slot j0 + j) and shared by shuffles; each lane takes
-  // EPG_CH chunks of a segment, one wave width apart (every load instruction coalesced), and reads them from
-  // EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight per lane, with no slot load ahead of them.
+  // The tokens' segments (a segment being EPG_CH * EPG_WAVE 16-byte chunks), in (token, segment) order, split into
+  // one contiguous range per wave, the ranges' lengths at most one segment apart (whole tokens per wave leave
+  // waves a token apart: at 3000 tokens over 2112 waves two tokens on 888 waves, one on the rest, the kernel at the
+  // two-token waves' pace). A wave reads a token's slots once per token its range touches (lane j holds slot j0 + j) and shares them
+  // by shuffles; each lane takes EPG_CH chunks of a segment, one wave width apart (every load instruction
+  // coalesced), and reads them from EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight per lane, with no slot load ahead of them.
   // Sources are added in k order, so the sums are bit-identical to one chunk at a time. (sm_90, bf16: 80
   // registers at 4 x 1, within the 85 of a 768-thread block; 4 x 2 takes more.)
   constexpr int EPG_CH = 4, EPG_SRC = 1;
@@ -1072,14 +1073,12 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   const int lane = epg_lane();
   const epg_i64 seg_chunks = (epg_i64)EPG_CH * EPG_WAVE;
   const epg_i64 nseg = (n16 + seg_chunks - 1) / seg_chunks;
-  const epg_i64 nwaves = gthreads / EPG_WAVE;
-  epg_i64 parts = a.num_tokens > 0 ? nwaves / a.num_tokens : 1;
-  parts = parts < 1 ? 1 : (parts > nseg ? nseg : parts);
-  const epg_i64 per = (nseg + parts - 1) / parts;  // segments of one run
-  parts = (nseg + per - 1) / per;
-  for (epg_i64 it = gtid / EPG_WAVE; it < a.num_tokens * parts; it += nwaves) {
-    const epg_i64 t = it / parts;
-    const epg_i64 s0 = (it % parts) * per, s1 = s0 + per < nseg ? s0 + per : nseg;
+  const epg_i64 nwaves = gthreads / EPG_WAVE, wv = gtid / EPG_WAVE;
+  const epg_i64 units = a.num_tokens * nseg, u1 = units * (wv + 1) / nwaves;  // this wave's segments [u, u1)
+  for (epg_i64 u = units * wv / nwaves; u < u1;) {
+    const epg_i64 t = u / nseg;
+    const epg_i64 s0 = u - t * nseg, s1 = s0 + (u1 - u) < nseg ? s0 + (u1 - u) : nseg;
+    u += s1 - s0;
     const int slot0 = lane < a.k ? slots[t * a.k + lane] : -1;  // slot * world + rank, or -1
     const char* src0 = epg_gather_row(a, slot0);                  // lane j's row: slot j0 + j's (k <= a wave: all)
     for (epg_i64 seg = s0; seg < s1; ++seg) {
