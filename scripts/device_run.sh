@@ -52,6 +52,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/epgen-out}; mkdir -p "$OUT"
+# the A/B trees are checked before any GPU work: a folder git ignores (such as .ab) reaches the device machine only
+# when the call carries it, and a missing tree found after the base's run has cost the call's minutes for nothing
+for tree in ${AB_BASE:-} ${AB_TREES:-}; do
+  name=$(basename "$tree")
+  if ! [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || [ ! -f "$tree/scripts/device_run.sh" ]; then
+    echo "== AB_BASE / AB_TREES: $tree is not a tree to measure (a folder holding scripts/device_run.sh, named [A-Za-z0-9_.-]; a folder git ignores travels only when the device call carries it): nothing run" >&2
+    exit 2
+  fi
+done
 [ -n "${ONE_GPU:-}" ] && export CUDA_VISIBLE_DEVICES=0
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 RANKS_PER_GPU=${RANKS_PER_GPU:-1}
@@ -60,14 +69,14 @@ OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngp
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
 if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
-  (cd "$AB_BASE" && AB_BASE= OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  (cd "$AB_BASE" && AB_BASE= AB_TREES= OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
 trees=()
 for tree in ${AB_TREES:-}; do  # more candidates, each measured as the base is (no tests), into $OUT/<its folder's name>
   name=$(basename "$tree")
-  if ! [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || [ "$name" = base ] || [ ! -f "$tree/scripts/device_run.sh" ]; then
-    echo "== AB_TREES: $tree is not a tree to measure (a folder holding scripts/device_run.sh, named [A-Za-z0-9_.-], not 'base')"
+  if [ "$name" = base ]; then  # (names and folders checked at the top)
+    echo "== AB_TREES: $tree is not a tree to measure (its name is the base's folder)"
     status[tree_$name]=2; trees+=("$name"); continue
   fi
   (cd "$tree" && AB_BASE= AB_TREES= OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
