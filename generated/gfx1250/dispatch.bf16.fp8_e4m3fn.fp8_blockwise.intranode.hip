@@ -437,7 +437,8 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
 // wait_peers instead, every block waits for every rank's signal itself, its own rank's included (the last
 // block signals this rank too, once all of its blocks arrived: two hops less than the release, and no release
-// word is written). With signaled, this rank's signal for `epoch`
+// word is written; blocks then leave before the last block zeroes the arrival count, so such a round must be its
+// kernel's last: the combines' final barriers). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
 // first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one

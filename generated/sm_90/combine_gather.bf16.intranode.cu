@@ -405,7 +405,8 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
 // wait_peers instead, every block waits for every rank's signal itself, its own rank's included (the last
 // block signals this rank too, once all of its blocks arrived: two hops less than the release, and no release
-// word is written). With signaled, this rank's signal for `epoch`
+// word is written; blocks then leave before the last block zeroes the arrival count, so such a round must be its
+// kernel's last: the combines' final barriers). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
 // first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
@@ -1063,9 +1064,10 @@ EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
   // The tokens' segments (a segment being EPG_CH * EPG_WAVE 16-byte chunks), in (token, segment) order, split into
   // one contiguous range per wave, the ranges' lengths at most one segment apart (whole tokens per wave leave
   // waves a token apart: at 3000 tokens over 2112 waves two tokens on 888 waves, one on the rest, the kernel at the
-  // two-token waves' pace). A wave reads a token's slots once per token its range touches (lane j holds slot j0 + j) and shares them
-  // by shuffles; each lane takes EPG_CH chunks of a segment, one wave width apart (every load instruction
-  // coalesced), and reads them from EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight per lane, with no slot load ahead of them.
+  // two-token waves' pace). A wave reads a token's slots once per token its range touches (lane j holds slot
+  // j0 + j) and shares them by shuffles; each lane takes EPG_CH chunks of a segment, one wave width apart (every
+  // load instruction coalesced), and reads them from EPG_SRC sources at a time: EPG_CH x EPG_SRC loads in flight
+  // per lane, with no slot load ahead of them.
   // Sources are added in k order, so the sums are bit-identical to one chunk at a time. (sm_90, bf16: 80
   // registers at 4 x 1, within the 85 of a 768-thread block; 4 x 2 takes more.)
   constexpr int EPG_CH = 4, EPG_SRC = 1;
