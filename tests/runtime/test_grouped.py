@@ -290,3 +290,25 @@ def test_grouped_out_view_and_no_fused_form(monkeypatch):
         assert torch.equal(op.combine_grouped(view, h)[0], op.combine_grouped(y, h)[0])
     regions = native_workspace(_cfg(0, 1, "bf16"))["regions"]
     assert "grp_y" not in regions and "grp_pos" not in regions
+
+
+def test_grouped_layout_init_is_its_fields():
+    """GroupedLayout's own __init__ (one dict store per field, for the eager path's host time) takes exactly the
+    dataclass's fields, in their order, with their defaults, stores each as given, and keeps the instance frozen."""
+    import dataclasses
+    import inspect
+
+    fields = dataclasses.fields(grouped.GroupedLayout)
+    params = list(inspect.signature(grouped.GroupedLayout.__init__).parameters.values())[1:]
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == want, f.name
+    values = {f.name: object() for f in fields}
+    layout = grouped.GroupedLayout(**values)
+    assert all(getattr(layout, name) is v for name, v in values.items())
+    assert vars(layout).keys() == values.keys()
+    again = dataclasses.replace(layout, seq=7)
+    assert again.seq == 7 and again.x is values["x"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.x = None

@@ -51,8 +51,9 @@ def test_host_cost_script_writes_its_records(tmp_path, capsys):
 #: dispatch_grouped -> an elementwise expert -> combine_grouped, forward and backward. At 5c8f18f: 167; 149 since
 #: dispatch_grouped's backward is one combine launch (no pair-sum call) and its forward reuses its layout's views;
 #: 151 since each grouped backward's work is a function of its own, which the eager Function and the custom op that
-#: torch.compile traces (epgen::*_backward) both call.
-STEP_BUDGET = 151
+#: torch.compile traces (epgen::*_backward) both call; 153 since GroupedLayout's __init__ is epgen's own (one dict
+#: store per field, where the frozen dataclass's generated one, not counted here, set each through object.__setattr__).
+STEP_BUDGET = 153
 
 
 def test_a_training_step_is_five_launches_within_its_call_budget():
