@@ -41,7 +41,8 @@
 # (SPIN_AB_PHASE_ARGS) built with sm_90's spin_polls = 0 (each wait pausing after every miss), then with
 # SPIN_AB_POLLS (default 64) back-to-back polls first; $OUT/spin_ab*.jsonl, every record's spin_polls says which),
 # AB_BASE=DIR (a copy of another commit's tree, e.g. `git archive BASE | tar -x -C DIR`: the same benchmark jobs run
-# there first, without tests, into $OUT/base/, then here: an A/B on one machine; more than 8 files under $OUT are
+# there first, without tests, into $OUT/base/, then here: an A/B on one machine; its records' commit is AB_BASE_COMMIT
+# (default "base": never this tree's EPGEN_COMMIT), each AB_TREES tree's its folder's name; more than 8 files under $OUT are
 # packed at the end, the logs into $OUT/rest.tar.gz (the records stay files where they fit), NO_PACK=1 leaves them),
 # AB_TREES="DIR ..." (more trees measured in the same call, each as AB_BASE, after it, into $OUT/<the folder's name>/:
 # several candidates against one base on one machine; e.g. `git archive BRANCH | tar -x -C .ab/NAME --exclude=generated
@@ -69,7 +70,7 @@ OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngp
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
 if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
-  (cd "$AB_BASE" && AB_BASE= AB_TREES= OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  (cd "$AB_BASE" && AB_BASE= AB_TREES= EPGEN_COMMIT="${AB_BASE_COMMIT:-base}" OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
 trees=()
@@ -79,7 +80,7 @@ for tree in ${AB_TREES:-}; do  # more candidates, each measured as the base is (
     echo "== AB_TREES: $tree is not a tree to measure (its name is the base's folder)"
     status[tree_$name]=2; trees+=("$name"); continue
   fi
-  (cd "$tree" && AB_BASE= AB_TREES= OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
+  (cd "$tree" && AB_BASE= AB_TREES= EPGEN_COMMIT="$name" OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
   status[tree_$name]=${PIPESTATUS[0]}; trees+=("$name")
 done
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?

@@ -10,12 +10,15 @@ import pytest
 from tests.conftest import ROOT
 
 
-def _run(tmp_path, **env):
+def _run(tmp_path, stubs=None, **env):
+    """device_run.sh in a tree of its own under tmp_path, with stub A/B trees .ab/<name> (stubs: name -> the stub's
+    script; default: .ab/good, which exits 0)."""
     work = tmp_path / "tree"
     (work / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "device_run.sh", work / "scripts" / "device_run.sh")
-    (work / ".ab" / "good" / "scripts").mkdir(parents=True)
-    (work / ".ab" / "good" / "scripts" / "device_run.sh").write_text("exit 0\n")
+    for name, script in (stubs or {"good": "exit 0\n"}).items():
+        (work / ".ab" / name / "scripts").mkdir(parents=True)
+        (work / ".ab" / name / "scripts" / "device_run.sh").write_text(script)
     out = tmp_path / "out"
     # no python3 on PATH: a run that got past the check fails its GPU steps at once instead of using the machine
     path = tmp_path / "bin"
@@ -43,3 +46,15 @@ def test_trees_it_can_measure_pass_the_check(tmp_path):
     assert "is not a tree to measure" not in proc.stderr + proc.stdout
     # past the check (no python3 here: the GPU steps fail at once); the stub tree ran and its status is summed up
     assert "tree good 0" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_each_tree_records_its_own_commit_not_this_trees(tmp_path):
+    """The base's and the other trees' runs get a commit of their own (AB_BASE_COMMIT, the tree's folder name), never
+    the calling tree's EPGEN_COMMIT: a base record that carried the candidate's commit read as a second candidate."""
+    stub = 'echo "commit=$EPGEN_COMMIT" > "$OUT.commit"\nexit 0\n'
+    _, out = _run(tmp_path / "a", {"good": stub, "cand": stub}, AB_BASE=".ab/good", AB_TREES=".ab/cand",
+                  EPGEN_COMMIT="abc1234", AB_BASE_COMMIT="f00dcafe")
+    assert (out / "base.commit").read_text().strip() == "commit=f00dcafe"
+    assert (out / "cand.commit").read_text().strip() == "commit=cand"
+    _, out = _run(tmp_path / "b", {"good": stub}, AB_BASE=".ab/good", EPGEN_COMMIT="abc1234")
+    assert (out / "base.commit").read_text().strip() == "commit=base"
