@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import platform
 import statistics
@@ -86,16 +87,23 @@ def legs(op, x, w, idx) -> dict:
 
 
 def calls_of(fn) -> dict:
-    """Python-level calls and builtin / C calls one fn() makes (sys.setprofile)."""
+    """Python-level calls and builtin / C calls one fn() makes (sys.setprofile), with the garbage collector held off
+    while it runs: a collection inside the call runs the finalizers and weakref callbacks of whatever earlier code
+    left in cycles, and their calls are not the call's (a test suite's earlier tests made the count vary)."""
     n = collections.Counter()
 
     def hook(frame, event, arg):
         n[event] += 1
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
     sys.setprofile(hook)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if was:
+            gc.enable()
     return {"py_calls": n["call"], "c_calls": n["c_call"]}
 
 

@@ -195,9 +195,7 @@ class NativeBackend:
         self._steady_how: dict[tuple, tuple] = {}  # steady_dispatch's decisions per (tokens, capturing, fresh, ...)
         self._site_memo: dict[tuple, tuple] = {}  # _combine_site's per (protocol, tokens, staged)
         self._combine_shape = (cfg.hidden_dim, cfg.combine_dtype, cfg.max_recv_tokens)  # (hidden, dtype, rows R)
-        # a combine's output rows [T, hidden] as empty_like of a template of that shape (_combine_outputs); each
-        # template an expanded view of one element: no memory of its own
-        self._out_one = torch.empty((1, 1), dtype=cfg.combine_dtype, device=self.device)
+        # a combine's output rows [T, hidden] as empty_like of a template of that shape (_combine_outputs)
         self._out_like: dict[int, torch.Tensor] = {}
         peer_bases = self._setup_workspace()
         self._trace = None  # trace_phases()'s buffer (diagnostics)
@@ -1052,10 +1050,11 @@ class NativeBackend:
     def _combine_outputs(self, sm: SlotMap, weights) -> tuple:
         """A combine's outputs: rows [T, H] of the combine dtype, weights [T, k] float32 where it has weights."""
         like = self._out_like.get(sm.T)
-        if like is None:
+        if like is None:  # the template: one element expanded to [T, hidden], no memory of its own
             if len(self._out_like) >= 64:  # many token counts: start over
                 self._out_like.clear()
-            like = self._out_like[sm.T] = self._out_one.expand(sm.T, self._combine_shape[0])
+            hidden, dtype, _ = self._combine_shape
+            like = self._out_like[sm.T] = torch.empty((1, 1), dtype=dtype, device=self.device).expand(sm.T, hidden)
         # empty_like of a template skips torch.empty's parsing of a shape, a dtype and a device (~1 us of an eager
         # combine's host time); the template is no dense tensor, so the rows come out contiguous, as asked
         out = torch.empty_like(like, memory_format=torch.contiguous_format)

@@ -42,7 +42,7 @@ def _backend(protocol, scatter=False, slots=2):
     nb.plan = types.SimpleNamespace(scatter=scatter)
     nb._launch_geometry = lambda role, tokens, items: (7, 256, False)
     nb._site_memo, nb._steady_how = {}, {}
-    nb._combine_shape = (H, cfg.combine_dtype, cfg.max_recv_tokens)
+    nb._combine_shape, nb._out_like = (H, cfg.combine_dtype, cfg.max_recv_tokens), {}
     nb._slots = []
     R = cfg.max_recv_tokens
     for _ in range(slots):  # what _setup_slot makes, stood in
