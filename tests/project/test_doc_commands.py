@@ -209,6 +209,14 @@ def _build(argv: list[str]) -> None:
     _run([sys.executable, "-m", "generator", *argv], env=env)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _run(argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> str:
     """Run a command of the docs (once, however many docs show it); this checkout's packages first on the path
     (not an installed copy)."""
@@ -323,7 +331,10 @@ def plan(cmd: str):
             return "parsed", "the reader's own script"
         if script == "examples/moe_layer.py" and "--hidden" in rest or script == "examples/train_moe.py" and \
                 "--dtype" not in rest:  # the CPU runs (the GPU ones pick bf16)
-            return "run", lambda: _run([sys.executable, "-m", "torch.distributed.run", *argv])
+            # on a free port of its own (torchrun reads PET_MASTER_PORT as --master-port): the default 29500 of an
+            # earlier run (or of another process on the machine) was still taken once, failing a run in the suite
+            return "run", lambda: _run([sys.executable, "-m", "torch.distributed.run", *argv],
+                                       env={"PET_MASTER_PORT": str(_free_port())})
         return "parsed", "needs a GPU"
     if script == "scripts/test.sh":
         return "parsed", "the whole test suite (CI runs it)"
