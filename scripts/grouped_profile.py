@@ -49,6 +49,10 @@ def _name(kernel: str) -> str:
 
 
 LEGS = {"auto": "auto", "one": "always", "separate": "never"}  # --legs -> the native backend's one_kernel
+#: eager calls made before an eager figure is timed: with 10, the run's first token count's host time per call came out
+#: ~1.4x the later ones' on one host (42.1 / 35.5 µs per dispatch_grouped / combine_grouped at one token, then 22.2 /
+#: 18.5 at 1024 tokens, results/2026-12-06-1xH100-W1-host-objects-be95392f/): the process, not the call, was warming up
+EAGER_WARMUP = 500
 
 
 def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int = 0,
@@ -105,12 +109,6 @@ def point(T: int, args, meta: dict, keep: list, legs: str = "auto", blocks: int 
             "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "layers": args.layers,
             "per_layer_us": per_layer, "gap_us": summary["gap_us"], "kernels": rows, "eager_us": eager_us,
             "eager_iters": args.eager_iters, **alone, **({"host_top": host_top} if host_top else {})}
-
-
-#: eager calls made before an eager figure is timed: with 10, the run's first token count's host time per call came out
-#: ~1.4x the later ones' on one host (42.1 / 35.5 µs per dispatch_grouped / combine_grouped at one token, then 22.2 /
-#: 18.5 at 1024 tokens, results/2026-12-06-1xH100-W1-host-objects-be95392f/): the process, not the call, was warming up
-EAGER_WARMUP = 500
 
 
 def gate(op, x, w, idx, y) -> None:

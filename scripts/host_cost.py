@@ -86,14 +86,11 @@ def legs(op, x, w, idx) -> dict:
             "dispatch": plain_dispatch, "combine": plain_combine}
 
 
-def calls_of(fn) -> dict:
-    """Python-level calls and builtin / C calls one fn() makes (sys.setprofile), with the garbage collector held off
-    while it runs: a collection inside the call runs the finalizers and weakref callbacks of whatever earlier code
-    left in cycles, and their calls are not the call's (a test suite's earlier tests made the count vary)."""
-    n = collections.Counter()
-
-    def hook(frame, event, arg):
-        n[event] += 1
+def profiled(hook, fn) -> None:
+    """fn() under sys.setprofile(hook), with the garbage collector held off: a collection inside the call runs the
+    finalizers and weakref callbacks of whatever earlier code left in cycles, and their calls are not the call's (a
+    test suite's earlier tests made a count vary). A plain call, not a context manager: the hook then sees no frame
+    of the profiling's own."""
     gc.collect()
     was = gc.isenabled()
     gc.disable()
@@ -104,6 +101,15 @@ def calls_of(fn) -> dict:
         sys.setprofile(None)
         if was:
             gc.enable()
+
+
+def calls_of(fn) -> dict:
+    """Python-level calls and builtin / C calls one fn() makes (profiled)."""
+    n = collections.Counter()
+
+    def hook(frame, event, arg):
+        n[event] += 1
+    profiled(hook, fn)
     return {"py_calls": n["call"], "c_calls": n["c_call"]}
 
 

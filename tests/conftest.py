@@ -1,6 +1,7 @@
 import collections
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # the tests read the specs' own tuning tables, never this machine's tuned ones (a user tuning file)
 os.environ[S.TUNING_ENV] = ""
 _PROPERTY_STATS = pytest.StashKey[collections.Counter]()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now (for a rendezvous a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

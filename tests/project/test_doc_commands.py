@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "epgen ", "apt-get ", "scripts/")
@@ -209,14 +211,6 @@ def _build(argv: list[str]) -> None:
     _run([sys.executable, "-m", "generator", *argv], env=env)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> str:
     """Run a command of the docs (once, however many docs show it); this checkout's packages first on the path
     (not an installed copy)."""
@@ -334,7 +328,7 @@ def plan(cmd: str):
             # on a free port of its own (torchrun reads PET_MASTER_PORT as --master-port): the default 29500 of an
             # earlier run (or of another process on the machine) was still taken once, failing a run in the suite
             return "run", lambda: _run([sys.executable, "-m", "torch.distributed.run", *argv],
-                                       env={"PET_MASTER_PORT": str(_free_port())})
+                                       env={"PET_MASTER_PORT": str(free_port())})
         return "parsed", "needs a GPU"
     if script == "scripts/test.sh":
         return "parsed", "the whole test suite (CI runs it)"

@@ -15,12 +15,13 @@ main thread keeps the GIL until it exits. Without runtime.collectives.run, 16 of
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = int(os.environ.get("EPGEN_EXIT_RUNS", "2"))
@@ -62,14 +63,8 @@ while time.perf_counter() - t0 < 0.005:
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(round_trip: bool, script: str = SEQUENCE) -> list[tuple[int, str]]:
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port), ROUND=str(int(round_trip)), OMP_NUM_THREADS="1",

@@ -61,8 +61,6 @@ def test_a_training_step_is_five_launches_within_its_call_budget():
     and dispatch's backward as one combine that sums each row's pair gradients itself) and epgen's own Python calls, counted by the functions' files (torch's own
     Python, which changes with its version, is not counted)."""
     import collections
-    import gc
-    import sys
 
     import torch
 
@@ -85,14 +83,7 @@ def test_a_training_step_is_five_launches_within_its_call_budget():
             def hook(frame, event, arg):
                 if event == "call" and frame.f_code.co_filename.startswith(root):
                     n["epgen"] += 1
-            gc.collect()  # no collection inside the counted step: its finalizers' calls are not the step's
-            gc.disable()
-            sys.setprofile(hook)
-            try:
-                step()
-            finally:
-                sys.setprofile(None)
-                gc.enable()
+            host_cost.profiled(hook, step)
             kernels = [entry[0].split("__")[0] for entry in log[before:]]
         finally:
             op.close()
