@@ -48,7 +48,9 @@
 # several candidates against one base on one machine; e.g. `git archive BRANCH | tar -x -C .ab/NAME --exclude=generated
 # --exclude=results`, carrying `.ab`; each tree builds its own sm_90 variants), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
-# "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl).
+# "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl), NCU=1 (scripts/ncu_legs.py under Nsight Compute at one rank
+# on GPU 0, W = 1: the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of them: NCU_COUNT), stall reasons and the per-instruction
+# source page; NCU_ARGS: the script's options, NCU_OPTS: more ncu options (e.g. --cache-control none); $OUT/ncu.ncu-rep.gz, ncu_details.csv, ncu_raw.csv.gz, ncu_source.csv.gz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -194,6 +196,20 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
     | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
+fi
+if [ -n "${NCU:-}" ]; then  # the grouped layer's kernels under Nsight Compute at one rank (W = 1): stall reasons, per instruction
+  ncu_sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters --section InstructionStats --section MemoryWorkloadAnalysis"
+  CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${NCU_PORT:-29533} timeout 300 \
+    ncu --clock-control none --target-processes all --kernel-name regex:'^epg_' --launch-skip ${NCU_SKIP:-24} \
+    --launch-count ${NCU_COUNT:-6} $ncu_sections ${NCU_OPTS:-} -f -o "$OUT/ncu" python3 scripts/ncu_legs.py ${NCU_ARGS:-} 2>&1 \
+    | tee "$OUT/ncu.log" | grep -vE "^(W|\*)" | tail -12; status[ncu]=${PIPESTATUS[0]}
+  if [ -f "$OUT/ncu.ncu-rep" ]; then
+    ncu -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
+    ncu -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+    ncu -i "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" 2>&1
+    ncu -i "$OUT/ncu.ncu-rep" --page details --print-details all 2>&1 | grep -E "^  [a-z_]+epg|Duration|Stall|Warp Cycles|No Instruction|Issued|Long Scoreboard|Barrier|Membar|Branch Target|Wait" | head -120
+    gzip -f "$OUT/ncu_source.csv" "$OUT/ncu_raw.csv" "$OUT/ncu.ncu-rep"
+  fi
 fi
 if [ -n "${HOST_AB:-}" ]; then  # the eager legs' host time with the steady path off, then on, on one host (W = 1)
   for steady in 0 1; do

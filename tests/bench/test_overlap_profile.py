@@ -1,16 +1,10 @@
 """scripts/overlap_profile.py's reading of a kernel timeline (pure: no GPU)."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "overlap_profile.py"
+from tests.support.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("overlap_profile", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("overlap_profile")
 
 
 def test_epgen_kernels_running_beside_the_gemm_are_counted():
