@@ -49,8 +49,10 @@
 # --exclude=results`, carrying `.ab`; each tree builds its own sm_90 variants), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl), NCU=1 (scripts/ncu_legs.py under Nsight Compute at one rank
-# on GPU 0, W = 1: the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of them: NCU_COUNT), stall reasons and the per-instruction
-# source page; NCU_ARGS: the script's options, NCU_OPTS: more ncu options (e.g. --cache-control none); $OUT/ncu.ncu-rep.gz, ncu_details.csv, ncu_raw.csv.gz, ncu_source.csv.gz).
+# on GPU 0, W = 1, once per token count in NCU_TOKENS (default 1): the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of
+# them: NCU_COUNT), stall reasons and the per-instruction source page; NCU_ARGS: the script's other options, NCU_OPTS: more
+# ncu options (e.g. --cache-control none); $OUT/ncu_t<T>.ncu-rep.gz, ncu_t<T>_details.csv, ncu_t<T>_raw.csv.gz,
+# ncu_t<T>_source.csv.gz; scripts/ncu_table.py's table printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -199,17 +201,22 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
 fi
 if [ -n "${NCU:-}" ]; then  # the grouped layer's kernels under Nsight Compute at one rank (W = 1): stall reasons, per instruction
   ncu_sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters --section InstructionStats --section MemoryWorkloadAnalysis"
-  CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${NCU_PORT:-29533} timeout 300 \
-    ncu --clock-control none --target-processes all --kernel-name regex:'^epg_' --launch-skip ${NCU_SKIP:-24} \
-    --launch-count ${NCU_COUNT:-6} $ncu_sections ${NCU_OPTS:-} -f -o "$OUT/ncu" python3 scripts/ncu_legs.py ${NCU_ARGS:-} 2>&1 \
-    | tee "$OUT/ncu.log" | grep -vE "^(W|\*)" | tail -12; status[ncu]=${PIPESTATUS[0]}
-  if [ -f "$OUT/ncu.ncu-rep" ]; then
-    ncu -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
-    ncu -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
-    ncu -i "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" 2>&1
-    ncu -i "$OUT/ncu.ncu-rep" --page details --print-details all 2>&1 | grep -E "^  [a-z_]+epg|Duration|Stall|Warp Cycles|No Instruction|Issued|Long Scoreboard|Barrier|Membar|Branch Target|Wait" | head -120
-    gzip -f "$OUT/ncu_source.csv" "$OUT/ncu_raw.csv" "$OUT/ncu.ncu-rep"
-  fi
+  for t in ${NCU_TOKENS:-1}; do  # one report per token count: ncu_t<T>.*
+    CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${NCU_PORT:-29533} timeout 300 \
+      ncu --clock-control none --target-processes all --kernel-name regex:'^epg_' --launch-skip ${NCU_SKIP:-24} \
+      --launch-count ${NCU_COUNT:-6} $ncu_sections ${NCU_OPTS:-} -f -o "$OUT/ncu_t$t" python3 scripts/ncu_legs.py --tokens "$t" \
+      ${NCU_ARGS:-} 2>&1 | tee "$OUT/ncu_t$t.log" | grep -E "^(==PROF== Profiling|tokens|==ERROR)" | tail -12; rc=${PIPESTATUS[0]}
+    status[ncu]=$(( ${status[ncu]:-0} | rc ))
+    if [ -f "$OUT/ncu_t$t.ncu-rep" ]; then
+      ncu -i "$OUT/ncu_t$t.ncu-rep" --page details --csv > "$OUT/ncu_t${t}_details.csv" 2>&1
+      ncu -i "$OUT/ncu_t$t.ncu-rep" --page raw --csv > "$OUT/ncu_t${t}_raw.csv" 2>&1
+      ncu -i "$OUT/ncu_t$t.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_t${t}_source.csv" 2>&1
+      mkdir -p "$OUT/ncu_t$t" && cp "$OUT/ncu_t${t}_raw.csv" "$OUT/ncu_t$t/ncu_raw.csv" && cp "$OUT/ncu_t${t}_source.csv" "$OUT/ncu_t$t/ncu_source.csv"
+      python3 scripts/ncu_table.py "$OUT/ncu_t$t" | sed "s/^/[T=$t] /"
+      rm -rf "$OUT/ncu_t$t"
+      gzip -f "$OUT/ncu_t${t}_raw.csv" "$OUT/ncu_t${t}_source.csv" "$OUT/ncu_t$t.ncu-rep"
+    fi
+  done
 fi
 if [ -n "${HOST_AB:-}" ]; then  # the eager legs' host time with the steady path off, then on, on one host (W = 1)
   for steady in 0 1; do
