@@ -171,6 +171,8 @@ class Plan:
         if ll_tokens:  # the low-latency kernels moving the same rows (a verbatim payload, the gather's arithmetic)
             roles += [("dispatch_ll", "dispatch_ll." + d_name.split(".", 1)[1]),
                       ("combine_ll", "combine_ll." + c_name.split(".", 1)[1])]
+            if cfg.enable_grouped_layout:  # the eager dispatch_grouped's one launch: dispatch_ll with its placing tail
+                roles.append(("dispatch_ll_tail", "dispatch_ll_tail." + d_name.split(".", 1)[1]))
         if capped:  # the deterministic slot numbering (routing.ordered_slots)
             roles += [("route_count", "route_count.i32"), ("route_slots", "route_slots.i32")]
         if cfg.enable_std_moe:

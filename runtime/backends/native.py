@@ -70,11 +70,14 @@ def check_same_protocol(protocol: str, arch: str, group) -> None:
 
 
 EP_ROLES = ("dispatch", "combine", "dispatch_ll", "combine_ll")  # the kernels specs/tuning.toml gives geometry to
+_TUNED_AS = {"dispatch_ll_tail": "dispatch_ll"}  # kernels launched on another role's tuned geometry
 
 
 def ep_kernels(backend) -> tuple:
-    """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded)."""
-    return tuple((role, backend.k[role]) for role in EP_ROLES if role in backend.k)
+    """(tuning role, kernel) of every EP kernel a native backend launches (low-latency ones when loaded; a kernel
+    launched on another role's geometry under that role)."""
+    return tuple((role, backend.k[role]) for role in EP_ROLES if role in backend.k) + \
+        tuple((tuned, backend.k[role]) for role, tuned in _TUNED_AS.items() if role in backend.k)
 
 
 def check_plan(cfg: EpDispatchCombineConfig, plan: Plan) -> None:
@@ -365,8 +368,9 @@ class NativeBackend:
         also never exceed one wave per work item (one block per item when a block copies a row).
         """
         cfg = self.config
-        b = gspecs.geometry(load_specs(), self.arch, role, tokens, cfg.world_size)
-        blocks, threads = cfg.launch_override(role, tokens, self.wave)
+        tuned = _TUNED_AS.get(role, role)  # dispatch_ll_tail: dispatch_ll's table, capped by its own occupancy
+        b = gspecs.geometry(load_specs(), self.arch, tuned, tokens, cfg.world_size)
+        blocks, threads = cfg.launch_override(tuned, tokens, self.wave)
         threads = threads or b.threads
         blocks = blocks or b.blocks or self.num_sms
         if kern is None:
@@ -566,14 +570,15 @@ class NativeBackend:
 
     def _dispatch_site(self, protocol: str, T: int, phase: int, placed: bool, direct: bool) -> tuple:
         """(role, grid, threads, block_rows or None) of a dispatch launch: the direct kernel on every resident block
-        (up to one per multiprocessor), dispatch_ll on its own grid (with the layout too: few pairs), the bandwidth
-        dispatch on its tuned grid, every resident block where it places the layout, one block for its receive half
-        (block 0's wait for the arrivals alone, templates/kernels/dispatch.j2)."""
+        (up to one per multiprocessor), dispatch_ll on its own grid (dispatch_ll_tail where it places the layout: the
+        same grid, few pairs), the bandwidth dispatch on its tuned grid, every resident block where it places the
+        layout, one block for its receive half (block 0's wait for the arrivals alone, templates/kernels/dispatch.j2)."""
         if direct:
             threads = self.k["dispatch_direct"].max_threads
             return "dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)), threads, None
         if protocol == "ll":
-            return ("dispatch_ll", *self._launch_geometry("dispatch_ll", T, T)[:2], None)
+            role = "dispatch_ll_tail" if placed else "dispatch_ll"
+            return (role, *self._launch_geometry(role, T, T)[:2], None)
         blocks, threads, block_rows = self._launch_geometry("dispatch", T, T * self.config.world_size)
         blocks = self._resident("dispatch", threads) if placed else blocks
         return "dispatch", 1 if phase == PHASE_RECV else blocks, threads, int(block_rows)

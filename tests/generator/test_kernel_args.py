@@ -86,10 +86,10 @@ def test_shared_limits_are_rendered_from_the_spec(every_variant):
     limits = specs.arglists["grouped_place"]
     assert limits.limit("max_experts") == 1024
     # the standalone placement and every EP kernel that runs the layout's passes (grouped_tail.j2) size their
-    # shared memory from the one declaration
+    # shared memory from the one declaration (dispatch_ll runs none: dispatch_ll_tail does)
     users = [v for v in variants if v.family.args == "grouped_place" or v.family.name in (
-        "dispatch", "dispatch_ll", "combine_gather", "combine_ll")]
-    assert {v.family.name for v in users} >= {"grouped_place", "dispatch", "dispatch_ll"}
+        "dispatch", "dispatch_ll_tail", "combine_gather", "combine_ll")]
+    assert {v.family.name for v in users} >= {"grouped_place", "dispatch", "dispatch_ll_tail"}
     for v in users:
         src = R.render(v)
         assert f"constexpr int EPG_GROUPED_MAX_EXPERTS = {limits.limit('max_experts')};" in src
@@ -267,3 +267,21 @@ def test_bound_arguments_are_checked_once_and_the_rest_at_each_launch(monkeypatc
     with pytest.raises(LaunchError, match="nothing to bind"):
         _kernel("dispatch").bind(k=1)
     assert len(kern.raw.calls) == calls  # no refused launch reached the GPU
+
+
+def test_only_the_tail_family_carries_the_grouped_tail(every_variant):
+    """dispatch_ll and dispatch_ll_tail render one template: the grouped layout's tail (its grid barrier and placing
+    passes) is compiled into dispatch_ll_tail only, so the dispatch a graph runs carries no code it never executes."""
+    _, variants = every_variant
+    by_family = {}
+    for v in variants:
+        if v.family.name in ("dispatch_ll", "dispatch_ll_tail"):
+            by_family.setdefault(v.family.name, []).append(v)
+    assert set(by_family) == {"dispatch_ll", "dispatch_ll_tail"}
+    assert sorted((v.target.name, v.name.split(".", 1)[1]) for v in by_family["dispatch_ll"]) == \
+        sorted((v.target.name, v.name.split(".", 1)[1]) for v in by_family["dispatch_ll_tail"])
+    for v in by_family["dispatch_ll"]:
+        src = R.render(v)
+        assert "epg_dispatch_grouped_tail" not in src and "epg_grid_sync" not in src, v.name
+    for v in by_family["dispatch_ll_tail"]:
+        assert "epg_dispatch_grouped_tail(a);" in R.render(v), v.name
