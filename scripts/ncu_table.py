@@ -7,8 +7,8 @@ DIR holds ncu_raw.csv(.gz) (ncu --page raw --csv) and, for --ranges, ncu_source.
 all samples (smsp__pcsamp_warps_issue_stalled_*: no_instructions = the instruction fetch, imc_miss = the kernel
 parameters' constant cache, barrier = a block barrier, long_scoreboard = a global / L2 load, wait = a fixed latency);
 with --ranges, per launch, the stretches of SASS the launch executed (runs of executed instructions, joined across
-gaps of at most --gap unexecuted ones), each with its samples by reason: where a stretch starts after a jump over code
-the launch never runs, its first instructions wait for the fetch.
+gaps of at most --gap unexecuted ones), each with its samples by reason and its first SASS instruction: where a
+stretch starts after a jump over code the launch never runs, its first instructions wait for the fetch.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def stretches(rows: list[dict], gap: int) -> list[dict]:
     out = []
     for a, b in runs:
         part = rows[a:b + 1]
-        out.append({"first": a, "last": b, "samples": sum(_number(r.get("Warp Stall Sampling (All Samples)", "0"))
-                                                             for r in part),
+        out.append({"first": a, "last": b, "opens": part[0].get("Source", "").strip(),
+                    "samples": sum(_number(r.get("Warp Stall Sampling (All Samples)", "0")) for r in part),
                     **{k: sum(_number(r.get(col, "0")) for r in part) for k, col in SOURCE_COLUMNS.items()}})
     return out
 
@@ -128,13 +128,14 @@ def range_table(kernel: dict, gap: int, min_samples: float) -> list[str]:
     executed = sum(r["last"] - r["first"] + 1 for r in runs)
     out = [f"{kernel['kernel']}: {len(rows)} SASS instructions, {executed} in {len(runs)} executed stretches "
            f"(stretches with fewer than {min_samples:g} samples left out)",
-           "| first | last | instructions | samples | no_inst | imc | barrier | long_sb | wait |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| first | last | instructions | samples | no_inst | imc | barrier | long_sb | wait | opens with |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r["samples"] >= min_samples:
+            opens = r["opens"].replace("|", "/")[:48]
             out.append(f"| {r['first']} | {r['last']} | {r['last'] - r['first'] + 1} | {r['samples']:.0f} | "
                        f"{r['no_inst']:.0f} | {r['imc']:.0f} | {r['barrier']:.0f} | {r['long_sb']:.0f} | "
-                       f"{r['wait']:.0f} |")
+                       f"{r['wait']:.0f} | `{opens}` |")
     return out
 
 

@@ -53,7 +53,7 @@ def test_executed_stretches_join_small_gaps_and_split_at_jumps(tmp_path):
     executed = [1, 1, 0, 1, 0, 0, 0, 0, 1, 1]  # a gap of 1 (joined at gap 2), a jump over 4
     no_inst = [5, 0, 0, 0, 0, 0, 0, 0, 7, 0]
     rows = [["Kernel Name", "epg_k"], head]
-    rows += [[f"0x{i:x}", "NOP", str(no_inst[i] + 1), str(executed[i] * 32), str(no_inst[i]), "0", "1", "0", "0"]
+    rows += [[f"0x{i:x}", f"NOP {i}", str(no_inst[i] + 1), str(executed[i] * 32), str(no_inst[i]), "0", "1", "0", "0"]
              for i in range(len(executed))]
     (tmp_path / "ncu_source.csv").write_text(_csv(rows))
     kernels = mod.source_kernels(tmp_path)
@@ -61,6 +61,9 @@ def test_executed_stretches_join_small_gaps_and_split_at_jumps(tmp_path):
     runs = mod.stretches(kernels[0]["rows"], gap=2)
     assert [(r["first"], r["last"]) for r in runs] == [(0, 3), (8, 9)]
     assert [r["no_inst"] for r in runs] == [5, 7]
+    assert [r["opens"] for r in runs] == ["NOP 0", "NOP 8"]
+    table = mod.range_table(kernels[0], gap=2, min_samples=0)
+    assert table[3].startswith("| 0 | 3 | 4 | 9 | 5 |") and table[3].endswith("| `NOP 0` |")
     assert [(r["first"], r["last"]) for r in mod.stretches(kernels[0]["rows"], gap=0)] == [(0, 1), (3, 3), (8, 9)]
 
 
