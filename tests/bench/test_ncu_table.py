@@ -78,3 +78,16 @@ def test_a_missing_or_broken_export_is_one_message(tmp_path, capsys):
     (tmp_path / "ncu_raw.csv").write_text("a,b\n1,2\n3,4\n")
     assert mod.main([str(tmp_path)]) == 2
     assert "not an ncu raw page" in capsys.readouterr().err
+
+
+def test_the_ncu_workload_refuses_bad_arguments_before_any_setup():
+    """scripts/ncu_legs.py (run under ncu on the GPU machine) says what is wrong with its arguments in one line, before
+    it starts a process group."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "ncu_legs.py"
+    for bad in (["--tokens", "0"], ["--calls", "0"], ["--protocol", "fast"]):
+        proc = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (bad, proc.stderr)
+        assert "Traceback" not in proc.stderr and "error:" in proc.stderr, (bad, proc.stderr)
