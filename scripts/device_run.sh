@@ -51,8 +51,8 @@
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl), NCU=1 (scripts/ncu_legs.py under Nsight Compute at one rank
 # on GPU 0, W = 1, once per token count in NCU_TOKENS (default 1): the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of
 # them: NCU_COUNT), stall reasons and the per-instruction source page; NCU_ARGS: the script's other options, NCU_OPTS: more
-# ncu options (e.g. --cache-control none); $OUT/ncu_t<T>.ncu-rep.gz, ncu_t<T>_details.csv, ncu_t<T>_raw.csv.gz,
-# ncu_t<T>_source.csv.gz; scripts/ncu_table.py's table printed).
+# ncu options (e.g. --cache-control none); $OUT/ncu_t<T>/: ncu.ncu-rep.gz, ncu_details.csv, ncu_raw.csv.gz,
+# ncu_source.csv.gz, the folder scripts/ncu_table.py reads; its table printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -201,20 +201,19 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
 fi
 if [ -n "${NCU:-}" ]; then  # the grouped layer's kernels under Nsight Compute at one rank (W = 1): stall reasons, per instruction
   ncu_sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters --section InstructionStats --section MemoryWorkloadAnalysis"
-  for t in ${NCU_TOKENS:-1}; do  # one report per token count: ncu_t<T>.*
+  for t in ${NCU_TOKENS:-1}; do  # one folder per token count, $OUT/ncu_t<T>/: the report and its exports
+    d="$OUT/ncu_t$t"; mkdir -p "$d"
     CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${NCU_PORT:-29533} timeout 300 \
       ncu --clock-control none --target-processes all --kernel-name regex:'^epg_' --launch-skip ${NCU_SKIP:-24} \
-      --launch-count ${NCU_COUNT:-6} $ncu_sections ${NCU_OPTS:-} -f -o "$OUT/ncu_t$t" python3 scripts/ncu_legs.py --tokens "$t" \
-      ${NCU_ARGS:-} 2>&1 | tee "$OUT/ncu_t$t.log" | grep -E "^(==PROF== Profiling|tokens|==ERROR)" | tail -12; rc=${PIPESTATUS[0]}
+      --launch-count ${NCU_COUNT:-6} $ncu_sections ${NCU_OPTS:-} -f -o "$d/ncu" python3 scripts/ncu_legs.py --tokens "$t" \
+      ${NCU_ARGS:-} 2>&1 | tee "$d/ncu.log" | grep -E "^(==PROF== Profiling|tokens|==ERROR)" | tail -12; rc=${PIPESTATUS[0]}
     status[ncu]=$(( ${status[ncu]:-0} | rc ))
-    if [ -f "$OUT/ncu_t$t.ncu-rep" ]; then
-      ncu -i "$OUT/ncu_t$t.ncu-rep" --page details --csv > "$OUT/ncu_t${t}_details.csv" 2>&1
-      ncu -i "$OUT/ncu_t$t.ncu-rep" --page raw --csv > "$OUT/ncu_t${t}_raw.csv" 2>&1
-      ncu -i "$OUT/ncu_t$t.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_t${t}_source.csv" 2>&1
-      mkdir -p "$OUT/ncu_t$t" && cp "$OUT/ncu_t${t}_raw.csv" "$OUT/ncu_t$t/ncu_raw.csv" && cp "$OUT/ncu_t${t}_source.csv" "$OUT/ncu_t$t/ncu_source.csv"
-      python3 scripts/ncu_table.py "$OUT/ncu_t$t" | sed "s/^/[T=$t] /"
-      rm -rf "$OUT/ncu_t$t"
-      gzip -f "$OUT/ncu_t${t}_raw.csv" "$OUT/ncu_t${t}_source.csv" "$OUT/ncu_t$t.ncu-rep"
+    if [ -f "$d/ncu.ncu-rep" ]; then
+      ncu -i "$d/ncu.ncu-rep" --page details --csv > "$d/ncu_details.csv" 2>&1
+      ncu -i "$d/ncu.ncu-rep" --page raw --csv > "$d/ncu_raw.csv" 2>&1
+      ncu -i "$d/ncu.ncu-rep" --page source --csv --print-source sass > "$d/ncu_source.csv" 2>&1
+      python3 scripts/ncu_table.py "$d" | sed "s/^/[T=$t] /"
+      gzip -f "$d/ncu_raw.csv" "$d/ncu_source.csv" "$d/ncu.ncu-rep"
     fi
   done
 fi

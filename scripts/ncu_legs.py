@@ -13,8 +13,8 @@ placing tail), synchronized at the end.
 Why at W = 1 only: ncu replays a kernel to collect its sections, restoring the memory of the GPU it runs on; at one
 rank the kernel's flags and counters are all on that GPU, so each replay sees the state the first pass saw (across
 two GPUs a replay would wait for a peer's signal that came already, docs/PERF.md). What it cannot say: the
-launch's skew against a peer. scripts/device_run.sh NCU=1 runs it (NCU_ARGS, NCU_SKIP, NCU_COUNT) and exports the
-report's details and its per-instruction source page as CSV into $OUT.
+launch's skew against a peer. scripts/device_run.sh NCU=1 runs it (NCU_TOKENS, NCU_ARGS, NCU_SKIP, NCU_COUNT) and
+exports the report's details, raw metrics and per-instruction source page as CSV into $OUT/ncu_t<T>/.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from runtime import EpDispatchCombineConfig, EpDispatchCombineOp  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1])
-    p.add_argument("--calls", type=int, default=40, help="eager layers per token count (ncu's --launch-skip picks)")
+    p.add_argument("--calls", type=int, default=40, help="layers per token count (graph replays or eager calls; ncu's --launch-skip picks among them)")
     p.add_argument("--protocol", choices=["auto", "ll", "bw"], default="auto")
     p.add_argument("--mode", choices=["graph", "eager"], default="graph")
     p.add_argument("--hidden", type=int, default=7168)

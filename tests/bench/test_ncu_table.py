@@ -3,6 +3,8 @@
 import csv
 import gzip
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,9 +85,6 @@ def test_a_missing_or_broken_export_is_one_message(tmp_path, capsys):
 def test_the_ncu_workload_refuses_bad_arguments_before_any_setup():
     """scripts/ncu_legs.py (run under ncu on the GPU machine) says what is wrong with its arguments in one line, before
     it starts a process group."""
-    import subprocess
-    import sys
-
     script = Path(__file__).resolve().parents[2] / "scripts" / "ncu_legs.py"
     for bad in (["--tokens", "0"], ["--calls", "0"], ["--protocol", "fast"]):
         proc = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, timeout=120)
