@@ -55,6 +55,11 @@ def _check_epgen_legs(rec: dict, m) -> None:
         assert _close(rec[f"{name}_bwd_over_fwd"], legs[bwd] / legs[fwd])
         assert rec["meets_targets"][f"{name}_bwd_over_fwd"] == (rec[f"{name}_bwd_over_fwd"] <= 1.1)
     assert rec["targets"] == {"vs_titan": 0.2, "bwd_over_fwd": 1.1}
+    # the second reading of "the forward leg it mirrors": the forward leg of the same communication
+    assert _close(rec["dispatch_bwd_over_combine_fwd"], legs["dispatch_bwd"] / legs["combine_fwd"])
+    assert _close(rec["combine_bwd_over_dispatch_fwd"], legs["combine_bwd"] / legs["dispatch_fwd"])
+    assert rec["meets_targets_same_communication"] == {
+        f: rec[f] <= 1.1 for f in ("dispatch_bwd_over_combine_fwd", "combine_bwd_over_dispatch_fwd")}
     assert rec["backend"] == "torch" and rec["expert_alignment"] == 1
     assert rec["grouped_capacity"] == rec["tokens_per_rank"] * rec["topk"]  # every local pair, no padding (W = 1)
     assert "CUDA events" in rec["leg_method"] and rec["expert"].startswith("identity: rows * 1")
