@@ -232,75 +232,75 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // ---- EP protocol pieces shared by dispatch and combine -------------------------------------------
 // The argument block: specs/kernels.toml [args.ep], every field 64 bits (addresses as integers).
 struct EpArgs {
-  epg_i64 x;  // dispatch: this rank's token rows
-  epg_i64 weights;  // dispatch: routing weights [T, k] f32
-  epg_i64 scales;  // dispatch: the rows' scales (pre-quantized payloads)
-  epg_i64 indices;  // dispatch: expert ids [T, k] i32
-  epg_i64 slots;  // receive slot of every (token, k) [T, k] i32: written by dispatch, read by combine
+  epg_i64 state;  // this rank's state words (generator/abi.py STATE_WORDS)
+  epg_i64 off_signal;  // workspace offset: per-peer count signals
+  epg_i64 world;  // ranks (W)
+  epg_i64 max_recv;  // receive rows per rank (R)
+  epg_i64 timeout_ns;  // how long a wait spins before it gives up
+  epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 out;  // combine: the combined rows [T, H]
   epg_i64 out_weights;  // combine: the combined weights [T, k] f32
   epg_i64 expert_out;  // combine: the expert rows it reads
   epg_i64 expert_weights;  // combine: weights per expert row [rows, k] f32
-  epg_i64 state;  // this rank's state words (generator/abi.py STATE_WORDS)
-  epg_i64 total_recv;  // rows received by the last dispatch, i32
+  epg_i64 off_ll_c;  // workspace offset: low-latency combine cells
+  epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
+  epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
+  epg_i64 grp_pair_w;  // combine with grp_pair_pos: a value per grouped row [P] f32 sent as each (row, k) pair's weight (0 where the pair has no grouped row) in place of expert_weights (dispatch's backward: the weights' gradients); 0: expert_weights
+  epg_i64 x;  // dispatch: this rank's token rows
+  epg_i64 slots;  // receive slot of every (token, k) [T, k] i32: written by dispatch, read by combine
   epg_i64 peer_bases;  // every rank's workspace base address [W] u64
   epg_i64 error_word;  // host-mapped error words (generator/abi.py ERROR_WORDS)
-  epg_i64 replay_total;  // dispatch: the row count of the slots it replays, i32
-  epg_i64 off_signal;  // workspace offset: per-peer count signals
-  epg_i64 off_counter;  // workspace offset: claim and arrival counters
-  epg_i64 off_recv_x;  // workspace offset: received rows
+  epg_i64 k;  // experts per token
+  epg_i64 off_ll_map;  // workspace offset: low-latency row map
+  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
+  epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)
+  epg_i64 total_recv;  // rows received by the last dispatch, i32
   epg_i64 off_recv_w;  // workspace offset: received weights
-  epg_i64 off_recv_idx;  // workspace offset: received expert ids
-  epg_i64 off_recv_src;  // workspace offset: each received row's (source rank, token)
-  epg_i64 off_comb_x;  // workspace offset: the gather combine's input rows
-  epg_i64 off_comb_w;  // workspace offset: the gather combine's input weights
-  epg_i64 off_recv_scales;  // workspace offset: received scales
-  epg_i64 off_scat_x;  // workspace offset: rows pushed back by a scatter combine
-  epg_i64 off_scat_s;  // workspace offset: their scales
-  epg_i64 off_scat_w;  // workspace offset: their weights
   epg_i64 num_tokens;  // tokens of this call (T)
   epg_i64 row_bytes;  // bytes of one input row
-  epg_i64 hidden;  // elements per row (H)
-  epg_i64 wire_row_bytes;  // bytes of one row on the wire
-  epg_i64 scale_row_bytes;  // bytes of one row's scales on the wire
-  epg_i64 k;  // experts per token
-  epg_i64 experts_per_rank;  // experts per rank
-  epg_i64 num_experts;  // experts in all
   epg_i64 rank;  // this rank
-  epg_i64 world;  // ranks (W)
-  epg_i64 max_recv;  // receive rows per rank (R)
-  epg_i64 max_tokens;  // the most tokens per rank a call takes
   epg_i64 expert_rows;  // combine: rows of expert_out
   epg_i64 has_weights;  // 1 when weights travel
-  epg_i64 timeout_ns;  // how long a wait spins before it gives up
+  epg_i64 grp_pair_pos;  // each (row, k) pair's grouped row or -1 [R * k] i32 (combine: 0, the plain leg)
+  epg_i64 weights;  // dispatch: routing weights [T, k] f32
+  epg_i64 indices;  // dispatch: expert ids [T, k] i32
+  epg_i64 replay_total;  // dispatch: the row count of the slots it replays, i32
+  epg_i64 off_recv_idx;  // workspace offset: received expert ids
+  epg_i64 off_recv_src;  // workspace offset: each received row's (source rank, token)
+  epg_i64 experts_per_rank;  // experts per rank
+  epg_i64 num_experts;  // experts in all
+  epg_i64 max_tokens;  // the most tokens per rank a call takes
+  epg_i64 scales;  // dispatch: the rows' scales (pre-quantized payloads)
+  epg_i64 off_recv_x;  // workspace offset: received rows
+  epg_i64 off_recv_scales;  // workspace offset: received scales
+  epg_i64 scale_row_bytes;  // bytes of one row's scales on the wire
   epg_i64 replay;  // dispatch: 1 when it takes the given slots instead of claiming
-  epg_i64 block_rows;  // dispatch: 1 when a whole block copies each row
   epg_i64 off_ll_cnt;  // workspace offset: low-latency count words
   epg_i64 off_ll_x;  // workspace offset: low-latency dispatch slots
-  epg_i64 off_ll_c;  // workspace offset: low-latency combine cells
-  epg_i64 off_ll_map;  // workspace offset: low-latency row map
-  epg_i64 ll_tokens;  // tokens per rank the low-latency buffers hold
   epg_i64 ll_row_bytes;  // bytes of one low-latency dispatch slot
-  epg_i64 ll_cell_bytes;  // bytes of one low-latency combine cell
+  epg_i64 off_counter;  // workspace offset: claim and arrival counters
   epg_i64 grp_x;  // dispatch: grouped rows [P, row] (0: no layout in the tail)
-  epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
   epg_i64 grp_pair_rel;  // dispatch: each local pair's position in its group [R * k] i32
-  epg_i64 grp_counts;  // dispatch: real pairs per local expert [E] i32
-  epg_i64 grp_pair_pos;  // each (row, k) pair's grouped row or -1 [R * k] i32 (combine: 0, the plain leg)
   epg_i64 grp_offs;  // dispatch: group ends [E] i32
-  epg_i64 grp_kept;  // dispatch: kept pairs per group [E] i32
-  epg_i64 grp_src;  // dispatch: each grouped row's pair id or -1 [P] i32
   epg_i64 grp_m_indices;  // dispatch: each grouped row's local expert or -1 [P] i32
   epg_i64 grp_weights;  // dispatch: each grouped row's weight [P] f32
   epg_i64 grp_dropped;  // dispatch: pairs past the capacity [1] i32
   epg_i64 grp_align;  // dispatch: rows each group is padded to a multiple of
+  epg_i64 off_comb_x;  // workspace offset: the gather combine's input rows
+  epg_i64 off_comb_w;  // workspace offset: the gather combine's input weights
+  epg_i64 off_scat_x;  // workspace offset: rows pushed back by a scatter combine
+  epg_i64 hidden;  // elements per row (H)
+  epg_i64 grp_kept;  // dispatch: kept pairs per group [E] i32
+  epg_i64 grp_src;  // dispatch: each grouped row's pair id or -1 [P] i32
   epg_i64 grp_capacity;  // dispatch: grouped rows (P)
-  epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
-  epg_i64 grp_apply_weights;  // combine: 1 to weight each pair's row by its dispatch weight
-  epg_i64 grp_pair_w;  // combine with grp_pair_pos: a value per grouped row [P] f32 sent as each (row, k) pair's weight (0 where the pair has no grouped row) in place of expert_weights (dispatch's backward: the weights' gradients); 0: expert_weights
   epg_i64 grp_cnt;  // direct dispatch (dispatch_direct.j2): this rank's count table in the workspace, [2][W][E + 1] i32 then flags [2][W] i32 (0: not that path)
-  epg_i64 phase;  // 0: send and receive; 1: send half only; 2: receive half only
-  epg_i64 trace;  // phase stamps of the device's global timer [EPG_TRACE_BLOCKS][EPG_TRACE_PHASES] u64 ns, each block's thread 0 into its own row (dispatch_ll / combine_ll; 0: none)
+  epg_i64 off_scat_s;  // workspace offset: their scales
+  epg_i64 off_scat_w;  // workspace offset: their weights
+  epg_i64 wire_row_bytes;  // bytes of one row on the wire
+  epg_i64 block_rows;  // dispatch: 1 when a whole block copies each row
+  epg_i64 grp_scales;  // dispatch: grouped scales [P, scale row]
+  epg_i64 grp_counts;  // dispatch: real pairs per local expert [E] i32
+  epg_i64 grp_zero_padding;  // dispatch: 1 when every grp_* output is a fresh tensor: all rows marked, payloads without a pair zeroed, the pair map written whole
 };
 constexpr int EPG_ST_EPOCH = 0;
 constexpr int EPG_ST_DONE = 1;

@@ -5,6 +5,8 @@ the machine image) -- no target is skipped silently.
 """
 
 
+import re
+
 import attrs
 import pytest
 
@@ -59,6 +61,22 @@ def _disasm_ops(r):
     tools = toolchain.find(r.variant.toolchain)
     out = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools)
     return toolchain.opcodes(out.stdout, r.variant.target.vendor)
+
+
+#: the 64-byte lines of sm_90's parameter bank (c[0x0][0x200] on: the driver's descriptor line, then EpArgs from
+#: 0x210) each EP kernel reads. Each line costs a constant-cache miss on the kernel's path at every launch; the field
+#: order of specs/kernels.toml [args.ep] keeps these few (with the declared order before it: 9, 8, 9 and 8).
+PARAM_LINES = {"combine_ll": 4, "dispatch_ll": 5, "dispatch_direct": 6, "combine_gather": 5}
+
+
+@pytest.mark.parametrize("family,most", sorted(PARAM_LINES.items()))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_ep_kernels_read_few_parameter_lines(all_results, family, most, dtype):
+    r = all_results[f"sm_90/{family}.{dtype}.intranode"]
+    tools = toolchain.find(r.variant.toolchain)
+    sass = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools).stdout
+    lines = {int(o, 16) // 64 for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass) if int(o, 16) >= 0x200}
+    assert 0x200 // 64 in lines and len(lines) <= most, sorted(hex(line * 64) for line in lines)
 
 
 def test_gfx1250_has_no_pair_form(all_results):
