@@ -76,7 +76,9 @@ def test_ep_kernels_read_few_parameter_lines(all_results, family, most, dtype):
     tools = toolchain.find(r.variant.toolchain)
     sass = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools).stdout
     lines = {int(o, 16) // 64 for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass) if int(o, 16) >= 0x200}
-    assert 0x200 // 64 in lines and len(lines) <= most, sorted(hex(line * 64) for line in lines)
+    assert 0x200 // 64 in lines and len(lines) <= most, (
+        f"{family} reads {len(lines)} lines ({', '.join(hex(line * 64) for line in sorted(lines))}), at most {most}: "
+        "python scripts/param_lines.py --suggest says where the fields fit")
 
 
 def test_gfx1250_has_no_pair_form(all_results):
