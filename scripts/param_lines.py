@@ -50,6 +50,11 @@ def offsets(sass: str) -> set[int]:
     return {int(m, 16) for m in _OPERAND.findall(sass)}
 
 
+def lines_read(offs: set[int]) -> set[int]:
+    """The bank's lines (numbered by LINE-byte blocks of c[0x0]) those offsets touch from the descriptor's line on."""
+    return {o // LINE for o in offs if o >= FREE * LINE}
+
+
 def fields_read(offs: set[int], names: list[str]) -> set[str]:
     """The struct's fields those offsets fall in (8 bytes each from ARGS_AT)."""
     return {names[(o - ARGS_AT) // 8] for o in offs if ARGS_AT <= o < ARGS_AT + 8 * len(names)}
@@ -94,13 +99,14 @@ def kernel_reads(families: list[str]) -> tuple[list[str], dict[str, set[str]]]:
     if sig is None:
         raise LinesError("specs/kernels.toml has no [args.ep]")
     names = [f.name for f in sig.fields]
+    # one build for every family (the bf16 intranode variants; the cache answers for those built before)
+    built = {r.variant.key: r for r in B.build(specs, ["sm_90"], "all", only="sm_90/*.bf16.intranode")}
     use = {}
     for fam in families:
         key = f"sm_90/{fam}.bf16.intranode"
-        results = [r for r in B.build(specs, ["sm_90"], "all", only=key) if r.variant.key == key]
-        if not results:
+        r = built.get(key)
+        if r is None:
             raise LinesError(f"{key}: no such variant (families: {', '.join(FAMILIES)})")
-        r = results[0]
         if not r.ok or r.artifact is None:
             raise LinesError(f"{key}: the build failed: {r.status} {r.message}".strip())
         tools = toolchain.find(r.variant.toolchain)

@@ -5,8 +5,6 @@ the machine image) -- no target is skipped silently.
 """
 
 
-import re
-
 import attrs
 import pytest
 
@@ -14,6 +12,9 @@ from generator import build as B
 from generator import render, toolchain
 from generator.cli import main
 from generator.model import Variant, enumerate_variants
+from tests.support.scripts import load_script
+
+param_lines = load_script("param_lines")  # what a kernel's SASS reads of the parameter bank
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_ep_kernels_read_few_parameter_lines(all_results, family, most, dtype):
     r = all_results[f"sm_90/{family}.{dtype}.intranode"]
     tools = toolchain.find(r.variant.toolchain)
     sass = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools).stdout
-    lines = {int(o, 16) // 64 for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass) if int(o, 16) >= 0x200}
+    lines = param_lines.lines_read(param_lines.offsets(sass))
     assert 0x200 // 64 in lines and len(lines) <= most, (
         f"{family} reads {len(lines)} lines ({', '.join(hex(line * 64) for line in sorted(lines))}), at most {most}: "
         "python scripts/param_lines.py --suggest says where the fields fit")
