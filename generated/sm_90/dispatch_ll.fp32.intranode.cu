@@ -616,9 +616,9 @@ EPG_DEVICE void epg_ll_finish(const EpArgs& a, int counter, int calls, int last)
 // dispatch never places, and dispatch_ll carries none of the tail's ~2900 SASS instructions (sm_90): its finish
 // follows the receive's code instead of a jump over the tail's (0.3 µs of 7.6 at one token on an H100, docs/PERF.md).
 // Word w of token t's message: payload words, scale bytes (the last word zero-padded), ids, weights (0
-// without), the source token, zero padding. Its source address is worked out first and loaded once, so the three
-// words of a lane's vector are three loads in flight (a chain of branches, each with its load, took one round trip
-// per word). This variant carries no scales (S = 0: runtime/plan.py gives a float payload none), so its word paths have no byte loops.
+// without), the source token, zero padding. Its source address is worked out first and loaded once (one predicated
+// load a word, not a branch per kind of word around a load of its own); with the float variants' scale bytes gone too,
+// the one-token dispatch went 7.2 -> 6.3 µs on an H200 (graph, W = 1; docs/PERF.md). This variant carries no scales (S = 0: runtime/plan.py gives a float payload none), so its word paths have no byte loops.
 EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P, int S) {
   const epg_i64 j = w - P - S;  // past the payload and scales: ids [0, k), weights [k, 2k), the token at 2k
   const epg_u32* src = w < P ? (const epg_u32*)((const char*)a.x + t * a.row_bytes) + w
