@@ -1132,21 +1132,16 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // dispatch never places, and dispatch_ll carries none of the tail's ~2900 SASS instructions (sm_90): its finish
 // follows the receive's code instead of a jump over the tail's (0.3 µs of 7.6 at one token on an H100, docs/PERF.md).
 // Word w of token t's message: payload words, scale bytes (the last word zero-padded), ids, weights (0
-// without), the source token, zero padding.
+// without), the source token, zero padding. Its source address is worked out first and loaded once (one predicated
+// load a word, not a branch per kind of word around a load of its own); with the float variants' scale bytes gone too,
+// the one-token dispatch went 7.2 -> 6.3 µs on an H200 (graph, W = 1; docs/PERF.md). This variant carries no scales (S = 0: runtime/plan.py gives a float payload none), so its word paths have no byte loops.
 EPG_DEVICE epg_u32 epg_ll_row_word(const EpArgs& a, epg_i64 t, epg_i64 w, int P, int S) {
-  if (w < P) return ((const epg_u32*)((const char*)a.x + t * a.row_bytes))[w];
-  w -= P;
-  if (w < S) {
-    const epg_u8* sc = (const epg_u8*)a.scales + t * a.scale_row_bytes;
-    epg_u32 v = 0;
-    for (int b = 0; b < 4 && 4 * w + b < a.scale_row_bytes; ++b) v |= (epg_u32)sc[4 * w + b] << (8 * b);
-    return v;
-  }
-  w -= S;
-  if (w < a.k) return (epg_u32)((const int*)a.indices)[t * a.k + w];
-  w -= a.k;
-  if (w < a.k) return a.has_weights ? epg_f32_bits(((const float*)a.weights)[t * a.k + w]) : 0u;
-  return w == a.k ? (epg_u32)t : 0u;
+  const epg_i64 j = w - P - S;  // past the payload and scales: ids [0, k), weights [k, 2k), the token at 2k
+  const epg_u32* src = w < P ? (const epg_u32*)((const char*)a.x + t * a.row_bytes) + w
+                       : j < a.k ? (const epg_u32*)a.indices + t * a.k + j
+                       : j < 2 * a.k && a.has_weights ? (const epg_u32*)a.weights + t * a.k + (j - a.k)
+                       : nullptr;
+  return src ? *src : (j == 2 * a.k ? (epg_u32)t : 0u);
 }
 // Word w of received row `row` (from rank s, position i) into the receive buffers; a row past the cap
 // (keep false) only records its source token, which combine_ll answers.
@@ -1157,12 +1152,6 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
     return;
   }
   w -= P;
-  if (w < S) {
-    epg_u8* sc = (epg_u8*)(mine + a.off_recv_scales + row * a.scale_row_bytes);
-    for (int b = 0; keep && b < 4 && 4 * w + b < a.scale_row_bytes; ++b) sc[4 * w + b] = (epg_u8)(v >> (8 * b));
-    return;
-  }
-  w -= S;
   if (w < a.k) {
     if (keep) ((int*)(mine + a.off_recv_idx))[row * a.k + w] = (int)v;
     return;
@@ -1186,7 +1175,7 @@ EPG_KERNEL void epg_dispatch_ll_tail__bf16__intranode(EpArgs a) {
   const int parity = calls & 1;
   const int W = (int)a.world, K = (int)a.k, tid = epg_thread();
   const epg_i64 T = a.num_tokens;
-  const int P = (int)(a.row_bytes / 4), S = (int)((a.scale_row_bytes + 3) / 4);
+  const int P = (int)(a.row_bytes / 4), S = 0;  // words of payload, of scales
   const int nv = epg_ll_vectors(P + S + 2 * K + 1);
   char* mine = epg_peer(a, a.rank);
   const int* idx = (const int*)a.indices;

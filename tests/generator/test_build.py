@@ -84,6 +84,19 @@ def test_ep_kernels_read_few_parameter_lines(all_results, family, most, dtype):
         "python scripts/param_lines.py --suggest says where the fields fit")
 
 
+def test_low_latency_dispatch_moves_scale_bytes_only_with_a_scaled_payload(all_results):
+    """dispatch_ll.j2 renders a float payload's low-latency dispatch with no scale words (S = 0, the plan gives such a
+    payload none: tests/runtime/test_native_plan.py), so its message words have no byte loads or stores, while the
+    pre-quantized fp8 payload's variant moves its scale bytes (the byte loops cost the one-token dispatch 0.9 us on
+    an H200: docs/PERF.md). dispatch_ll_tail's grouped tail copies scale bytes of its own (grouped_tail.j2)."""
+    def byte_ops(key):
+        ops = _disasm_ops(all_results[key])
+        return [op for op in ops if op.startswith(("LDG.E.U8", "STG.E.U8", "ST.E.U8", "LD.E.U8"))]
+
+    assert not byte_ops("sm_90/dispatch_ll.bf16.intranode")
+    assert byte_ops("sm_90/dispatch_ll.fp8_e4m3fn.intranode")
+
+
 def test_gfx1250_has_no_pair_form(all_results):
     ops = _disasm_ops(all_results["gfx1250/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise"])
     assert toolchain.has_mnemonic(ops, "v_cvt_scalef32_pk8_fp4_f32")

@@ -260,3 +260,19 @@ def test_direct_call_takes_the_kernel_by_mode_and_world_size():
     for bad in ("Always", "", "on", None):
         with pytest.raises(InputError, match="must be one of auto, always, never"):
             direct_call(bad, world=1, **ok)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_low_latency_float_dispatch_gets_no_scales(mode):
+    """templates/kernels/dispatch_ll.j2 renders a float payload's dispatch_ll / dispatch_ll_tail with no scale words
+    (S = 0: its word paths have no byte loops), so a plan that launches one must give it no scales: they would be
+    lost. Scales travel with a pre-quantized fp8 / fp4 payload, whose variants carry them."""
+    if EpDispatchCombineConfig(**BASE, **MODES[mode]).ll_unavailable() is not None:
+        return  # no low-latency kernels for this mode (its message says why)
+    cfg = EpDispatchCombineConfig(**BASE, **MODES[mode], intranode_protocol="ll")
+    plan = Plan.of(cfg, load_specs().targets["sm_90"])
+    ll_roles = [name for role, name in plan.roles if role in ("dispatch_ll", "dispatch_ll_tail")]
+    assert ll_roles, plan.roles
+    for name in ll_roles:
+        scaled = kernels.select("sm_90", name).dtype.kind != "float"
+        assert (plan.scale_row > 0) == scaled, (name, plan.scale_row)
