@@ -92,29 +92,34 @@ def suggest(names: list[str], use: dict[str, set[str]], rounds: int = 60000, see
     return sorted(names, key=lambda n: (line[n], declared[n]))
 
 
-def kernel_reads(families: list[str]) -> tuple[list[str], dict[str, set[str]]]:
-    """-> (the declared field names, the fields each family's sm_90 bf16 intranode kernel reads)."""
+def kernel_sass(families: list[str], error=LinesError) -> dict[str, str]:
+    """-> each family's sm_90 bf16 intranode kernel's SASS (one build for all: the cache answers for those built
+    before); failures raise `error` with one line that says which variant and why (scripts/load_use.py uses it too)."""
     specs = S.load()
-    sig = specs.arglists.get("ep")
-    if sig is None:
-        raise LinesError("specs/kernels.toml has no [args.ep]")
-    names = [f.name for f in sig.fields]
-    # one build for every family (the bf16 intranode variants; the cache answers for those built before)
     built = {r.variant.key: r for r in B.build(specs, ["sm_90"], "all", only="sm_90/*.bf16.intranode")}
-    use = {}
+    out = {}
     for fam in families:
         key = f"sm_90/{fam}.bf16.intranode"
         r = built.get(key)
         if r is None:
-            raise LinesError(f"{key}: no such variant (families: {', '.join(FAMILIES)})")
+            raise error(f"{key}: no such variant")
         if not r.ok or r.artifact is None:
-            raise LinesError(f"{key}: the build failed: {r.status} {r.message}".strip())
+            raise error(f"{key}: the build failed: {r.status} {r.message}".strip())
         tools = toolchain.find(r.variant.toolchain)
-        out = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools)
-        if out.returncode != 0:
-            raise LinesError(f"{key}: the disassembler failed: {(out.stderr or out.stdout).strip()[:300]}")
-        use[fam] = fields_read(offsets(out.stdout), names)
-    return names, use
+        res = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools)
+        if res.returncode != 0:
+            raise error(f"{key}: the disassembler failed: {(res.stderr or res.stdout).strip()[:300]}")
+        out[fam] = res.stdout
+    return out
+
+
+def kernel_reads(families: list[str]) -> tuple[list[str], dict[str, set[str]]]:
+    """-> (the declared field names, the fields each family's sm_90 bf16 intranode kernel reads)."""
+    sig = S.load().arglists.get("ep")
+    if sig is None:
+        raise LinesError("specs/kernels.toml has no [args.ep]")
+    names = [f.name for f in sig.fields]
+    return names, {fam: fields_read(offsets(sass), names) for fam, sass in kernel_sass(families).items()}
 
 
 def table(names: list[str], use: dict[str, set[str]]) -> list[str]:

@@ -292,7 +292,8 @@ RECORD_SCRIPTS = ("scripts/layer_table.py", "scripts/sweep_table.py", "scripts/g
                   "scripts/plot_bench.py")  # records -> tables and plots
 WRITES_RESULTS = ("scripts/plot_bench.py",)  # writes a .png beside its records: run in a copy
 CPU_SCRIPTS = ("scripts/memory_table.py",  # tables computed from the specs and the plan: no GPU, no records
-               "scripts/host_cost.py")  # the eager legs' host side over stand-ins for the device
+               "scripts/host_cost.py",  # the eager legs' host side over stand-ins for the device
+               "scripts/load_use.py")  # the EP kernels' sm_90 SASS, built and disassembled here (as tests/generator)
 
 
 def plan(cmd: str):
