@@ -21,13 +21,19 @@ in a loop (.STRONG.SYS), and loads whose first use stores the value (a copy loop
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from param_lines import kernel_sass  # noqa: E402  (scripts/param_lines.py: the build and the disassembly)
+def _param_lines():
+    """scripts/param_lines.py (the build and the disassembly of each family's kernel), loaded from beside this file."""
+    spec = importlib.util.spec_from_file_location("param_lines", Path(__file__).resolve().parent / "param_lines.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 FAMILIES = ("dispatch_ll", "combine_ll", "dispatch_direct", "combine_gather", "dispatch_ll_tail")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
         if not 1 <= getattr(args, name) <= 100000:
             p.error(f"--{name} {getattr(args, name)}: from 1 to 100000")
     try:
-        sass = kernel_sass(args.families, LoadUseError)
+        sass = _param_lines().kernel_sass(args.families, LoadUseError)
     except (LoadUseError, OSError) as e:
         print(f"load_use: {e}", file=sys.stderr)
         return 1
