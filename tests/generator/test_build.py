@@ -58,10 +58,13 @@ def test_spec_expectations_hold(all_results, key, mnemonic):
     assert r.ok
 
 
-def _disasm_ops(r):
+def _disasm(r) -> str:
     tools = toolchain.find(r.variant.toolchain)
-    out = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools)
-    return toolchain.opcodes(out.stdout, r.variant.target.vendor)
+    return toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools).stdout
+
+
+def _disasm_ops(r):
+    return toolchain.opcodes(_disasm(r), r.variant.target.vendor)
 
 
 #: the 64-byte lines of sm_90's parameter bank (c[0x0][0x200] on: the driver's descriptor line, then EpArgs from
@@ -75,10 +78,7 @@ PARAM_LINES = {"combine_ll": 4, "dispatch_ll": 5, "dispatch_direct": 6, "combine
 @pytest.mark.parametrize("family,most", sorted(PARAM_LINES.items()))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_ep_kernels_read_few_parameter_lines(all_results, family, most, dtype):
-    r = all_results[f"sm_90/{family}.{dtype}.intranode"]
-    tools = toolchain.find(r.variant.toolchain)
-    sass = toolchain.run(toolchain.disassemble_command(r.variant.target, tools, r.artifact), tools).stdout
-    lines = param_lines.lines_read(param_lines.offsets(sass))
+    lines = param_lines.lines_read(param_lines.offsets(_disasm(all_results[f"sm_90/{family}.{dtype}.intranode"])))
     assert 0x200 // 64 in lines and len(lines) <= most, (
         f"{family} reads {len(lines)} lines ({', '.join(hex(line * 64) for line in sorted(lines))}), at most {most}: "
         "python scripts/param_lines.py --suggest says where the fields fit")
