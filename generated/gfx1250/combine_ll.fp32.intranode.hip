@@ -1196,13 +1196,16 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     const epg_i64 row = u / chunks;  // received rows are numbered in (source rank, position) order
     const int c = (int)(u % chunks);
     const int s = epg_ll_source(base, W, row);
-    const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
+    // the row's source token and its origin's workspace: loaded here, first used at the stores (the cell's address),
+    // so their round trip overlaps the row's loads instead of preceding them
+    const epg_u32 t = (epg_u32)ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];  // unsigned: no sign extension to hoist
+    const char* origin = epg_peer(a, s);
     const bool keep = row < keep_rows;
-    char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
     if (grouped) {
       const epg_i64 vv = (epg_i64)c * per_unit + lane;
       epg_u32 g3[3];
       epg_ll_grouped_vec(a, row, keep, vv, nv, P, K, g3);
+      char* dst = (char*)origin + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
       if (vv < nv) epg_st16_sys(dst + 16 * vv, epg_ll_vec(g3[0], g3[1], g3[2], epoch));
       continue;
     }
@@ -1217,6 +1220,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
         w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
       }
     }
+    char* dst = (char*)origin + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
 #pragma unroll
     for (int q = 0; q < EPG_LL_UNIT; ++q) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
