@@ -1169,17 +1169,19 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
   const bool send = a.phase != EPG_PHASE_RECV;
-  const int* ll_t = (const int*)(epg_peer(a, a.rank) + a.off_ll_map);
-  // the rows each source sent (the last dispatch's): loaded here, alongside the state word the entry reads
+  // this rank's workspace and its state words, loaded together first (the call counter too: only the last block of
+  // the previous combine_ll, an earlier kernel, writes it, so the entry barrier cannot change it), then the rows each
+  // source sent (the last dispatch's): one round trip each, none behind the entry check's
+  const int last = state[EPG_ST_LAST], calls = state[EPG_ST_LL_COMBINES];
+  char* mine = epg_peer(a, a.rank);
+  const int* ll_t = (const int*)(mine + a.off_ll_map);
   const int rows_from = epg_thread() < (int)a.world ? ll_t[a.world * a.ll_tokens + epg_thread()] : 0;
-  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
+  if (send && epg_combine_entry(last) &&  // origins done reading the previous combine's cells
       epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 3) == EPG_BAR_FAIL) return;
-  const int calls = state[EPG_ST_LL_COMBINES];
   const epg_u32 epoch = epg_ll_epoch(calls);
   const int W = (int)a.world, K = (int)a.k, tid = epg_thread();
   const int P = (int)(a.row_bytes / 4);
   const int nv = epg_ll_vectors(P + K);
-  char* mine = epg_peer(a, a.rank);
   __shared__ int base[65];
   __shared__ int ok;
   if (tid < W) base[tid + 1] = rows_from;
