@@ -1127,10 +1127,10 @@ EPG_DEVICE void epg_acc_product(float acc[2], float wt, epg_u32 w) { acc[0] = ep
 // Eight pairs' positions, then their words, in flight at once (two round trips per eight pairs). The weight words
 // (and padding) as the plain push sends them, or with a.grp_pair_w each pair's grouped row's value (0 where the pair
 // has none: dispatch's backward sends the weights' gradients so); a row past the cap (keep false) sends zeros.
-EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, epg_i64 row, bool keep, epg_i64 vv, int nv, int P, int K,
-                                   epg_u32 w[3]) {
+EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, const char* mine, epg_i64 row, bool keep, epg_i64 vv, int nv, int P,
+                                   int K, epg_u32 w[3]) {
   const int* pos = (const int*)a.grp_pair_pos + row * K;
-  const float* rw = (const float*)(epg_peer(a, a.rank) + a.off_recv_w) + row * K;
+  const float* rw = (const float*)(mine + a.off_recv_w) + row * K;  // mine: this rank's workspace, loaded at entry
   float acc[3][2];
   for (int e = 0; e < 3; ++e) acc[e][0] = acc[e][1] = 0.f;
   for (int j0 = 0; keep && vv < nv && 3 * vv < P && j0 < K; j0 += 8) {
@@ -1216,7 +1216,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     if (grouped) {
       const epg_i64 vv = (epg_i64)c * per_unit + lane;
       epg_u32 g3[3];
-      epg_ll_grouped_vec(a, row, keep, vv, nv, P, K, g3);
+      epg_ll_grouped_vec(a, mine, row, keep, vv, nv, P, K, g3);
       char* dst = (char*)origin + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
       if (vv < nv) epg_st16_sys(dst + 16 * vv, epg_ll_vec(g3[0], g3[1], g3[2], epoch));
       continue;
