@@ -1085,10 +1085,10 @@ EPG_DEVICE void epg_acc_product(float acc[2], float wt, epg_u32 w) { acc[0] = ep
 // Eight pairs' positions, then their words, in flight at once (two round trips per eight pairs). The weight words
 // (and padding) as the plain push sends them, or with a.grp_pair_w each pair's grouped row's value (0 where the pair
 // has none: dispatch's backward sends the weights' gradients so); a row past the cap (keep false) sends zeros.
-EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, epg_i64 row, bool keep, epg_i64 vv, int nv, int P, int K,
-                                   epg_u32 w[3]) {
+EPG_DEVICE void epg_ll_grouped_vec(const EpArgs& a, const char* mine, epg_i64 row, bool keep, epg_i64 vv, int nv, int P,
+                                   int K, epg_u32 w[3]) {
   const int* pos = (const int*)a.grp_pair_pos + row * K;
-  const float* rw = (const float*)(epg_peer(a, a.rank) + a.off_recv_w) + row * K;
+  const float* rw = (const float*)(mine + a.off_recv_w) + row * K;  // mine: this rank's workspace, loaded at entry
   float acc[3][2];
   for (int e = 0; e < 3; ++e) acc[e][0] = acc[e][1] = 0.f;
   for (int j0 = 0; keep && vv < nv && 3 * vv < P && j0 < K; j0 += 8) {
@@ -1127,17 +1127,19 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
   const bool send = a.phase != EPG_PHASE_RECV;
-  const int* ll_t = (const int*)(epg_peer(a, a.rank) + a.off_ll_map);
-  // the rows each source sent (the last dispatch's): loaded here, alongside the state word the entry reads
+  // this rank's workspace and its state words, loaded together first (the call counter too: only the last block of
+  // the previous combine_ll, an earlier kernel, writes it, so the entry barrier cannot change it), then the rows each
+  // source sent (the last dispatch's): one round trip each, none behind the entry check's
+  const int last = state[EPG_ST_LAST], calls = state[EPG_ST_LL_COMBINES];
+  char* mine = epg_peer(a, a.rank);
+  const int* ll_t = (const int*)(mine + a.off_ll_map);
   const int rows_from = epg_thread() < (int)a.world ? ll_t[a.world * a.ll_tokens + epg_thread()] : 0;
-  if (send && epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine's cells
+  if (send && epg_combine_entry(last) &&  // origins done reading the previous combine's cells
       epg_barrier(a, epg_next(state[EPG_ST_EPOCH]), true, 3) == EPG_BAR_FAIL) return;
-  const int calls = state[EPG_ST_LL_COMBINES];
   const epg_u32 epoch = epg_ll_epoch(calls);
   const int W = (int)a.world, K = (int)a.k, tid = epg_thread();
   const int P = (int)(a.row_bytes / 4);
   const int nv = epg_ll_vectors(P + K);
-  char* mine = epg_peer(a, a.rank);
   __shared__ int base[65];
   __shared__ int ok;
   if (tid < W) base[tid + 1] = rows_from;
@@ -1164,13 +1166,16 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
     const epg_i64 row = u / chunks;  // received rows are numbered in (source rank, position) order
     const int c = (int)(u % chunks);
     const int s = epg_ll_source(base, W, row);
-    const int t = ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];
+    // the row's source token and its origin's workspace: loaded here, first used at the stores (the cell's address),
+    // so their round trip overlaps the row's loads instead of preceding them
+    const epg_u32 t = (epg_u32)ll_t[(epg_i64)s * a.ll_tokens + (row - base[s])];  // unsigned: no sign extension to hoist
+    const char* origin = epg_peer(a, s);
     const bool keep = row < keep_rows;
-    char* dst = epg_peer(a, s) + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
     if (grouped) {
       const epg_i64 vv = (epg_i64)c * per_unit + lane;
       epg_u32 g3[3];
-      epg_ll_grouped_vec(a, row, keep, vv, nv, P, K, g3);
+      epg_ll_grouped_vec(a, mine, row, keep, vv, nv, P, K, g3);
+      char* dst = (char*)origin + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
       if (vv < nv) epg_st16_sys(dst + 16 * vv, epg_ll_vec(g3[0], g3[1], g3[2], epoch));
       continue;
     }
@@ -1185,6 +1190,7 @@ EPG_KERNEL void epg_combine_ll__fp32__intranode(EpArgs a) {
         w[q][e] = !keep || vv >= nv ? 0u : word < P ? xs[word] : (word < P + K && a.has_weights ? ws[word - P] : 0u);
       }
     }
+    char* dst = (char*)origin + a.off_ll_c + ((epg_i64)t * W + (int)a.rank) * a.ll_cell_bytes;
 #pragma unroll
     for (int q = 0; q < EPG_LL_UNIT; ++q) {
       const epg_i64 vv = (epg_i64)c * per_unit + q * EPG_WAVE + lane;
