@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -596,6 +597,7 @@ EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x,
     epg_i64 max_recv,
     epg_i64 count_here,
     int* __restrict__ grouped_end) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;

@@ -32,6 +32,14 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// blocks may be scheduled while the kernel before it on the stream still runs. Every kernel begins here: it lets the
+// next kernel launch (griddepcontrol.launch_dependents; that one waits here in turn), then waits until the one before
+// it has completed and its memory is visible (griddepcontrol.wait), before any load. Without the attribute, no-ops.
+EPG_DEVICE void epg_launch_begin() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -259,6 +267,7 @@ EPG_KERNEL void epg_dequantize_fp4__fp32__fp4_e2m1__fp4_blockwise(const void* __
     const void* __restrict__ scales,
     void* __restrict__ y,
     epg_i64 n_elems) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
   if (base >= n_elems) return;
   float f[8];
