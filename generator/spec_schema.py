@@ -151,8 +151,12 @@ class Arg:
     def c_param(self) -> str:
         if not self.pointer:
             return f"epg_i64 {self.name}"
-        const = "const " if self.type.startswith("const ") else ""
-        return f"{const}{ARG_POINTEES[self.pointee]}* __restrict__ {self.name}"
+        # a const input is not __restrict__: const and restrict together let the compiler take its loads as
+        # read-only for the kernel's lifetime (ld.global.nc) and hoist them above epg_launch_begin's wait, where the
+        # kernel before it may still be writing them (programmatic launch); outputs keep restrict
+        if self.type.startswith("const "):
+            return f"const {ARG_POINTEES[self.pointee]}* {self.name}"
+        return f"{ARG_POINTEES[self.pointee]}* __restrict__ {self.name}"
 
 
 @_frozen

@@ -126,6 +126,54 @@ def _libcuda_launch():
 
 
 _STREAMS_KEPT = 64  # stream handles a launcher keeps wrapped (c_void_p) before it starts over
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (its first int here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (cuLaunchKernelEx)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda_launch_ex():
+    """libcuda's cuLaunchKernelEx through ctypes, or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _programmatic_launch(function):
+    """A launcher calling cuLaunchKernelEx with programmatic stream serialization for this CUfunction (a kernel
+    whose code begins with epg_launch_begin: it may start while the kernel before it runs), or None."""
+    fn = _libcuda_launch_ex()
+    try:
+        handle = int(function)
+    except (TypeError, ValueError):
+        return None
+    if fn is None or not handle:
+        return None
+    handle = ctypes.c_void_p(handle)
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
+                           attrs=ctypes.pointer(attr), numAttrs=1)
+    config._attr = attr  # kept alive with the config
+    ref = ctypes.byref(config)
+
+    def launch(grid: int, block: int, stream: int, params) -> int:
+        config.gridDimX, config.blockDimX, config.hStream = grid, block, stream
+        return fn(ref, handle, params, None)
+    return launch
 
 
 def _driver_launch(function, entry=None):
@@ -157,7 +205,7 @@ def _driver_launch(function, entry=None):
 class CudaKernel:
     """A kernel from a cubin, loaded with cuda-bindings, launched on torch's current stream."""
 
-    def __init__(self, image: bytes, symbol: str):
+    def __init__(self, image: bytes, symbol: str, programmatic: bool = False):
         from cuda.bindings import driver as cu
 
         self._cu = cu
@@ -173,7 +221,7 @@ class CudaKernel:
         self.max_threads = int(self._check(cu.cuFuncGetAttribute(
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "cuFuncGetAttribute"))
         self._occupancy: dict[int, int] = {}
-        self._fast = _driver_launch(self.function)
+        self._fast = (_programmatic_launch(self.function) if programmatic else None) or _driver_launch(self.function)
         self.launch_path = "libcuda (ctypes)" if self._fast is not None else "cuda-bindings"
 
     def blocks_per_sm(self, threads: int) -> int:
@@ -415,5 +463,5 @@ class BoundKernel:
 def load(v) -> Kernel:
     """Variant v's code object, loaded, as a Kernel launched by its family's declared arguments."""
     image = code_object(v)
-    raw = (CudaKernel if v.target.vendor == "nvidia" else HipKernel)(image, v.symbol)
+    raw = CudaKernel(image, v.symbol, programmatic=True) if v.target.vendor == "nvidia" else HipKernel(image, v.symbol)
     return Kernel(raw, v)

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -1044,6 +1045,7 @@ EPG_DEVICE const char* epg_shfl_ptr(const char* p, int src) {  // lane src's poi
 }
 
 EPG_KERNEL void epg_combine_gather__bf16__intranode(EpArgs a) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
   const bool send = a.phase != EPG_PHASE_RECV;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -578,6 +579,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // origin's cell [token, this rank]; one barrier round; then the origin decodes its cells and sums
 // them in fp32 in ascending destination-rank order.
 EPG_KERNEL void epg_combine_scatter__fp32__fp4_e2m1__fp4_blockwise__intranode(EpArgs a) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   int* state = (int*)a.state;
   int epoch = state[EPG_ST_EPOCH];
   if (epg_combine_entry(state[EPG_ST_LAST]) &&  // origins done reading the previous combine

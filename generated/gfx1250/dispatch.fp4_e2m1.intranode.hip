@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -912,6 +913,7 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // (a later launch of one block, same dispatch counter) is block 0's wait and what follows it.
 
 EPG_KERNEL void epg_dispatch__fp4_e2m1__intranode(EpArgs a) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   int* state = (int*)a.state;
   const int parity = state[EPG_ST_DISPATCHES] & 1;
   // previous receive buffers consumed everywhere

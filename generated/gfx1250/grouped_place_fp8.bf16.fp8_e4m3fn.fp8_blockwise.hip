@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -607,13 +608,13 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
     }
   }
 }
-EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const char* __restrict__ recv_x,
-    const char* __restrict__ recv_scales,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ recv_idx,
-    const int* __restrict__ total_recv,
-    const int* __restrict__ pair_rel,
-    const int* __restrict__ counts,
+EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const char* recv_x,
+    const char* recv_scales,
+    const float* recv_w,
+    const int* recv_idx,
+    const int* total_recv,
+    const int* pair_rel,
+    const int* counts,
     int* __restrict__ pair_pos,
     char* __restrict__ out_x,
     char* __restrict__ out_scales,
@@ -636,6 +637,7 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
     epg_i64 max_recv,
     epg_i64 count_here,
     int* __restrict__ grouped_end) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -586,16 +587,17 @@ EPG_DEVICE void epg_reduce_pair_values(const int* pair_pos, const float* pair_w,
     out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
   }
 }
-EPG_KERNEL void epg_grouped_reduce__bf16(const char* __restrict__ expert_out,
-    const int* __restrict__ pair_pos,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_grouped_reduce__bf16(const char* expert_out,
+    const int* pair_pos,
+    const float* recv_w,
+    const int* total_recv,
     char* __restrict__ out,
     epg_i64 k,
     epg_i64 hidden,
     epg_i64 apply_weights,
-    const float* __restrict__ pair_w,
+    const float* pair_w,
     float* __restrict__ out_w) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 row_bytes = hidden * 2;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 rows = *total_recv, items = rows * n8;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -243,11 +244,11 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // row on each local rank of the destination node, -1 none) | source (i32) -- offsets from the host.
 // Every cell of the grid [groups, T] gets its rows header (so stale cells never look valid); payload,
 // scales, weights and ids only where some row is kept. One wave per cell.
-EPG_KERNEL void epg_internode_pack__fp4_e2m1__internode_v2_ll(const char* __restrict__ x,
-    const char* __restrict__ scales,
-    const float* __restrict__ weights,
-    const int* __restrict__ indices,
-    const int* __restrict__ slots,
+EPG_KERNEL void epg_internode_pack__fp4_e2m1__internode_v2_ll(const char* x,
+    const char* scales,
+    const float* weights,
+    const int* indices,
+    const int* slots,
     char* __restrict__ cells,
     epg_i64 T,
     epg_i64 k,
@@ -264,6 +265,7 @@ EPG_KERNEL void epg_internode_pack__fp4_e2m1__internode_v2_ll(const char* __rest
     epg_i64 off_src,
     epg_i64 rank,
     epg_i64 max_tokens) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 items = groups * T;

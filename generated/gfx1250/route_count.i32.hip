@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -241,13 +242,14 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // (token, rank) named by one of the token's k ids (0 <= id < num_experts; repeats of a rank and other
 // ids send nothing), the rule of runtime/routing.py send_counts. One block: it zeroes the counts,
 // then every thread takes tokens in turn and adds its rows with device-scope atomics.
-EPG_KERNEL void epg_route_count__i32(const int* __restrict__ indices,
+EPG_KERNEL void epg_route_count__i32(const int* indices,
     int* __restrict__ counts,
     epg_i64 num_tokens,
     epg_i64 k,
     epg_i64 world,
     epg_i64 experts_per_rank,
     epg_i64 num_experts) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   for (epg_i64 r = epg_thread(); r < world; r += epg_block_dim()) counts[r] = 0;
   epg_syncthreads();
   for (epg_i64 t = epg_thread(); t < num_tokens; t += epg_block_dim()) {

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -244,8 +245,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // kept when below `capacity`: slots[t, j] = row * world + d for the first k naming d, else -1.
 // One block: per destination, chunks of the block's size are numbered with a wave ballot and a scan
 // of the waves' totals. total = min(rows arriving here, capacity); dropped = the rest.
-EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
-    const int* __restrict__ every,
+EPG_KERNEL void epg_route_slots__i32(const int* indices,
+    const int* every,
     int* __restrict__ slots,
     int* __restrict__ total,
     int* __restrict__ dropped,
@@ -256,6 +257,7 @@ EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
     epg_i64 num_experts,
     epg_i64 rank,
     epg_i64 capacity) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ int wave_rows[1024 / EPG_WAVE];
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 32;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -265,10 +266,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // pairs past `capacity` are the last ones (dropped and counted). Then the block copies its rows.
 // packed_src = row * k + j (or -1 past the count); pair_pos[row * k + j] = expert * capacity + pos
 // (or -1 when dropped) for pairs whose expert is local.
-EPG_KERNEL void epg_std_moe_pack__fp32(const void* __restrict__ recv_x,
-    const int* __restrict__ recv_idx,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_std_moe_pack__fp32(const void* recv_x,
+    const int* recv_idx,
+    const float* recv_w,
+    const int* total_recv,
     void* __restrict__ packed_x,
     int* __restrict__ packed_count,
     int* __restrict__ packed_src,
@@ -280,6 +281,7 @@ EPG_KERNEL void epg_std_moe_pack__fp32(const void* __restrict__ recv_x,
     epg_i64 capacity,
     epg_i64 row_bytes,
     epg_i64 has_weights) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ int wave_sums[1024 / EPG_WAVE];
   __shared__ int base;
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 240.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -394,10 +395,10 @@ EPG_DEVICE void epg_scale_tokens(const char* __restrict__ x, const char* __restr
   }
 }
 
-EPG_KERNEL void epg_grouped_scale__fp32(const char* __restrict__ x,
-    const char* __restrict__ y,
-    const float* __restrict__ w,
-    const int* __restrict__ src,
+EPG_KERNEL void epg_grouped_scale__fp32(const char* x,
+    const char* y,
+    const float* w,
+    const int* src,
     char* __restrict__ out,
     float* __restrict__ dot,
     epg_i64 rows,
@@ -405,8 +406,9 @@ EPG_KERNEL void epg_grouped_scale__fp32(const char* __restrict__ x,
     epg_i64 apply_weights,
     epg_i64 want_dot,
     epg_i64 k,
-    const int* __restrict__ pair_pos,
+    const int* pair_pos,
     epg_i64 recv_rows) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   constexpr int B = 4;
   if (pair_pos != nullptr) {
     epg_scale_tokens<B>(x, y, w, src, out, dot, pair_pos, recv_rows, rows, hidden, (int)k, apply_weights != 0,

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 240.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -260,8 +261,8 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // back holds one return cell per (destination rank, token): cell (d, t) at (d * T + t) * brec.
 // One thread per (token, 16-byte chunk), up to 8 loads issued together; then one per (token, k) for
 // the weights.
-EPG_KERNEL void epg_internode_reduce__bf16__internode_v2(const char* __restrict__ back,
-    const int* __restrict__ slots,
+EPG_KERNEL void epg_internode_reduce__bf16__internode_v2(const char* back,
+    const int* slots,
     epg_i64 T,
     epg_i64 k,
     epg_i64 world,
@@ -270,6 +271,7 @@ EPG_KERNEL void epg_internode_reduce__bf16__internode_v2(const char* __restrict_
     epg_i64 has_weights,
     epg_i64 row_bytes,
     epg_i64 brec) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 n16 = row_bytes / 16;
   const epg_i64 gthreads = (epg_i64)epg_nblocks() * epg_block_dim();
   const epg_i64 gtid = (epg_i64)epg_block() * epg_block_dim() + epg_thread();

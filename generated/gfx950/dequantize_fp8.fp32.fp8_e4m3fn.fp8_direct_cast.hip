@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -295,10 +296,11 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Dequantize fp8_e4m3fn (fp8_direct_cast) rows into fp32: one thread per 8 elements.
 // q: n_elems fp8_e4m3fn; y: n_elems fp32
 // The caller passes whole groups: n_elems a multiple of 8 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_direct_cast(const void* __restrict__ q,
-    const void* __restrict__ scales,
+EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_direct_cast(const void* q,
+    const void* scales,
     void* __restrict__ y,
     epg_i64 n_elems) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
   if (base >= n_elems) return;
   float f[8];

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -1164,6 +1165,7 @@ EPG_DEVICE void epg_ll_row_put(const EpArgs& a, char* mine, epg_i64 row, bool ke
 }
 
 EPG_KERNEL void epg_dispatch_ll_tail__fp32__intranode(EpArgs a) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   epg_trace(a, 0);  // diagnostics (a.trace): entry
   int* state = (int*)a.state;
   const int calls = state[EPG_ST_LL_DISPATCHES];

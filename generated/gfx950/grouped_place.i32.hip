@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -577,13 +578,13 @@ EPG_DEVICE void epg_grouped_place_prefetched(const EpgGrouped& g, const EpgGroup
     g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
   if (lane == 0) epg_grouped_note(g, f.p, row);
 }
-EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x,
-    const char* __restrict__ recv_scales,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ recv_idx,
-    const int* __restrict__ total_recv,
-    const int* __restrict__ pair_rel,
-    const int* __restrict__ counts,
+EPG_KERNEL void epg_grouped_place__i32(const char* recv_x,
+    const char* recv_scales,
+    const float* recv_w,
+    const int* recv_idx,
+    const int* total_recv,
+    const int* pair_rel,
+    const int* counts,
     int* __restrict__ pair_pos,
     char* __restrict__ out_x,
     char* __restrict__ out_scales,
@@ -606,6 +607,7 @@ EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x,
     epg_i64 max_recv,
     epg_i64 count_here,
     int* __restrict__ grouped_end) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;

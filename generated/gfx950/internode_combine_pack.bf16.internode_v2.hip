@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -278,10 +279,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // cell is the row | its k weights (f32). Cells that named no row here carry nothing (the origin
 // never reads them); a row past expert_rows (expert output shorter than the rows received) returns
 // zeros. One wave per cell.
-EPG_KERNEL void epg_internode_combine_pack__bf16__internode_v2(const char* __restrict__ cells,
+EPG_KERNEL void epg_internode_combine_pack__bf16__internode_v2(const char* cells,
     epg_i64 ncells,
-    const char* __restrict__ expert_out,
-    const float* __restrict__ expert_w,
+    const char* expert_out,
+    const float* expert_w,
     epg_i64 has_weights,
     epg_i64 expert_rows,
     char* __restrict__ back,
@@ -291,6 +292,7 @@ EPG_KERNEL void epg_internode_combine_pack__bf16__internode_v2(const char* __res
     epg_i64 off_rows,
     epg_i64 row_bytes,
     epg_i64 brec) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   for (epg_i64 c = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; c < ncells; c += (epg_i64)epg_nblocks() * waves) {

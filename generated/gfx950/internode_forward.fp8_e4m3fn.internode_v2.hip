@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -251,12 +252,13 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // arrived along this rank's rail -> one grid per local rank of the node (out grid g = cells for local
 // rank g). A cell naming a row on rank g is copied whole; otherwise only its rows[g] = -1 is written,
 // which is all that rank reads of it. One wave per (local rank, cell).
-EPG_KERNEL void epg_internode_forward__fp8_e4m3fn__internode_v2(const char* __restrict__ in_cells,
+EPG_KERNEL void epg_internode_forward__fp8_e4m3fn__internode_v2(const char* in_cells,
     char* __restrict__ out_cells,
     epg_i64 ncells,
     epg_i64 gpn,
     epg_i64 rec,
     epg_i64 off_rows) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   const epg_i64 items = gpn * ncells;

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -276,7 +277,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // Internode unpack (bf16 payload, internode_v2_ll): received cells -> this rank's receive
 // rows. A cell whose rows[local index] names a row lands there whole (payload, scales, weights, ids,
 // source); the rows were numbered by the origin in (source rank, token) order. One wave per cell.
-EPG_KERNEL void epg_internode_unpack__bf16__internode_v2_ll(const char* __restrict__ cells,
+EPG_KERNEL void epg_internode_unpack__bf16__internode_v2_ll(const char* cells,
     epg_i64 ncells,
     char* __restrict__ recv_x,
     char* __restrict__ recv_scales,
@@ -292,6 +293,7 @@ EPG_KERNEL void epg_internode_unpack__bf16__internode_v2_ll(const char* __restri
     epg_i64 off_ids,
     epg_i64 off_rows,
     epg_i64 off_src) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   for (epg_i64 c = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; c < ncells; c += (epg_i64)epg_nblocks() * waves) {

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -301,10 +302,11 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Quantize bf16 rows into fp4_e2m1 (fp4_blockwise): one thread per 8 elements.
 // x: n_elems bf16; q: n_elems fp4_e2m1; scales: n_elems / 32 e8m0
 // The caller passes whole groups: n_elems a multiple of 8 and of 32 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* __restrict__ x,
+EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* x,
     void* __restrict__ q,
     void* __restrict__ scales,
     epg_i64 n_elems) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
   const bool live = base < n_elems;  // dead lanes still join the shuffles
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

@@ -22,6 +22,7 @@ typedef float epg_f32x8 __attribute__((ext_vector_type(8)));
 constexpr int EPG_WAVE = 64;  // from specs/targets.toml, never queried at run time
 constexpr float EPG_FP8_MAX = 448.0f;
 
+EPG_DEVICE void epg_launch_begin() {}  // no programmatic launch on AMD targets: kernels on a stream run in order
 EPG_DEVICE int epg_thread() { return __builtin_amdgcn_workitem_id_x(); }
 EPG_DEVICE int epg_block() { return __builtin_amdgcn_workgroup_id_x(); }
 EPG_DEVICE int epg_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
@@ -273,16 +274,17 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // Row i = sum over its local (row, k) pairs, in k order, of weight * expert_out[expert, pos],
 // accumulated in fp32 (products rounded before the add, as the torch reference does). One thread
 // per (received row, 8 elements); rows past total_recv are not written.
-EPG_KERNEL void epg_std_moe_unpack__fp32(const void* __restrict__ expert_out,
-    const int* __restrict__ recv_idx,
-    const int* __restrict__ pair_pos,
-    const float* __restrict__ packed_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_std_moe_unpack__fp32(const void* expert_out,
+    const int* recv_idx,
+    const int* pair_pos,
+    const float* packed_w,
+    const int* total_recv,
     void* __restrict__ out,
     epg_i64 k,
     epg_i64 first_expert,
     epg_i64 num_local,
     epg_i64 hidden) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 items = (epg_i64)*total_recv * n8;

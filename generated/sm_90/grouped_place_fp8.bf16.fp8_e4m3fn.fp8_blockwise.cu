@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -575,13 +581,13 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
     }
   }
 }
-EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const char* __restrict__ recv_x,
-    const char* __restrict__ recv_scales,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ recv_idx,
-    const int* __restrict__ total_recv,
-    const int* __restrict__ pair_rel,
-    const int* __restrict__ counts,
+EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const char* recv_x,
+    const char* recv_scales,
+    const float* recv_w,
+    const int* recv_idx,
+    const int* total_recv,
+    const int* pair_rel,
+    const int* counts,
     int* __restrict__ pair_pos,
     char* __restrict__ out_x,
     char* __restrict__ out_scales,
@@ -604,6 +610,7 @@ EPG_KERNEL void epg_grouped_place_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const cha
     epg_i64 max_recv,
     epg_i64 count_here,
     int* __restrict__ grouped_end) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ EpgGroupedShared sh;
   EpgGrouped g = {};
   g.recv_idx = recv_idx;

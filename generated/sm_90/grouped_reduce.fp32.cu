@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -550,16 +556,17 @@ EPG_DEVICE void epg_reduce_pair_values(const int* pair_pos, const float* pair_w,
     out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
   }
 }
-EPG_KERNEL void epg_grouped_reduce__fp32(const char* __restrict__ expert_out,
-    const int* __restrict__ pair_pos,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_grouped_reduce__fp32(const char* expert_out,
+    const int* pair_pos,
+    const float* recv_w,
+    const int* total_recv,
     char* __restrict__ out,
     epg_i64 k,
     epg_i64 hidden,
     epg_i64 apply_weights,
-    const float* __restrict__ pair_w,
+    const float* pair_w,
     float* __restrict__ out_w) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 rows = *total_recv, items = rows * n8;

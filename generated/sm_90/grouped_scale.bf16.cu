@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -374,10 +380,10 @@ EPG_DEVICE void epg_scale_tokens(const char* __restrict__ x, const char* __restr
   }
 }
 
-EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
-    const char* __restrict__ y,
-    const float* __restrict__ w,
-    const int* __restrict__ src,
+EPG_KERNEL void epg_grouped_scale__bf16(const char* x,
+    const char* y,
+    const float* w,
+    const int* src,
     char* __restrict__ out,
     float* __restrict__ dot,
     epg_i64 rows,
@@ -385,8 +391,9 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
     epg_i64 apply_weights,
     epg_i64 want_dot,
     epg_i64 k,
-    const int* __restrict__ pair_pos,
+    const int* pair_pos,
     epg_i64 recv_rows) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   constexpr int B = 2;
   if (pair_pos != nullptr) {
     epg_scale_tokens<B>(x, y, w, src, out, dot, pair_pos, recv_rows, rows, hidden, (int)k, apply_weights != 0,

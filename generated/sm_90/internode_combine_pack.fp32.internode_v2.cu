@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -232,10 +238,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // cell is the row | its k weights (f32). Cells that named no row here carry nothing (the origin
 // never reads them); a row past expert_rows (expert output shorter than the rows received) returns
 // zeros. One wave per cell.
-EPG_KERNEL void epg_internode_combine_pack__fp32__internode_v2(const char* __restrict__ cells,
+EPG_KERNEL void epg_internode_combine_pack__fp32__internode_v2(const char* cells,
     epg_i64 ncells,
-    const char* __restrict__ expert_out,
-    const float* __restrict__ expert_w,
+    const char* expert_out,
+    const float* expert_w,
     epg_i64 has_weights,
     epg_i64 expert_rows,
     char* __restrict__ back,
@@ -245,6 +251,7 @@ EPG_KERNEL void epg_internode_combine_pack__fp32__internode_v2(const char* __res
     epg_i64 off_rows,
     epg_i64 row_bytes,
     epg_i64 brec) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   for (epg_i64 c = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; c < ncells; c += (epg_i64)epg_nblocks() * waves) {

@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -230,7 +236,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Internode unpack (fp32 payload, internode_v2): received cells -> this rank's receive
 // rows. A cell whose rows[local index] names a row lands there whole (payload, scales, weights, ids,
 // source); the rows were numbered by the origin in (source rank, token) order. One wave per cell.
-EPG_KERNEL void epg_internode_unpack__fp32__internode_v2(const char* __restrict__ cells,
+EPG_KERNEL void epg_internode_unpack__fp32__internode_v2(const char* cells,
     epg_i64 ncells,
     char* __restrict__ recv_x,
     char* __restrict__ recv_scales,
@@ -246,6 +252,7 @@ EPG_KERNEL void epg_internode_unpack__fp32__internode_v2(const char* __restrict_
     epg_i64 off_ids,
     epg_i64 off_rows,
     epg_i64 off_src) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const int lane = epg_thread() % EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;
   for (epg_i64 c = (epg_i64)epg_block() * waves + epg_thread() / EPG_WAVE; c < ncells; c += (epg_i64)epg_nblocks() * waves) {

@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -259,10 +265,11 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Quantize bf16 rows into fp4_e2m1 (fp4_blockwise): one thread per 8 elements.
 // x: n_elems bf16; q: n_elems fp4_e2m1; scales: n_elems / 32 e8m0
 // The caller passes whole groups: n_elems a multiple of 8 and of 32 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* __restrict__ x,
+EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* x,
     void* __restrict__ q,
     void* __restrict__ scales,
     epg_i64 n_elems) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 base = ((epg_i64)epg_block() * epg_block_dim() + epg_thread()) * 8;
   const bool live = base < n_elems;  // dead lanes still join the shuffles
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -212,8 +218,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // kept when below `capacity`: slots[t, j] = row * world + d for the first k naming d, else -1.
 // One block: per destination, chunks of the block's size are numbered with a wave ballot and a scan
 // of the waves' totals. total = min(rows arriving here, capacity); dropped = the rest.
-EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
-    const int* __restrict__ every,
+EPG_KERNEL void epg_route_slots__i32(const int* indices,
+    const int* every,
     int* __restrict__ slots,
     int* __restrict__ total,
     int* __restrict__ dropped,
@@ -224,6 +230,7 @@ EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
     epg_i64 num_experts,
     epg_i64 rank,
     epg_i64 capacity) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ int wave_rows[1024 / EPG_WAVE];
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE;
   const int waves = epg_block_dim() / EPG_WAVE;

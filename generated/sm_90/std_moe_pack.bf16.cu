@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -237,10 +243,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // pairs past `capacity` are the last ones (dropped and counted). Then the block copies its rows.
 // packed_src = row * k + j (or -1 past the count); pair_pos[row * k + j] = expert * capacity + pos
 // (or -1 when dropped) for pairs whose expert is local.
-EPG_KERNEL void epg_std_moe_pack__bf16(const void* __restrict__ recv_x,
-    const int* __restrict__ recv_idx,
-    const float* __restrict__ recv_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_std_moe_pack__bf16(const void* recv_x,
+    const int* recv_idx,
+    const float* recv_w,
+    const int* total_recv,
     void* __restrict__ packed_x,
     int* __restrict__ packed_count,
     int* __restrict__ packed_src,
@@ -252,6 +258,7 @@ EPG_KERNEL void epg_std_moe_pack__bf16(const void* __restrict__ recv_x,
     epg_i64 capacity,
     epg_i64 row_bytes,
     epg_i64 has_weights) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   __shared__ int wave_sums[1024 / EPG_WAVE];
   __shared__ int base;
   const int tid = epg_thread(), lane = tid % EPG_WAVE, wave = tid / EPG_WAVE, waves = epg_block_dim() / EPG_WAVE;

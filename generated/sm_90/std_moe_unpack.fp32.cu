@@ -32,6 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
+// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
+// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
+// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
+// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
+// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope
 EPG_DEVICE void epg_fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -231,16 +237,17 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) { 
 // Row i = sum over its local (row, k) pairs, in k order, of weight * expert_out[expert, pos],
 // accumulated in fp32 (products rounded before the add, as the torch reference does). One thread
 // per (received row, 8 elements); rows past total_recv are not written.
-EPG_KERNEL void epg_std_moe_unpack__fp32(const void* __restrict__ expert_out,
-    const int* __restrict__ recv_idx,
-    const int* __restrict__ pair_pos,
-    const float* __restrict__ packed_w,
-    const int* __restrict__ total_recv,
+EPG_KERNEL void epg_std_moe_unpack__fp32(const void* expert_out,
+    const int* recv_idx,
+    const int* pair_pos,
+    const float* packed_w,
+    const int* total_recv,
     void* __restrict__ out,
     epg_i64 k,
     epg_i64 first_expert,
     epg_i64 num_local,
     epg_i64 hidden) {
+  epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 row_bytes = hidden * 4;
   const epg_i64 n8 = hidden / 8;
   const epg_i64 items = (epg_i64)*total_recv * n8;
