@@ -56,6 +56,7 @@ class Target:
     toolchain: str
     flags: tuple[str, ...]
     isa: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    programmatic_launch: bool = False
     isa_forbidden: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def expected(self, conversion: str) -> tuple[str, ...]:
@@ -399,6 +400,10 @@ def _convert(src: _Source, path: tuple[str, ...], key: str, value: Any, tp: Any,
                 raise _fail(src, at, f"[{header}] {sub}: expected a string or a list of strings, got {v!r}")
             out.append((k, tuple(_check_text(src, at, header, sub, x) for x in v)))
         return tuple(out)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(src, line, f"[{header}] {key}: expected true or false, got {value!r}")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(src, line, f"[{header}] {key}: expected a number, got {value!r}")

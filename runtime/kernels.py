@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import os
+import re
 import warnings
 
 import torch
@@ -153,10 +155,12 @@ def _libcuda_launch_ex():
     return fn
 
 
-def _programmatic_launch(function):
-    """A launcher calling cuLaunchKernelEx with programmatic stream serialization for this CUfunction (a kernel
-    whose code begins with epg_launch_begin: it may start while the kernel before it runs), or None."""
-    fn = _libcuda_launch_ex()
+def _programmatic_launch(function, entry=None):
+    """A launcher calling libcuda's cuLaunchKernelEx (or `entry`, a foreign function of its signature: tests) with
+    programmatic stream serialization for this CUfunction (a kernel whose code begins with epg_launch_begin's wait:
+    it may be launched while the kernel before it finishes), or None where there is no libcuda. The launch
+    configuration is built once; a launch sets its grid, block and stream."""
+    fn = _libcuda_launch_ex() if entry is None else entry
     try:
         handle = int(function)
     except (TypeError, ValueError):
@@ -221,8 +225,11 @@ class CudaKernel:
         self.max_threads = int(self._check(cu.cuFuncGetAttribute(
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function), "cuFuncGetAttribute"))
         self._occupancy: dict[int, int] = {}
-        self._fast = (_programmatic_launch(self.function) if programmatic else None) or _driver_launch(self.function)
-        self.launch_path = "libcuda (ctypes)" if self._fast is not None else "cuda-bindings"
+        # programmatic: launched with programmatic stream serialization (runtime.kernels.programmatic_launch)
+        pdl = _programmatic_launch(self.function) if programmatic else None
+        self._fast = pdl or _driver_launch(self.function)
+        self.launch_path = ("libcuda (ctypes, programmatic)" if pdl is not None else
+                            "libcuda (ctypes)" if self._fast is not None else "cuda-bindings")
 
     def blocks_per_sm(self, threads: int) -> int:
         """Blocks of `threads` threads that can be resident on one multiprocessor at once (at least 1)."""
@@ -460,8 +467,23 @@ class BoundKernel:
         return self.kernel.raw.launch_params(grid, block, self._params)
 
 
+PROGRAMMATIC_LAUNCH_ENV = "EPGEN_PROGRAMMATIC_LAUNCH"
+
+
+def programmatic_launch(target) -> bool:
+    """Whether `target`'s kernels are launched with programmatic stream serialization: its specs/targets.toml fact
+    (the kernels then begin with the wait it needs), unless the environment's EPGEN_PROGRAMMATIC_LAUNCH is 0 (unset
+    or 1: the fact decides; 1 never turns it on for a target whose kernels have no wait)."""
+    value = os.environ.get(PROGRAMMATIC_LAUNCH_ENV, "").strip()
+    if not re.fullmatch(r"[01]?", value):
+        raise EpgenError(f"environment {PROGRAMMATIC_LAUNCH_ENV}={value!r}: must be 0 (plain launches) or 1 / unset "
+                         f"(the target's programmatic_launch in specs/targets.toml)")
+    return bool(target.programmatic_launch) and value != "0"
+
+
 def load(v) -> Kernel:
     """Variant v's code object, loaded, as a Kernel launched by its family's declared arguments."""
     image = code_object(v)
-    raw = CudaKernel(image, v.symbol, programmatic=True) if v.target.vendor == "nvidia" else HipKernel(image, v.symbol)
+    raw = (CudaKernel(image, v.symbol, programmatic=programmatic_launch(v.target)) if v.target.vendor == "nvidia"
+           else HipKernel(image, v.symbol))
     return Kernel(raw, v)

@@ -32,11 +32,12 @@ EPG_DEVICE int epg_bcast0(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 EPG_DEVICE epg_u32 epg_shfl(epg_u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }  // lane src's v
 // Memory model: system scope reaches peer GPUs' memory mapped into this process.
 EPG_DEVICE void epg_syncthreads() { __syncthreads(); }
-// Programmatic dependent launch: the runtime launches each kernel with programmatic stream serialization, so its
-// launch may proceed while the kernel before it on the stream finishes (no kernel triggers early: the trigger is each
-// block's exit). Every kernel begins here: it waits until the one before it has completed and its memory is visible
-// (griddepcontrol.wait), before any load. Without the attribute, a no-op. (Triggering at every kernel's entry,
-// griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an H100: docs/PERF.md.)
+// Programmatic dependent launch (specs/targets.toml programmatic_launch): the runtime launches each kernel with
+// programmatic stream serialization, so its launch may proceed while the kernel before it on the stream finishes (no
+// kernel triggers early: the trigger is each block's exit). Every kernel begins here: it waits until the one before
+// it has completed and its memory is visible (griddepcontrol.wait), before any load. Without the attribute, a no-op.
+// (Triggering at every kernel's entry, griddepcontrol.launch_dependents, made the one-token layer 3 µs slower on an
+// H100: docs/PERF.md.)
 EPG_DEVICE void epg_launch_begin() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 EPG_DEVICE void epg_fence_sys() { __threadfence_system(); }  // fence.sc.sys: MEMBAR.SC.SYS
 // release only (fence.acq_rel.sys: MEMBAR.ALL.SYS): earlier loads and stores ordered before later stores, system scope

@@ -97,6 +97,55 @@ def test_low_latency_dispatch_moves_scale_bytes_only_with_a_scaled_payload(all_r
     assert byte_ops("sm_90/dispatch_ll.fp8_e4m3fn.intranode")
 
 
+def _sass_functions(disassembly: str) -> dict[str, list[str]]:
+    """Each function's opcodes in layout order (cuobjdump -sass: a "Function : NAME" header, then its instructions)."""
+    out: dict[str, list[str]] = {}
+    ops = None
+    for line in disassembly.splitlines():
+        if "Function :" in line:
+            ops = out.setdefault(line.split("Function :", 1)[1].strip(), [])
+            continue
+        m = toolchain._SASS_LINE.search(line)
+        if m and ops is not None:
+            ops.append(m.group(1))
+    return out
+
+
+_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "LDS", "STS", "ATOM", "RED", "LDSM", "CCTL")
+
+
+def test_every_sm90_kernel_waits_for_the_kernel_before_it_before_any_memory_access(all_results):
+    """specs/targets.toml's programmatic_launch on sm_90: the runtime launches every kernel with programmatic stream
+    serialization, so a kernel may be launched while the one before it on the stream still writes what it reads.
+    Every sm_90 kernel of the `all` profile must wait (griddepcontrol.wait: ACQBULK) before its first memory
+    instruction, and none may let its successor launch early (griddepcontrol.launch_dependents: PREEXIT; measured
+    slower, docs/PERF.md). A const __restrict__ input let nvcc hoist a read-only load above the wait (a wrong result
+    on the GPU): generator/spec_schema.py renders const inputs without restrict."""
+    checked = 0
+    for key, r in sorted(all_results.items()):
+        if not key.startswith("sm_90/"):
+            continue
+        assert r.variant.target.programmatic_launch
+        functions = _sass_functions(_disasm(r))
+        assert functions, key
+        for name, ops in functions.items():
+            assert "PREEXIT" not in ops, f"{key} {name}: launches its successor early"
+            assert "ACQBULK" in ops, f"{key} {name}: no griddepcontrol.wait (epg_launch_begin)"
+            before = [op for op in ops[:ops.index("ACQBULK")] if op.startswith(_MEMORY_OPS)]
+            assert not before, f"{key} {name}: {before} before the wait for the kernel ahead of it"
+        checked += 1
+    assert checked > 30
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1250"])
+def test_amd_kernels_have_no_programmatic_wait(specs, arch):
+    """AMD targets declare no programmatic launch: their kernels run in stream order and render no wait."""
+    assert not specs.targets[arch].programmatic_launch
+    src = B.generated_root(specs) / arch / "dispatch_ll.bf16.intranode.hip"
+    text = src.read_text()
+    assert "epg_launch_begin();" in text and "griddepcontrol" not in text
+
+
 def test_gfx1250_has_no_pair_form(all_results):
     ops = _disasm_ops(all_results["gfx1250/quantize_fp4.bf16.fp4_e2m1.fp4_blockwise"])
     assert toolchain.has_mnemonic(ops, "v_cvt_scalef32_pk8_fp4_f32")

@@ -200,3 +200,14 @@ def test_launch_bounds_out_of_range_are_located(spec_copy, old, new, message):
     mutate(spec_copy / "kernels.toml", old, new)
     msg = _located(spec_copy, "kernels.toml", line_of(spec_copy / "kernels.toml", new))
     assert msg.startswith(f"[family.grouped_scale] {message}"), msg
+
+
+# ---------------------------------------------------------------------------------------------
+# a target's programmatic_launch is true or false, nothing else (it decides how the runtime launches)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ['"yes"', "1", "0", "[true]"])
+def test_programmatic_launch_must_be_a_boolean(spec_copy, value):
+    path = spec_copy / "targets.toml"
+    path.write_text(path.read_text().replace("programmatic_launch = true", f"programmatic_launch = {value}", 1))
+    msg = _located(spec_copy, "targets.toml", line_of(path, f"programmatic_launch = {value}"))
+    assert msg.startswith("[target.sm_90] programmatic_launch: expected true or false"), msg

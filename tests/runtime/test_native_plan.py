@@ -157,6 +157,74 @@ def test_driver_launch_passes_cuLaunchKernels_arguments_as_their_c_types():
     assert kernels._driver_launch(0, entry) is None  # a null function: cuda-bindings launches
 
 
+def test_launch_config_matches_cuda_h():
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (64-bit): the attribute's id,
+    padding to 8 bytes, a 64-byte value union; the config's six dimensions and shared bytes, the stream at 32."""
+    import ctypes
+
+    from runtime import kernels
+
+    a, c = kernels._LaunchAttribute, kernels._LaunchConfig
+    assert (ctypes.sizeof(a), a.value.offset) == (72, 8)
+    assert (ctypes.sizeof(c), c.sharedMemBytes.offset, c.hStream.offset, c.attrs.offset, c.numAttrs.offset) == (
+        56, 24, 32, 40, 48)
+    assert kernels._PROGRAMMATIC_STREAM_SERIALIZATION == 6
+
+
+def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx():
+    """The programmatic launcher hands cuLaunchKernelEx a config with the launch's grid, block and stream and one
+    attribute, programmatic stream serialization allowed (= 1), then the function, the parameter array and a null
+    extra; a null function or no handle gets no launcher."""
+    import ctypes
+
+    from runtime import kernels
+
+    seen = []
+
+    def call(config, function, params, extra):
+        cfg = ctypes.cast(config, ctypes.POINTER(kernels._LaunchConfig)).contents
+        attr = cfg.attrs[0]
+        seen.append((cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ,
+                     cfg.sharedMemBytes, cfg.hStream, cfg.numAttrs, attr.id, attr.value, function, params, extra))
+        return 5
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    callback = proto(call)
+    entry = ctypes.CDLL(None)._FuncPtr(ctypes.cast(callback, ctypes.c_void_p).value)
+    entry.restype = ctypes.c_int
+    handle, stream = 0x7F00_1111_2222, 0x7EFF_DEAD_BEE0
+    launch = kernels._programmatic_launch(handle, entry)
+    params = (ctypes.c_void_p * 1)(12345)
+    assert launch(132, 512, stream, params) == 5
+    assert launch(3, 64, 0, params) == 5
+    assert seen == [(132, 1, 1, 512, 1, 1, 0, stream, 1, 6, 1, handle, ctypes.addressof(params), None),
+                    (3, 1, 1, 64, 1, 1, 0, None, 1, 6, 1, handle, ctypes.addressof(params), None)]
+    assert kernels._programmatic_launch(0, entry) is None
+    assert kernels._programmatic_launch(object(), entry) is None
+
+
+@pytest.mark.parametrize("value,want", [(None, True), ("", True), ("1", True), (" 1 ", True), ("0", False)])
+def test_programmatic_launch_follows_the_target_and_the_environment(monkeypatch, specs, value, want):
+    from runtime.kernels import PROGRAMMATIC_LAUNCH_ENV, programmatic_launch
+
+    if value is None:
+        monkeypatch.delenv(PROGRAMMATIC_LAUNCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PROGRAMMATIC_LAUNCH_ENV, value)
+    assert programmatic_launch(specs.targets["sm_90"]) is want
+    assert programmatic_launch(specs.targets["gfx942"]) is False  # its kernels have no wait: never
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", "0 1"])
+def test_programmatic_launch_environment_is_validated(monkeypatch, specs, value):
+    from runtime.errors import EpgenError
+    from runtime.kernels import PROGRAMMATIC_LAUNCH_ENV, programmatic_launch
+
+    monkeypatch.setenv(PROGRAMMATIC_LAUNCH_ENV, value)
+    with pytest.raises(EpgenError, match="EPGEN_PROGRAMMATIC_LAUNCH=.*must be 0"):
+        programmatic_launch(specs.targets["sm_90"])
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
 def test_rows_of_whole_8_element_groups(arch):
     """fp32 rows of 4 mod 8 elements are whole 16-byte vectors but not whole 8-element groups: the
