@@ -22,7 +22,8 @@
 # layer loop and the MoE layer at one rank on GPU 0, W = 1: the glue's cost with no link in it, $OUT/layer_w1.jsonl; never
 # a 2-GPU figure), GPROF=1 (scripts/grouped_profile.py: every kernel of the grouped layer's dispatch_grouped ->
 # identity expert -> combine_grouped in a graph, at one rank on GPU 0 (W = 1) unless GPROF_NPROC;
-# GPROF_ARGS: its options; $OUT/grouped_profile.jsonl), FLOOR1=1 (bench --floor at one rank on GPU 0, W = 1: the rank is
+# GPROF_ARGS: its options; $OUT/grouped_profile.jsonl; GPROF_PLAIN=1: again with EPGEN_PROGRAMMATIC_LAUNCH=0 into
+# $OUT/grouped_profile_plain.jsonl), FLOOR1=1 (bench --floor at one rank on GPU 0, W = 1: the rank is
 # its own partner, so the launch and a local flag with no link; $OUT/floor_w1.jsonl), OVERLAP=1 (scripts/overlap_profile.py at
 # one rank on GPU 0: each leg's send half, a GEMM, its receive half under kineto, records of kind "overlap";
 # OVERLAP_ARGS: its options; $OUT/overlap.jsonl), TITAN=1 (docs/TORCHTITAN.md: torchtitan's own MoE with its
@@ -198,6 +199,12 @@ if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goe
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
     torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
     | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
+  if [ -n "${GPROF_PLAIN:-}" ]; then  # the same again with plain launches (EPGEN_PROGRAMMATIC_LAUNCH=0): one tree, both forms
+    CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) EPGEN_PROGRAMMATIC_LAUNCH=0 \
+      timeout 240 torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} \
+      --out "$OUT/grouped_profile_plain.jsonl" 2>&1 | tee "$OUT/grouped_profile_plain.log" | grep -vE "^(W|\*)" | tail -60
+    status[gprof_plain]=${PIPESTATUS[0]}
+  fi
 fi
 if [ -n "${NCU:-}" ]; then  # the grouped layer's kernels under Nsight Compute at one rank (W = 1): stall reasons, per instruction
   ncu_sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters --section InstructionStats --section MemoryWorkloadAnalysis"
@@ -284,5 +291,5 @@ pack_out() {
 }
 [ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
-for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
 for name in ${trees[@]+"${trees[@]}"}; do printf '%-6s %s\n' "tree $name" "${status[tree_$name]}"; done
