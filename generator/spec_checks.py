@@ -60,6 +60,9 @@ def _check_target(src: _Source, t: Target, toolchains: dict[str, Toolchain], tro
     if t.library not in _LIBRARIES[t.vendor]:
         raise _fail(src, src.key_line(hdr, "library"), f"[{show(hdr)}] library {t.library!r}: the macro library of "
                                                       f"{t.vendor} targets is {' or '.join(_LIBRARIES[t.vendor])}")
+    if t.programmatic_launch and t.vendor != "nvidia":  # cuLaunchKernelEx's attribute, griddepcontrol.wait in the kernels
+        raise _fail(src, src.key_line(hdr, "programmatic_launch"), f"[{show(hdr)}] programmatic_launch: only nvidia "
+                                                                   f"targets launch that way (this one is {t.vendor})")
     if not (troot / "targets" / f"{t.library}.j2").is_file():
         raise _fail(src, src.key_line(hdr, "library"),
                     f"[{show(hdr)}] library {t.library!r}: no templates/targets/{t.library}.j2")

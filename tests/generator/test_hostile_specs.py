@@ -211,3 +211,12 @@ def test_programmatic_launch_must_be_a_boolean(spec_copy, value):
     path.write_text(path.read_text().replace("programmatic_launch = true", f"programmatic_launch = {value}", 1))
     msg = _located(spec_copy, "targets.toml", line_of(path, f"programmatic_launch = {value}"))
     assert msg.startswith("[target.sm_90] programmatic_launch: expected true or false"), msg
+
+
+def test_programmatic_launch_is_refused_on_an_amd_target(spec_copy):
+    path = spec_copy / "targets.toml"
+    text = path.read_text()
+    path.write_text(text.replace('[target.gfx942]\n', '[target.gfx942]\nprogrammatic_launch = true\n', 1))
+    line = text.split("\n").index("[target.gfx942]") + 2  # the inserted line, below the table's header
+    msg = _located(spec_copy, "targets.toml", line)
+    assert msg == "[target.gfx942] programmatic_launch: only nvidia targets launch that way (this one is amd)", msg

@@ -53,6 +53,8 @@ def _fields():
                 continue
             if f.name == "name" and cls is not S.Rule:
                 out.append((cls, "name", "name"))  # the table's own key
+            elif f.type is bool:
+                out.append((cls, f.name, "flag"))
             elif f.type in (int, float):
                 out.append((cls, f.name, "number"))
             elif f.type is str:
@@ -136,6 +138,7 @@ VALUES = {
     "name": TEXT,
     "text": TEXT,
     "number": NUMBER,
+    "flag": st.one_of(st.booleans(), NUMBER, TEXT),  # true / false, or what a flag must not be
     "list": st.tuples(st.booleans(), st.lists(TEXT, max_size=3)),  # (append to the list?, strings)
     "map": st.dictionaries(TEXT, st.one_of(TEXT, st.lists(TEXT, max_size=2)), max_size=2),
 }
@@ -213,6 +216,8 @@ def _in_domain(cls, field, kind, value):
     for s in _strings(value) if kind != "map" else list(value):
         assert form is None or form[0].fullmatch(s), s
         assert (cls, field) not in schema._CHOICES or s in schema._CHOICES[(cls, field)], s
+    if kind == "flag":
+        assert isinstance(value, bool), value
     if kind == "number":
         rng, choices = schema._RANGES.get((cls, field)), schema._CHOICES.get((cls, field))
         assert (rng and rng.admits(value)) or (choices and value in choices), value
