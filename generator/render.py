@@ -62,7 +62,8 @@ def render(v: Variant, env: jinja2.Environment | None = None) -> str:
     sig = v.family.signature  # the launch arguments: the parameter list, the struct, the shared limits
     text = env.get_template("variant.j2").render(
         v=v, abi=abi, family=v.family, dtype=v.dtype, wire=v.wire, quant=v.quant, target=v.target,
-        topology=v.topology, signature=sig, params=sig.c_params(",\n" + " " * 4), limits=dict(sig.limits),
+        topology=v.topology, signature=sig, limits=dict(sig.limits),
+        params=sig.c_params(",\n" + " " * 4, restrict_inputs=not v.target.programmatic_launch),
         limits_of=v.family.limits_of)
     # normalise: no trailing spaces, exactly one final newline, at most one blank line in a row
     out, blank = [], False

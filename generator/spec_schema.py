@@ -149,14 +149,15 @@ class Arg:
         m = _ARG_TYPE.fullmatch(self.type)
         return m.group(2) or "" if m else ""
 
-    def c_param(self) -> str:
+    def c_param(self, restrict_inputs: bool = True) -> str:
+        """The C parameter. Without restrict_inputs (a target with programmatic launch) a const input is not
+        __restrict__: const and restrict together let the compiler take its loads as read-only for the kernel's
+        lifetime (ld.global.nc) and hoist them above epg_launch_begin's wait, where the kernel before it may still
+        be writing them; outputs keep restrict."""
         if not self.pointer:
             return f"epg_i64 {self.name}"
-        # a const input is not __restrict__: const and restrict together let the compiler take its loads as
-        # read-only for the kernel's lifetime (ld.global.nc) and hoist them above epg_launch_begin's wait, where the
-        # kernel before it may still be writing them (programmatic launch); outputs keep restrict
         if self.type.startswith("const "):
-            return f"const {ARG_POINTEES[self.pointee]}* {self.name}"
+            return f"const {ARG_POINTEES[self.pointee]}*{' __restrict__' if restrict_inputs else ''} {self.name}"
         return f"{ARG_POINTEES[self.pointee]}* __restrict__ {self.name}"
 
 
@@ -172,11 +173,11 @@ class ArgList:
     def limit(self, name: str) -> int:
         return dict(self.limits)[name]
 
-    def c_params(self, sep: str = ", ") -> str:
+    def c_params(self, sep: str = ", ", restrict_inputs: bool = True) -> str:
         """The kernel's C parameter list (a struct list: the one struct, by value, named `a`)."""
         if self.struct:
             return f"{self.struct} a"
-        return sep.join(a.c_param() for a in self.fields)
+        return sep.join(a.c_param(restrict_inputs) for a in self.fields)
 
 
 @_frozen

@@ -294,8 +294,8 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Dequantize fp8_e4m3fn (fp8_blockwise) rows into fp32: one thread per 8 elements.
 // q: n_elems fp8_e4m3fn; scales: n_elems / 128 fp32; y: n_elems fp32
 // The caller passes whole groups: n_elems a multiple of 8 and of 128 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_blockwise(const void* q,
-    const void* scales,
+EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fn__fp8_blockwise(const void* __restrict__ q,
+    const void* __restrict__ scales,
     void* __restrict__ y,
     epg_i64 n_elems) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)

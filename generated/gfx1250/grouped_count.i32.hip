@@ -516,8 +516,8 @@ EPG_DEVICE void epg_grouped_zero(const EpgGrouped& g, const EpgGroupedShared& sh
   }
 }
 
-EPG_KERNEL void epg_grouped_count__i32(const int* recv_idx,
-    const int* total_recv,
+EPG_KERNEL void epg_grouped_count__i32(const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
     int* __restrict__ pair_rel,
     int* __restrict__ counts,
     epg_i64 k,

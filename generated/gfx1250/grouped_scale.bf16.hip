@@ -407,10 +407,10 @@ EPG_DEVICE void epg_scale_tokens(const char* __restrict__ x, const char* __restr
   }
 }
 
-EPG_KERNEL void epg_grouped_scale__bf16(const char* x,
-    const char* y,
-    const float* w,
-    const int* src,
+EPG_KERNEL void epg_grouped_scale__bf16(const char* __restrict__ x,
+    const char* __restrict__ y,
+    const float* __restrict__ w,
+    const int* __restrict__ src,
     char* __restrict__ out,
     float* __restrict__ dot,
     epg_i64 rows,
@@ -418,7 +418,7 @@ EPG_KERNEL void epg_grouped_scale__bf16(const char* x,
     epg_i64 apply_weights,
     epg_i64 want_dot,
     epg_i64 k,
-    const int* pair_pos,
+    const int* __restrict__ pair_pos,
     epg_i64 recv_rows) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   constexpr int B = 2;

@@ -265,10 +265,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // cell is the row | its k weights (f32). Cells that named no row here carry nothing (the origin
 // never reads them); a row past expert_rows (expert output shorter than the rows received) returns
 // zeros. One wave per cell.
-EPG_KERNEL void epg_internode_combine_pack__fp32__internode_v2_ll(const char* cells,
+EPG_KERNEL void epg_internode_combine_pack__fp32__internode_v2_ll(const char* __restrict__ cells,
     epg_i64 ncells,
-    const char* expert_out,
-    const float* expert_w,
+    const char* __restrict__ expert_out,
+    const float* __restrict__ expert_w,
     epg_i64 has_weights,
     epg_i64 expert_rows,
     char* __restrict__ back,

@@ -292,7 +292,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Quantize bf16 rows into fp4_e2m1 (fp4_blockwise): one thread per 8 elements.
 // x: n_elems bf16; q: n_elems fp4_e2m1; scales: n_elems / 32 e8m0
 // The caller passes whole groups: n_elems a multiple of 8 and of 32 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* x,
+EPG_KERNEL void epg_quantize_fp4__bf16__fp4_e2m1__fp4_blockwise(const void* __restrict__ x,
     void* __restrict__ q,
     void* __restrict__ scales,
     epg_i64 n_elems) {

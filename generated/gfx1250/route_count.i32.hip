@@ -242,7 +242,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // (token, rank) named by one of the token's k ids (0 <= id < num_experts; repeats of a rank and other
 // ids send nothing), the rule of runtime/routing.py send_counts. One block: it zeroes the counts,
 // then every thread takes tokens in turn and adds its rows with device-scope atomics.
-EPG_KERNEL void epg_route_count__i32(const int* indices,
+EPG_KERNEL void epg_route_count__i32(const int* __restrict__ indices,
     int* __restrict__ counts,
     epg_i64 num_tokens,
     epg_i64 k,

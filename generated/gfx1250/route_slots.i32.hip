@@ -245,8 +245,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // kept when below `capacity`: slots[t, j] = row * world + d for the first k naming d, else -1.
 // One block: per destination, chunks of the block's size are numbered with a wave ballot and a scan
 // of the waves' totals. total = min(rows arriving here, capacity); dropped = the rest.
-EPG_KERNEL void epg_route_slots__i32(const int* indices,
-    const int* every,
+EPG_KERNEL void epg_route_slots__i32(const int* __restrict__ indices,
+    const int* __restrict__ every,
     int* __restrict__ slots,
     int* __restrict__ total,
     int* __restrict__ dropped,

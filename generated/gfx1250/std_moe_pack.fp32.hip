@@ -266,10 +266,10 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // pairs past `capacity` are the last ones (dropped and counted). Then the block copies its rows.
 // packed_src = row * k + j (or -1 past the count); pair_pos[row * k + j] = expert * capacity + pos
 // (or -1 when dropped) for pairs whose expert is local.
-EPG_KERNEL void epg_std_moe_pack__fp32(const void* recv_x,
-    const int* recv_idx,
-    const float* recv_w,
-    const int* total_recv,
+EPG_KERNEL void epg_std_moe_pack__fp32(const void* __restrict__ recv_x,
+    const int* __restrict__ recv_idx,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ total_recv,
     void* __restrict__ packed_x,
     int* __restrict__ packed_count,
     int* __restrict__ packed_src,

@@ -264,11 +264,11 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // Row i = sum over its local (row, k) pairs, in k order, of weight * expert_out[expert, pos],
 // accumulated in fp32 (products rounded before the add, as the torch reference does). One thread
 // per (received row, 8 elements); rows past total_recv are not written.
-EPG_KERNEL void epg_std_moe_unpack__fp32(const void* expert_out,
-    const int* recv_idx,
-    const int* pair_pos,
-    const float* packed_w,
-    const int* total_recv,
+EPG_KERNEL void epg_std_moe_unpack__fp32(const void* __restrict__ expert_out,
+    const int* __restrict__ recv_idx,
+    const int* __restrict__ pair_pos,
+    const float* __restrict__ packed_w,
+    const int* __restrict__ total_recv,
     void* __restrict__ out,
     epg_i64 k,
     epg_i64 first_expert,

@@ -278,8 +278,8 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Dequantize fp8_e4m3fnuz (fp8_direct_cast) rows into fp32: one thread per 8 elements.
 // q: n_elems fp8_e4m3fnuz; y: n_elems fp32
 // The caller passes whole groups: n_elems a multiple of 8 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fnuz__fp8_direct_cast(const void* q,
-    const void* scales,
+EPG_KERNEL void epg_dequantize_fp8__fp32__fp8_e4m3fnuz__fp8_direct_cast(const void* __restrict__ q,
+    const void* __restrict__ scales,
     void* __restrict__ y,
     epg_i64 n_elems) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)

@@ -579,15 +579,15 @@ EPG_DEVICE void epg_reduce_pair_values(const int* pair_pos, const float* pair_w,
     out_w[row * k + j] = g >= 0 ? pair_w[g] : 0.f;
   }
 }
-EPG_KERNEL void epg_grouped_reduce__bf16(const char* expert_out,
-    const int* pair_pos,
-    const float* recv_w,
-    const int* total_recv,
+EPG_KERNEL void epg_grouped_reduce__bf16(const char* __restrict__ expert_out,
+    const int* __restrict__ pair_pos,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ total_recv,
     char* __restrict__ out,
     epg_i64 k,
     epg_i64 hidden,
     epg_i64 apply_weights,
-    const float* pair_w,
+    const float* __restrict__ pair_w,
     float* __restrict__ out_w) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   const epg_i64 row_bytes = hidden * 2;

@@ -259,7 +259,7 @@ EPG_DEVICE void epg_fp8x4_decode(epg_u32 w, float out[4]) {
 // Internode unpack (bf16 payload, internode_v2): received cells -> this rank's receive
 // rows. A cell whose rows[local index] names a row lands there whole (payload, scales, weights, ids,
 // source); the rows were numbered by the origin in (source rank, token) order. One wave per cell.
-EPG_KERNEL void epg_internode_unpack__bf16__internode_v2(const char* cells,
+EPG_KERNEL void epg_internode_unpack__bf16__internode_v2(const char* __restrict__ cells,
     epg_i64 ncells,
     char* __restrict__ recv_x,
     char* __restrict__ recv_scales,

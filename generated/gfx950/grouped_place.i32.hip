@@ -578,13 +578,13 @@ EPG_DEVICE void epg_grouped_place_prefetched(const EpgGrouped& g, const EpgGroup
     g.out_scales[(epg_i64)row * g.scale_bytes + b] = g.recv_scales[from * g.scale_bytes + b];
   if (lane == 0) epg_grouped_note(g, f.p, row);
 }
-EPG_KERNEL void epg_grouped_place__i32(const char* recv_x,
-    const char* recv_scales,
-    const float* recv_w,
-    const int* recv_idx,
-    const int* total_recv,
-    const int* pair_rel,
-    const int* counts,
+EPG_KERNEL void epg_grouped_place__i32(const char* __restrict__ recv_x,
+    const char* __restrict__ recv_scales,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
+    const int* __restrict__ pair_rel,
+    const int* __restrict__ counts,
     int* __restrict__ pair_pos,
     char* __restrict__ out_x,
     char* __restrict__ out_scales,

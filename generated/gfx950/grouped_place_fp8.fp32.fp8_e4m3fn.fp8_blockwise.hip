@@ -614,13 +614,13 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
     }
   }
 }
-EPG_KERNEL void epg_grouped_place_fp8__fp32__fp8_e4m3fn__fp8_blockwise(const char* recv_x,
-    const char* recv_scales,
-    const float* recv_w,
-    const int* recv_idx,
-    const int* total_recv,
-    const int* pair_rel,
-    const int* counts,
+EPG_KERNEL void epg_grouped_place_fp8__fp32__fp8_e4m3fn__fp8_blockwise(const char* __restrict__ recv_x,
+    const char* __restrict__ recv_scales,
+    const float* __restrict__ recv_w,
+    const int* __restrict__ recv_idx,
+    const int* __restrict__ total_recv,
+    const int* __restrict__ pair_rel,
+    const int* __restrict__ counts,
     int* __restrict__ pair_pos,
     char* __restrict__ out_x,
     char* __restrict__ out_scales,

@@ -252,7 +252,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // arrived along this rank's rail -> one grid per local rank of the node (out grid g = cells for local
 // rank g). A cell naming a row on rank g is copied whole; otherwise only its rows[g] = -1 is written,
 // which is all that rank reads of it. One wave per (local rank, cell).
-EPG_KERNEL void epg_internode_forward__fp4_e2m1__internode_v2(const char* in_cells,
+EPG_KERNEL void epg_internode_forward__fp4_e2m1__internode_v2(const char* __restrict__ in_cells,
     char* __restrict__ out_cells,
     epg_i64 ncells,
     epg_i64 gpn,

@@ -276,11 +276,11 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // row on each local rank of the destination node, -1 none) | source (i32) -- offsets from the host.
 // Every cell of the grid [groups, T] gets its rows header (so stale cells never look valid); payload,
 // scales, weights and ids only where some row is kept. One wave per cell.
-EPG_KERNEL void epg_internode_pack__fp32__internode_v2_ll(const char* x,
-    const char* scales,
-    const float* weights,
-    const int* indices,
-    const int* slots,
+EPG_KERNEL void epg_internode_pack__fp32__internode_v2_ll(const char* __restrict__ x,
+    const char* __restrict__ scales,
+    const float* __restrict__ weights,
+    const int* __restrict__ indices,
+    const int* __restrict__ slots,
     char* __restrict__ cells,
     epg_i64 T,
     epg_i64 k,

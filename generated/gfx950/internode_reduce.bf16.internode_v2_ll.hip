@@ -279,8 +279,8 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // back holds one return cell per (destination rank, token): cell (d, t) at (d * T + t) * brec.
 // One thread per (token, 16-byte chunk), up to 8 loads issued together; then one per (token, k) for
 // the weights.
-EPG_KERNEL void epg_internode_reduce__bf16__internode_v2_ll(const char* back,
-    const int* slots,
+EPG_KERNEL void epg_internode_reduce__bf16__internode_v2_ll(const char* __restrict__ back,
+    const int* __restrict__ slots,
     epg_i64 T,
     epg_i64 k,
     epg_i64 world,

@@ -251,7 +251,7 @@ EPG_DEVICE void epg_fp4x8_decode(epg_u32 w, epg_u32 scale_byte, float out[8]) {
 // Internode unpack (fp8_e4m3fn payload, internode_v2): received cells -> this rank's receive
 // rows. A cell whose rows[local index] names a row lands there whole (payload, scales, weights, ids,
 // source); the rows were numbered by the origin in (source rank, token) order. One wave per cell.
-EPG_KERNEL void epg_internode_unpack__fp8_e4m3fn__internode_v2(const char* cells,
+EPG_KERNEL void epg_internode_unpack__fp8_e4m3fn__internode_v2(const char* __restrict__ cells,
     epg_i64 ncells,
     char* __restrict__ recv_x,
     char* __restrict__ recv_scales,

@@ -308,7 +308,7 @@ EPG_DEVICE void epg_wire_get8(const char* row, const char* scales, epg_i64 elem,
 // Quantize bf16 rows into fp8_e4m3fn (fp8_blockwise): one thread per 8 elements.
 // x: n_elems bf16; q: n_elems fp8_e4m3fn; scales: n_elems / 128 fp32
 // The caller passes whole groups: n_elems a multiple of 8 and of 128 (the kernel does not guard a partial one).
-EPG_KERNEL void epg_quantize_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const void* x,
+EPG_KERNEL void epg_quantize_fp8__bf16__fp8_e4m3fn__fp8_blockwise(const void* __restrict__ x,
     void* __restrict__ q,
     void* __restrict__ scales,
     epg_i64 n_elems) {
