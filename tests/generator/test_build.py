@@ -120,7 +120,7 @@ def test_every_sm90_kernel_waits_for_the_kernel_before_it_before_any_memory_acce
     Every sm_90 kernel of the `all` profile must wait (griddepcontrol.wait: ACQBULK) before its first memory
     instruction, and none may let its successor launch early (griddepcontrol.launch_dependents: PREEXIT; measured
     slower, docs/PERF.md). A const __restrict__ input let nvcc hoist a read-only load above the wait (a wrong result
-    on the GPU): generator/spec_schema.py renders const inputs without restrict."""
+    on the GPU): generator/render.py renders such a target's const inputs without restrict."""
     checked = 0
     for key, r in sorted(all_results.items()):
         if not key.startswith("sm_90/"):
