@@ -144,6 +144,15 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+def _function_handle(function) -> ctypes.c_void_p | None:
+    """A CUfunction as the pointer the driver's entry points take, or None (no integer handle, or a null one)."""
+    try:
+        handle = int(function)
+    except (TypeError, ValueError):
+        return None
+    return ctypes.c_void_p(handle) if handle else None
+
+
 @functools.lru_cache(maxsize=1)
 def _libcuda_launch_ex():
     """libcuda's cuLaunchKernelEx through ctypes, or None."""
@@ -161,13 +170,9 @@ def _programmatic_launch(function, entry=None):
     it may be launched while the kernel before it finishes), or None where there is no libcuda. The launch
     configuration is built once; a launch sets its grid, block and stream."""
     fn = _libcuda_launch_ex() if entry is None else entry
-    try:
-        handle = int(function)
-    except (TypeError, ValueError):
+    handle = _function_handle(function)
+    if fn is None or handle is None:
         return None
-    if fn is None or not handle:
-        return None
-    handle = ctypes.c_void_p(handle)
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
                            attrs=ctypes.pointer(attr), numAttrs=1)
@@ -187,13 +192,9 @@ def _driver_launch(function, entry=None):
     first time it is seen; the parameter array goes as it is (ctypes passes an array as its address). The grid and
     block dimensions are ints below 2**31 (C int, the same bits as the driver's unsigned int)."""
     fn = _libcuda_launch() if entry is None else entry
-    try:
-        handle = int(function)
-    except (TypeError, ValueError):
+    handle = _function_handle(function)
+    if fn is None or handle is None:
         return None
-    if fn is None or not handle:
-        return None
-    handle = ctypes.c_void_p(handle)
     streams: dict[int, ctypes.c_void_p] = {}
 
     def launch(grid: int, block: int, stream: int, params) -> int:

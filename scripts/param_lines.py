@@ -92,10 +92,10 @@ def suggest(names: list[str], use: dict[str, set[str]], rounds: int = 60000, see
     return sorted(names, key=lambda n: (line[n], declared[n]))
 
 
-def kernel_sass(families: list[str], error=LinesError) -> dict[str, str]:
+def kernel_sass(families: list[str], error=LinesError, specs=None) -> dict[str, str]:
     """-> each family's sm_90 bf16 intranode kernel's SASS (one build for all: the cache answers for those built
     before); failures raise `error` with one line that says which variant and why (scripts/load_use.py uses it too)."""
-    specs = S.load()
+    specs = specs or S.load()
     built = {r.variant.key: r for r in B.build(specs, ["sm_90"], "all", only="sm_90/*.bf16.intranode")}
     out = {}
     for fam in families:
@@ -115,11 +115,12 @@ def kernel_sass(families: list[str], error=LinesError) -> dict[str, str]:
 
 def kernel_reads(families: list[str]) -> tuple[list[str], dict[str, set[str]]]:
     """-> (the declared field names, the fields each family's sm_90 bf16 intranode kernel reads)."""
-    sig = S.load().arglists.get("ep")
+    specs = S.load()
+    sig = specs.arglists.get("ep")
     if sig is None:
         raise LinesError("specs/kernels.toml has no [args.ep]")
     names = [f.name for f in sig.fields]
-    return names, {fam: fields_read(offsets(sass), names) for fam, sass in kernel_sass(families).items()}
+    return names, {fam: fields_read(offsets(sass), names) for fam, sass in kernel_sass(families, specs=specs).items()}
 
 
 def table(names: list[str], use: dict[str, set[str]]) -> list[str]:
