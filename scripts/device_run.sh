@@ -195,15 +195,17 @@ if [ -n "${PHASE:-}" ]; then  # where a leg's time goes inside its kernels (phas
   CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/phase_trace.py ${PHASE_ARGS:-} \
     --out "$OUT/phase_trace.jsonl" 2>&1 | tee "$OUT/phase_trace.log" | grep -vE "^(W|\*)" | tail -60; status[phase]=${PIPESTATUS[0]}
 fi
+gprof_run() {  # scripts/grouped_profile.py into $OUT/$1.jsonl and .log; the rest: environment settings for the run
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) env "$@" timeout 240 \
+    torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/$name.jsonl" 2>&1 \
+    | tee "$OUT/$name.log" | grep -vE "^(W|\*)" | tail -60
+  return "${PIPESTATUS[0]}"
+}
 if [ -n "${GPROF:-}" ]; then  # where the grouped layer's communication time goes, kernel by kernel
-  CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) timeout 240 \
-    torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} --out "$OUT/grouped_profile.jsonl" 2>&1 \
-    | tee "$OUT/grouped_profile.log" | grep -vE "^(W|\*)" | tail -60; status[gprof]=${PIPESTATUS[0]}
-  if [ -n "${GPROF_PLAIN:-}" ]; then  # the same again with plain launches (EPGEN_PROGRAMMATIC_LAUNCH=0): one tree, both forms
-    CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) EPGEN_PROGRAMMATIC_LAUNCH=0 \
-      timeout 240 torchrun --nproc-per-node ${GPROF_NPROC:-1} scripts/grouped_profile.py ${GPROF_ARGS:-} \
-      --out "$OUT/grouped_profile_plain.jsonl" 2>&1 | tee "$OUT/grouped_profile_plain.log" | grep -vE "^(W|\*)" | tail -60
-    status[gprof_plain]=${PIPESTATUS[0]}
+  gprof_run grouped_profile; status[gprof]=$?
+  if [ -n "${GPROF_PLAIN:-}" ]; then  # the same again with plain launches: one tree, both forms
+    gprof_run grouped_profile_plain EPGEN_PROGRAMMATIC_LAUNCH=0; status[gprof_plain]=$?
   fi
 fi
 if [ -n "${NCU:-}" ]; then  # the grouped layer's kernels under Nsight Compute at one rank (W = 1): stall reasons, per instruction
