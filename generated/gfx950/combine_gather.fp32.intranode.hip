@@ -967,6 +967,15 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // item's rows are in flight: a block's threads step to a new row together, so otherwise every step began with the
 // whole block waiting on one position load before any row load could issue. The same sums as epg_grouped_reduce8.
 constexpr int EPG_STAGE_U = 4;
+// The staged row `row` goes to: with `local_out` (this rank's own tokens combined in place: see combine_gather.j2) a
+// row of this rank's own token is written straight into that token's output row, every other row into comb_x.
+EPG_DEVICE char* epg_stage_dst(const EpArgs& a, char* mine, char* local_out, epg_i64 row) {
+  if (local_out != nullptr) {
+    const epg_i64 t = (epg_i64)((const int*)(mine + a.off_recv_src))[row] - (epg_i64)a.rank * a.max_tokens;
+    if (t >= 0 && t < a.max_tokens) return local_out + t * a.row_bytes;
+  }
+  return mine + a.off_comb_x + row * a.row_bytes;
+}
 EPG_DEVICE void epg_stage_pairs(const EpArgs& a, const float* recv_w, epg_i64 row, int g[EPG_STAGE_U],
                                 float w[EPG_STAGE_U]) {
   const int* pos = (const int*)a.grp_pair_pos + row * a.k;
@@ -977,7 +986,7 @@ EPG_DEVICE void epg_stage_pairs(const EpArgs& a, const float* recv_w, epg_i64 ro
     w[u] = u < a.k && a.grp_apply_weights != 0 ? rw[u] : 1.0f;
   }
 }
-EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows, char* local_out) {
   char* mine = epg_peer(a, a.rank);
   const epg_i64 n8 = a.hidden / 8;
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
@@ -987,7 +996,11 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
     int g[EPG_STAGE_U], gn[EPG_STAGE_U];
     float w[EPG_STAGE_U], wn[EPG_STAGE_U];
     EpgWalk it(first, step, n8);
-    if (it.row < rows) epg_stage_pairs(a, recv_w, it.row, g, w);
+    char *dst = nullptr, *dstn = nullptr;
+    if (it.row < rows) {
+      epg_stage_pairs(a, recv_w, it.row, g, w);
+      dst = epg_stage_dst(a, mine, local_out, it.row);
+    }
     while (it.row < rows) {
       const epg_i64 elem = 8 * it.col;
       epg_raw8 r[EPG_STAGE_U];
@@ -997,7 +1010,10 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
       const epg_i64 row = it.row;
       it.next();
       const bool more = it.row < rows;
-      if (more) epg_stage_pairs(a, recv_w, it.row, gn, wn);  // the next item's, behind this item's rows
+      if (more) {  // the next item's, behind this item's rows
+        epg_stage_pairs(a, recv_w, it.row, gn, wn);
+        dstn = it.row == row ? dst : epg_stage_dst(a, mine, local_out, it.row);
+      }
       float acc[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -1010,13 +1026,14 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
           for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w[u], f[e]);
         }
       }
-      epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 4, acc);
+      epg_store8(dst + elem * 4, acc);
       if (more) {
 #pragma unroll
         for (int u = 0; u < EPG_STAGE_U; ++u) {
           g[u] = gn[u];
           w[u] = wn[u];
         }
+        dst = dstn;
       }
     }
     return;
@@ -1026,7 +1043,7 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
     float acc[8];
     epg_grouped_reduce8<EPG_STAGE_U>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
                         recv_w, row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
-    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 4, acc);
+    epg_store8(epg_stage_dst(a, mine, local_out, row) + elem * 4, acc);
   }
 }
 
@@ -1040,9 +1057,12 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
 // signals the peers, waits for theirs and reads.
 // The staged row a gather slot names (slot * world + rank) in its rank's combine buffer, null for -1: worked out once
 // per token by the lane holding the slot (a peer-table load and a division), then handed to the wave by shuffles.
-EPG_DEVICE const char* epg_gather_row(const EpArgs& a, int slot) {
+// `own`: where this rank's own row of the token was staged instead when the staging combined it in place (the
+// token's output row), else null.
+EPG_DEVICE const char* epg_gather_row(const EpArgs& a, int slot, const char* own) {
   if (slot < 0) return nullptr;
   const int r = slot % (int)a.world;
+  if (own != nullptr && r == (int)a.rank) return own;
   return epg_peer(a, r) + a.off_comb_x + (epg_i64)(slot / (int)a.world) * a.row_bytes;
 }
 EPG_DEVICE const char* epg_shfl_ptr(const char* p, int src) {  // lane src's pointer
@@ -1072,8 +1092,14 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   const bool stage_w = send && a.has_weights && (pair_w || (char*)a.expert_weights != mine + a.off_comb_w);
   // nothing to stage: this rank's rows are readable now, so block 0 tells the peers at once
   if (!stage_x && !stage_w && a.phase != EPG_PHASE_SEND && epg_block() == 0) epg_signal_peers(a, epg_next(epoch));
+  // In place (a whole combine of the grouped layout): a received row of this rank's own token is staged straight
+  // into the token's output row, not into comb_x, so a token whose rows are all this rank's is done when staged
+  // (the gather skips it: at W = 1 every token), and one whose rows are not reads its own row back from there, in
+  // the same k order: the same bits as staging it in comb_x. What it saves: this rank's own rows written to comb_x
+  // and read back (at W = 1 a whole pass over the rows).
+  char* const in_place = grouped && a.phase == EPG_PHASE_BOTH ? (char*)a.out : nullptr;
   if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_tail.j2)
-    epg_combine_grouped_stage(a, nrecv);
+    epg_combine_grouped_stage(a, nrecv, in_place);
   } else if (stage_x) {
     for (epg_i64 i = gtid; i < nrecv * n16; i += gthreads)
       epg_st16(mine + a.off_comb_x + 16 * i, epg_ld16((const char*)a.expert_out + 16 * i));
@@ -1122,7 +1148,11 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
     const epg_i64 s0 = u - t * nseg, s1 = s0 + (u1 - u) < nseg ? s0 + (u1 - u) : nseg;
     u += s1 - s0;
     const int slot0 = lane < a.k ? slots[t * a.k + lane] : -1;  // slot * world + rank, or -1
-    const char* src0 = epg_gather_row(a, slot0);                  // lane j's row: slot j0 + j's (k <= a wave: all)
+    const char* own = in_place != nullptr ? in_place + t * a.row_bytes : nullptr;
+    if (own != nullptr && a.k <= EPG_WAVE && epg_ballot(slot0 >= 0 && slot0 % (int)a.world != (int)a.rank) == 0 &&
+        epg_ballot(slot0 >= 0) != 0)  // every row of it this rank's: combined by the staging in place
+      continue;
+    const char* src0 = epg_gather_row(a, slot0, own);             // lane j's row: slot j0 + j's (k <= a wave: all)
     for (epg_i64 seg = s0; seg < s1; ++seg) {
       const epg_i64 c0 = seg * seg_chunks + lane;  // this lane's first chunk
       float acc[EPG_CH][8];
@@ -1132,7 +1162,7 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
         for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
       for (int j0 = 0; j0 < a.k; j0 += EPG_WAVE) {
         const int mine_slot = j0 == 0 ? slot0 : (j0 + lane < a.k ? slots[t * a.k + j0 + lane] : -1);
-        const char* mine_src = j0 == 0 ? src0 : epg_gather_row(a, mine_slot);
+        const char* mine_src = j0 == 0 ? src0 : epg_gather_row(a, mine_slot, own);
         epg_u64 live = epg_ballot(mine_slot >= 0);  // the same on every lane: the loop below is uniform
         while (live) {
           const char* src[EPG_SRC];

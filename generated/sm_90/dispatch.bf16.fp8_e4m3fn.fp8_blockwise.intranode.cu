@@ -965,6 +965,15 @@ EPG_DEVICE void epg_dispatch_grouped_tail(const EpArgs& a) {
 // item's rows are in flight: a block's threads step to a new row together, so otherwise every step began with the
 // whole block waiting on one position load before any row load could issue. The same sums as epg_grouped_reduce8.
 constexpr int EPG_STAGE_U = 8;
+// The staged row `row` goes to: with `local_out` (this rank's own tokens combined in place: see combine_gather.j2) a
+// row of this rank's own token is written straight into that token's output row, every other row into comb_x.
+EPG_DEVICE char* epg_stage_dst(const EpArgs& a, char* mine, char* local_out, epg_i64 row) {
+  if (local_out != nullptr) {
+    const epg_i64 t = (epg_i64)((const int*)(mine + a.off_recv_src))[row] - (epg_i64)a.rank * a.max_tokens;
+    if (t >= 0 && t < a.max_tokens) return local_out + t * a.row_bytes;
+  }
+  return mine + a.off_comb_x + row * a.row_bytes;
+}
 EPG_DEVICE void epg_stage_pairs(const EpArgs& a, const float* recv_w, epg_i64 row, int g[EPG_STAGE_U],
                                 float w[EPG_STAGE_U]) {
   const int* pos = (const int*)a.grp_pair_pos + row * a.k;
@@ -975,7 +984,7 @@ EPG_DEVICE void epg_stage_pairs(const EpArgs& a, const float* recv_w, epg_i64 ro
     w[u] = u < a.k && a.grp_apply_weights != 0 ? rw[u] : 1.0f;
   }
 }
-EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
+EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows, char* local_out) {
   char* mine = epg_peer(a, a.rank);
   const epg_i64 n8 = a.hidden / 8;
   const epg_i64 step = (epg_i64)epg_nblocks() * epg_block_dim();
@@ -985,7 +994,11 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
     int g[EPG_STAGE_U], gn[EPG_STAGE_U];
     float w[EPG_STAGE_U], wn[EPG_STAGE_U];
     EpgWalk it(first, step, n8);
-    if (it.row < rows) epg_stage_pairs(a, recv_w, it.row, g, w);
+    char *dst = nullptr, *dstn = nullptr;
+    if (it.row < rows) {
+      epg_stage_pairs(a, recv_w, it.row, g, w);
+      dst = epg_stage_dst(a, mine, local_out, it.row);
+    }
     while (it.row < rows) {
       const epg_i64 elem = 8 * it.col;
       epg_raw8 r[EPG_STAGE_U];
@@ -995,7 +1008,10 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
       const epg_i64 row = it.row;
       it.next();
       const bool more = it.row < rows;
-      if (more) epg_stage_pairs(a, recv_w, it.row, gn, wn);  // the next item's, behind this item's rows
+      if (more) {  // the next item's, behind this item's rows
+        epg_stage_pairs(a, recv_w, it.row, gn, wn);
+        dstn = it.row == row ? dst : epg_stage_dst(a, mine, local_out, it.row);
+      }
       float acc[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -1008,13 +1024,14 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
           for (int e = 0; e < 8; ++e) acc[e] = epg_add_product(acc[e], w[u], f[e]);
         }
       }
-      epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+      epg_store8(dst + elem * 2, acc);
       if (more) {
 #pragma unroll
         for (int u = 0; u < EPG_STAGE_U; ++u) {
           g[u] = gn[u];
           w[u] = wn[u];
         }
+        dst = dstn;
       }
     }
     return;
@@ -1024,7 +1041,7 @@ EPG_DEVICE void epg_combine_grouped_stage(const EpArgs& a, epg_i64 rows) {
     float acc[8];
     epg_grouped_reduce8<EPG_STAGE_U>((const char*)a.expert_out, a.row_bytes, (const int*)a.grp_pair_pos,
                         recv_w, row, (int)a.k, elem, a.grp_apply_weights != 0, acc);
-    epg_store8(mine + a.off_comb_x + row * a.row_bytes + elem * 2, acc);
+    epg_store8(epg_stage_dst(a, mine, local_out, row) + elem * 2, acc);
   }
 }
 

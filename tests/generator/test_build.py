@@ -71,7 +71,9 @@ def _disasm_ops(r):
 #: 0x210) each EP kernel reads. Each line costs a constant-cache miss on the kernel's path at every launch; the field
 #: order of specs/kernels.toml [args.ep] keeps these few (with the declared order before it: 9, 8, 9 and 8 for the
 #: first four; the others read most of the struct and hold their counts so a new field does not spread them further).
-PARAM_LINES = {"combine_ll": 4, "dispatch_ll": 5, "dispatch_direct": 6, "combine_gather": 5,
+#: combine_gather 6: its in-place staging reads each received row's source (off_recv_src, max_tokens), on a line no
+#: other field of it shares in any order param_lines.py --suggest finds.
+PARAM_LINES = {"combine_ll": 4, "dispatch_ll": 5, "dispatch_direct": 6, "combine_gather": 6,
                "dispatch_ll_tail": 8, "dispatch": 8, "combine_scatter": 7}
 
 
