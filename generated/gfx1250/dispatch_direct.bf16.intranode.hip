@@ -891,7 +891,10 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 constexpr int EPG_DIRECT_BUCKETS = 1536;  // (rank, expert) pair counters + per-rank row counters
 constexpr int EPG_DIRECT_CHUNK = 16;                            // tokens a block numbers per round
 constexpr int EPG_DIRECT_FIRST = 1 << 16;                       // a pair's rank word: set on the rank's first k (world <= 64)
-constexpr int EPG_DIRECT_VECS = 4;                              // 16-byte vectors a thread loads per step of the copy
+constexpr int EPG_DIRECT_VECS = 4;       // 16-byte vectors a thread loads per step of the copy, below EPG_DIRECT_WIDE_MIN
+constexpr int EPG_DIRECT_WIDE_MIN = 8;   // tokens a block from which the copy keeps EPG_DIRECT_WIDE vectors in flight
+constexpr int EPG_DIRECT_WIDE = 8;       // (one H100, W = 1: 216.0 -> 212.6 µs at 4096 tokens, 59.6 -> 55.4 at 1024,
+                                         // but 33.7 -> 35.5 at 512 and 18.2 -> 18.5 at 128: docs/PERF.md)
 
 // Rank r's copy of a buffer this rank knows at `mine` (the symmetric workspace: the same offset on every rank).
 EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
@@ -927,6 +930,36 @@ struct EpgDirectShared {
   float w[EPG_DIRECT_CHUNK][EPG_WAVE];
   int total, ok;
 };
+
+// A chunk's rows (step 4): the block's threads take its nv 16-byte vectors (token-major), U loaded per thread before
+// any is stored, each stored into the grouped row of every kept pair of its token.
+template <int U>
+EPG_DEVICE void epg_direct_copy(const EpArgs& a, const EpgDirectShared& sh, const char* xs, int nv, int n16,
+                                const EpgDiv& per_row, int K) {
+  const int tid = epg_thread(), nt = epg_block_dim();
+  for (int v0 = tid; v0 < nv; v0 += U * nt) {
+    epg_vec16 val[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * nt;
+      if (v < nv) {
+        const int c = (int)per_row.div((epg_u32)v);
+        val[u] = epg_ld16(xs + (epg_i64)c * a.row_bytes + 16 * (epg_i64)(v - c * n16));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * nt;
+      if (v >= nv) break;
+      const int c = (int)per_row.div((epg_u32)v);
+      const epg_i64 at = 16 * (epg_i64)(v - c * n16);
+      for (int j = 0; j < K; ++j) {
+        char* to = sh.to[c][j];
+        if (to) epg_st16(to + at, val[u]);
+      }
+    }
+  }
+}
 
 EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
@@ -1111,32 +1144,11 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
     }
     epg_syncthreads();
     epg_trace(a, 5);  // the chunk numbered (the last chunk's stamp stays)
-    // the rows: the block's threads take the chunk's 16-byte vectors (token-major), each loaded once and stored
-    // into the grouped row of every kept pair of its token
-    const int nv = nc * n16;  // (32-bit: a chunk's vectors)
-    const char* xs = (const char*)a.x + c0 * a.row_bytes;
-    for (int v0 = tid; v0 < nv; v0 += EPG_DIRECT_VECS * nt) {
-      epg_vec16 val[EPG_DIRECT_VECS];
-#pragma unroll
-      for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
-        const int v = v0 + u * nt;
-        if (v < nv) {
-          const int c = (int)per_row.div((epg_u32)v);
-          val[u] = epg_ld16(xs + (epg_i64)c * a.row_bytes + 16 * (epg_i64)(v - c * n16));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < EPG_DIRECT_VECS; ++u) {
-        const int v = v0 + u * nt;
-        if (v >= nv) break;
-        const int c = (int)per_row.div((epg_u32)v);
-        const epg_i64 at = 16 * (epg_i64)(v - c * n16);
-        for (int j = 0; j < K; ++j) {
-          char* to = sh.to[c][j];
-          if (to) epg_st16(to + at, val[u]);
-        }
-      }
-    }
+    // the rows (32-bit: a chunk's vectors), more in flight per thread where a block has many tokens
+    if (per >= EPG_DIRECT_WIDE_MIN)
+      epg_direct_copy<EPG_DIRECT_WIDE>(a, sh, (const char*)a.x + c0 * a.row_bytes, nc * n16, n16, per_row, K);
+    else
+      epg_direct_copy<EPG_DIRECT_VECS>(a, sh, (const char*)a.x + c0 * a.row_bytes, nc * n16, n16, per_row, K);
     epg_trace(a, 6);  // the chunk's rows stored
     // the books, one thread per (token, k): a kept pair's group row's src / m_indices / weight on its rank; the
     // rank's first k: the received row's ids, weights, source and pair map on the rank, and the slot here
