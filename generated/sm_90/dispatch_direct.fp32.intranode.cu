@@ -863,8 +863,8 @@ constexpr int EPG_DIRECT_CHUNK = 16;                            // tokens a bloc
 constexpr int EPG_DIRECT_FIRST = 1 << 16;                       // a pair's rank word: set on the rank's first k (world <= 64)
 constexpr int EPG_DIRECT_VECS = 4;       // 16-byte vectors a thread loads per step of the copy, below EPG_DIRECT_WIDE_MIN
 constexpr int EPG_DIRECT_WIDE_MIN = 8;   // tokens a block from which the copy keeps EPG_DIRECT_WIDE vectors in flight
-constexpr int EPG_DIRECT_WIDE = 8;       // (one H100, W = 1: 216.0 -> 212.6 µs at 4096 tokens, 59.6 -> 55.4 at 1024,
-                                         // but 33.7 -> 35.5 at 512 and 18.2 -> 18.5 at 128: docs/PERF.md)
+constexpr int EPG_DIRECT_WIDE = 8;       // (one H100, W = 1: eight at every size was faster from 1024 tokens and slower
+                                         // at 512 and 128; so chosen, 216.2 -> 213.3 µs at 4096 tokens: docs/PERF.md)
 
 // Rank r's copy of a buffer this rank knows at `mine` (the symmetric workspace: the same offset on every rank).
 EPG_DEVICE char* epg_direct_peer(const EpArgs& a, epg_u64 mine, int r) {
