@@ -49,17 +49,24 @@ def _elem_bits(dtype: torch.dtype) -> int:
     return 4 if dtype == torch.float4_e2m1fn_x2 else torch.empty((), dtype=dtype).element_size() * 8
 
 
+DIRECT_MAX_GRID = 1024  # the direct kernel's blocks at most (NativeBackend._dispatch_site)
+DIRECT_MAX_TOKENS = 1 << 21  # tokens a rank at most: tokens x blocks < 2^32
+
+
 def direct_grouped(cfg: EpDispatchCombineConfig, act: str, capped: bool) -> bool:
     """Can this op's bandwidth dispatch_grouped run as one direct kernel (templates/kernels/dispatch_direct.j2: the
     rows stored straight into the destinations' groups)? Intranode, the grouped layout without decoding, bf16 / fp32
     rows moved as they are (no quantization, no scales), no receive cap (every row fits), top-k within a wave, and
-    the per-(rank, expert) counters within the kernel's shared memory. Such an op keeps its grouped rows, their pair
-    ids / experts / weights, its pair map and a count table in the symmetric workspace (its peers write them)."""
+    the per-(rank, expert) counters within the kernel's shared memory, and at most DIRECT_MAX_TOKENS tokens a rank
+    (the kernel splits them over its DIRECT_MAX_GRID blocks at most in 32-bit arithmetic). Such an op keeps its
+    grouped rows, their pair ids / experts / weights, its pair map and a count table in the symmetric workspace (its
+    peers write them)."""
     W, E, k = cfg.world_size, cfg.num_experts_per_rank, cfg.num_experts_per_token
     buckets = dict(load_specs().arglists["ep"].limits)["direct_buckets"]
     return (cfg.enable_grouped_layout and not cfg.is_internode and not cfg.grouped_dequantize
             and cfg.dispatch_data_type is None and cfg.dispatch_quant_type == "none" and act in ("bf16", "fp32")
-            and not capped and k <= 32 and W <= 64 and W * E + W <= buckets)
+            and not capped and k <= 32 and W <= 64 and W * E + W <= buckets
+            and cfg.max_num_inp_token_per_rank <= DIRECT_MAX_TOKENS)
 
 
 # the most ranks at which dispatch_grouped takes the direct kernel by default (mode "auto"): measured at one rank;

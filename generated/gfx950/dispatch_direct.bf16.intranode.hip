@@ -985,9 +985,13 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   const int tid = epg_thread(), nt = epg_block_dim(), lane = epg_lane(), wave = tid / EPG_WAVE, waves = nt / EPG_WAVE;
   const EpgDiv per_rank((epg_u32)E);  // an expert's rank: a multiply-high, not a division's chain per id
   const epg_i64 T = a.num_tokens;
-  const epg_i64 per = (T + epg_nblocks() - 1) / epg_nblocks();
-  const epg_i64 t0 = (epg_i64)epg_block() * per < T ? (epg_i64)epg_block() * per : T;
-  const epg_i64 t1 = t0 + per < T ? t0 + per : T;
+  // every block's share within one token of the others, [floor(b T / G), floor((b + 1) T / G)): a split by the most
+  // a block takes left the last blocks none (4096 tokens over 132 blocks: 128 blocks of 32 and 4 idle; now 31 or 32
+  // each). 32-bit: plan.direct_grouped keeps T x G below 2^32.
+  const EpgDiv per_grid((epg_u32)epg_nblocks());
+  const epg_i64 per = per_grid.div((epg_u32)(T + epg_nblocks() - 1));  // the most tokens a block takes
+  const epg_i64 t0 = per_grid.div((epg_u32)(epg_block() * T));
+  const epg_i64 t1 = per_grid.div((epg_u32)((epg_block() + 1) * T));
   const int* idx = (const int*)a.indices;
   const float* wts = (const float*)a.weights;
   int* slots = (int*)a.slots;

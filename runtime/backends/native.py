@@ -30,7 +30,7 @@ from generator.abi import ERROR_WORDS, PHASES, STATE_SIZE, STATE_WORDS
 from .. import collectives, errors, grouped, kernels, workspace
 from ..config import EpDispatchCombineConfig, load_specs
 from ..errors import ConfigError, EpgenError, InputError
-from ..plan import Plan, direct_call, slot_name
+from ..plan import DIRECT_MAX_GRID, Plan, direct_call, slot_name
 from ..routing import all_gather_counts, ordered_slots
 from .common import (check_expert_ids, device_target, id_check_mode, local_expert_count, native_group,
                      raise_if_dropped)
@@ -575,7 +575,8 @@ class NativeBackend:
         layout, one block for its receive half (block 0's wait for the arrivals alone, templates/kernels/dispatch.j2)."""
         if direct:
             threads = self.k["dispatch_direct"].max_threads
-            return "dispatch_direct", min(self.num_sms, self._resident("dispatch_direct", threads)), threads, None
+            grid = min(self.num_sms, self._resident("dispatch_direct", threads), DIRECT_MAX_GRID)
+            return "dispatch_direct", grid, threads, None
         if protocol == "ll":
             role = "dispatch_ll_tail" if placed else "dispatch_ll"
             return (role, *self._launch_geometry(role, T, T)[:2], None)

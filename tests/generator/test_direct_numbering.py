@@ -113,3 +113,34 @@ def test_several_tokens_a_step_number_as_one_token_a_step(wave):
         want = one_token_a_step(tokens, per_rank, num_experts, hb, ht)
         assert several_tokens_a_step(tokens, per_rank, num_experts, world, hb, ht, wave) == want, \
             (world, per_rank, k, tokens)
+
+
+def _epg_div(n: int, d: int) -> int:
+    """templates/targets/common.j2 EpgDiv: the high word of n * floor((2^32 - 1) / d), fixed by one compare."""
+    assert 0 <= n < 1 << 32 and d >= 1
+    q = (n * (0xFFFFFFFF // d)) >> 32
+    return q + 1 if n - q * d >= d else q
+
+
+def test_the_blocks_split_the_tokens_evenly():
+    """Step 1's split: block b takes [floor(b T / G), floor((b + 1) T / G)) in 32-bit arithmetic (the template's
+    lines, checked first). Every token once, in order, shares within one token of each other, none above `per` (what
+    the wide copy's choice reads), at the largest grid and token count the plan allows (plan.DIRECT_MAX_GRID,
+    DIRECT_MAX_TOKENS: T x G < 2^32)."""
+    from runtime.plan import DIRECT_MAX_GRID, DIRECT_MAX_TOKENS
+    for line in ("const EpgDiv per_grid((epg_u32)epg_nblocks());",
+                 "const epg_i64 per = per_grid.div((epg_u32)(T + epg_nblocks() - 1));",
+                 "const epg_i64 t0 = per_grid.div((epg_u32)(epg_block() * T));",
+                 "const epg_i64 t1 = per_grid.div((epg_u32)((epg_block() + 1) * T));"):
+        assert line in TEMPLATE, line
+    assert DIRECT_MAX_GRID * DIRECT_MAX_TOKENS + DIRECT_MAX_GRID <= 1 << 32
+    for G in (1, 2, 7, 132, 304, DIRECT_MAX_GRID):
+        for T in (0, 1, 8, 127, 128, 1000, 1024, 4096, 8191, DIRECT_MAX_TOKENS - 1, DIRECT_MAX_TOKENS):
+            per = _epg_div(T + G - 1, G)
+            assert per == -(-T // G), (G, T)
+            bounds = [(_epg_div(b * T, G), _epg_div((b + 1) * T, G)) for b in range(G)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == T, (G, T)
+            assert all(bounds[b][1] == bounds[b + 1][0] for b in range(G - 1)), (G, T)
+            sizes = {t1 - t0 for t0, t1 in bounds}
+            assert max(sizes) - min(sizes) <= 1 and max(sizes) <= per, (G, T, sizes)
+    assert {t1 - t0 for t0, t1 in ((_epg_div(b * 4096, 132), _epg_div((b + 1) * 4096, 132)) for b in range(132))} == {31, 32}

@@ -273,6 +273,8 @@ GROUPED = dict(BASE, hidden_dim=256, enable_grouped_layout=True)
     (dict(num_experts_per_rank=700), True),                     # 1402 counters of 1536
     (dict(num_experts_per_rank=800), False),                    # 1602: past the kernel's shared memory
     (dict(enable_grouped_layout=False), False),
+    (dict(max_num_inp_token_per_rank=1 << 21), True),           # plan.DIRECT_MAX_TOKENS: the split's 32-bit bound
+    (dict(max_num_inp_token_per_rank=(1 << 21) + 1), False),
 ])
 def test_direct_grouped_dispatch_plan(fields, direct):
     """Which ops the direct grouped dispatch (dispatch_direct.j2) may serve, and what that changes: its variant among
