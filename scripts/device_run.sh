@@ -53,7 +53,9 @@
 # on GPU 0, W = 1, once per token count in NCU_TOKENS (default 1): the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of
 # them: NCU_COUNT), stall reasons and the per-instruction source page; NCU_ARGS: the script's other options, NCU_OPTS: more
 # ncu options (e.g. --cache-control none); $OUT/ncu_t<T>/: ncu.ncu-rep.gz, ncu_details.csv, ncu_raw.csv.gz,
-# ncu_source.csv.gz, the folder scripts/ncu_table.py reads; its table printed).
+# ncu_source.csv.gz, the folder scripts/ncu_table.py reads; its table printed), HBM_FLOOR=1 (scripts/hbm_floor.py at one
+# rank on GPU 0: the memory's floor of the grouped legs, plain Triton kernels in a graph, records of kind "hbm_floor";
+# HBM_FLOOR_ARGS: its options; $OUT/hbm_floor.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -195,6 +197,10 @@ if [ -n "${PHASE:-}" ]; then  # where a leg's time goes inside its kernels (phas
   CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --nproc-per-node 1 scripts/phase_trace.py ${PHASE_ARGS:-} \
     --out "$OUT/phase_trace.jsonl" 2>&1 | tee "$OUT/phase_trace.log" | grep -vE "^(W|\*)" | tail -60; status[phase]=${PIPESTATUS[0]}
 fi
+if [ -n "${HBM_FLOOR:-}" ]; then  # the memory's floor of what the grouped legs move, on this card (W = 1)
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/hbm_floor.py ${HBM_FLOOR_ARGS:-} --out "$OUT/hbm_floor.jsonl" 2>&1 \
+    | tee "$OUT/hbm_floor.log" | tail -14; status[hbm_floor]=${PIPESTATUS[0]}
+fi
 gprof_run() {  # scripts/grouped_profile.py into $OUT/$1.jsonl and .log; the rest: environment settings for the run
   local name=$1; shift
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) env "$@" timeout 240 \
@@ -293,5 +299,5 @@ pack_out() {
 }
 [ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
-for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain hbm_floor host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
 for name in ${trees[@]+"${trees[@]}"}; do printf '%-6s %s\n' "tree $name" "${status[tree_$name]}"; done
