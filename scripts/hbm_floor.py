@@ -20,7 +20,6 @@ version, the bytes it moves and their rate; the table printed last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
-    from bench.records import meta
+    from bench.records import meta, write_records
     if not dist.is_initialized():  # meta() names the world size: one rank, no peers
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     triton, _ = _kernels()
@@ -211,9 +210,7 @@ def main(argv=None) -> int:
                 launches_per_graph=args.launches, reps=args.reps)
     recs = [{**info, **r} for r in recs]
     if args.out:
-        with open(args.out, "a") as f:
-            for r in recs:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+        write_records(args.out, recs)
     print(f"hbm_floor ({info['gpu']}, driver {info['driver']}, torch {info['torch']}, triton {info['triton']}; "
           f"bf16, hidden {args.hidden}, top-{args.topk} of {args.experts}):")
     print("\n".join(table(recs)))
