@@ -204,7 +204,15 @@ def main(argv=None) -> int:
     if not dist.is_initialized():  # meta() names the world size: one rank, no peers
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     triton, _ = _kernels()
-    recs = points(args.tokens, args.hidden, args.topk, args.experts, args.launches, args.reps)
+    try:
+        recs = points(args.tokens, args.hidden, args.topk, args.experts, args.launches, args.reps)
+    except torch.cuda.OutOfMemoryError:
+        print(f"hbm_floor: the rows of {max(args.tokens)} tokens x {args.topk} pairs x {args.hidden} do not fit in "
+              f"this GPU's memory; ask for fewer tokens", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a floor kernel that disagrees with torch (its message names which)
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 1
     info = meta(torch.device("cuda", torch.cuda.current_device()), kind="hbm_floor", triton=triton.__version__,
                 dtype="bfloat16", hidden=args.hidden, topk=args.topk, experts=args.experts, graph=True,
                 launches_per_graph=args.launches, reps=args.reps)
