@@ -20,6 +20,7 @@ version, the bytes it moves and their rate; the table printed last.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -53,8 +54,9 @@ def bytes_moved(kernel: str, tokens: int, hidden: int, topk: int, elem: int = 2)
             "empty": 0, "empty_per_sm": 0}[kernel]
 
 
+@functools.cache
 def _kernels():
-    """The Triton kernels (built on first use: triton imports only where there is a GPU)."""
+    """(triton, the Triton kernels), made once on first use (triton imports only where there is a GPU)."""
     import triton
     import triton.language as tl
 
