@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from runtime import EpDispatchCombineConfig, EpDispatchCombineOp
 from runtime import autograd as ag
+from runtime import collectives
 
 
 # examples/moe_layer.py's definitions (the router, the experts and their seeded weights), run as a file: no package
@@ -98,13 +99,16 @@ def initial_weights(experts, hidden, inter, seed, device, dtype):
 
 
 def all_reduce(t: torch.Tensor) -> None:
-    """Sum t over the ranks in place (through the host where a gloo group meets GPU tensors: ranks sharing a GPU)."""
+    """Sum t over the ranks in place (through the host where a gloo group meets GPU tensors: ranks sharing a GPU).
+    On gloo the call returns once gloo's worker thread has let go of the tensor (runtime.collectives.run): a worker
+    still holding one at exit aborts the process (`terminate called without an active exception`, docs/GUARANTEES.md;
+    seen once in 16 two-rank runs of this example under load)."""
     if t.is_cuda and dist.get_backend() == "gloo":
         host = t.cpu()
-        dist.all_reduce(host)
+        collectives.run(lambda: dist.all_reduce(host), [host], None)
         t.copy_(host)
     else:
-        dist.all_reduce(t)
+        collectives.run(lambda: dist.all_reduce(t), [t], None)
 
 
 def train(args) -> list[tuple[float, float | None]]:
