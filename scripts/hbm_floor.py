@@ -98,29 +98,17 @@ def _kernels():
 
 
 def graph_us(fn, launches: int, reps: int) -> float:
-    """Median µs per launch of a CUDA graph of `launches` calls of fn, over `reps` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    """Median µs per launch of a CUDA graph of `launches` calls of fn, over `reps` replays (fn warmed outside the
+    capture first: bench.measure; each replay timed by device events: bench.graphprof)."""
+    from bench.graphprof import replay_ms
+    from bench.measure import warm_on_side_stream
+
+    warm_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / launches)
-    return statistics.median(times)
+    return statistics.median(replay_ms(graph, reps, warmup=5)) * 1000.0 / launches
 
 
 def points(tokens: list[int], hidden: int, topk: int, experts: int, launches: int, reps: int) -> list[dict]:
