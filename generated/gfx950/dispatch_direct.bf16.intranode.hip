@@ -928,6 +928,21 @@ EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, epg_u64 wor
   return true;
 }
 
+// Ids [j0, j0 + 8) of token t (-1 past top-k or past the tokens), every load issued before any is used.
+EPG_DEVICE void epg_direct_ids(const int* idx, epg_i64 t, epg_i64 T, int K, int j0, int (&e)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) e[q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
+}
+// Ids e counted into the histogram h (a pair per bucket: the expert id), their ranks into the mask ranks.
+EPG_DEVICE void epg_direct_tally(int* h, const int (&e)[8], int num_experts, const EpgDiv& per_rank, epg_u64& ranks) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    if (e[q] >= 0 && e[q] < num_experts) {
+      epg_atomic_add_dev(&h[e[q]], 1);
+      ranks |= 1ull << per_rank.div((epg_u32)e[q]);
+    }
+}
+
 struct EpgDirectShared {
   int hb[EPG_DIRECT_BUCKETS];  // before this block's tokens, then: each bucket's next grouped row; rows: next row index
   int sb[EPG_DIRECT_BUCKETS];  // each (rank, expert) bucket's pairs from the senders below this rank
@@ -1000,19 +1015,21 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   for (int i = tid; i < NX + W; i += nt) sh.hb[i] = sh.ht[i] = 0;
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
+  // a thread's tokens t = tid, tid + nt, ...: the next token's first eight ids are loaded before this one's are counted
+  // (the counting waited on its loads once a round of nt tokens, ~1 µs a round on an H100)
+  int nx[8];
+  epg_direct_ids(idx, tid, T, K, 0, nx);
   for (epg_i64 t = tid; t < T; t += nt) {
     int* h = t < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (one atomic per id; summed below)
+    int e[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) e[q] = nx[q];
+    epg_direct_ids(idx, t + nt, T, K, 0, nx);
     epg_u64 ranks = 0;
-    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids loaded before any is used
-      int e[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-        if (e[q] >= 0 && e[q] < a.num_experts) {
-          epg_atomic_add_dev(&h[e[q]], 1);
-          ranks |= 1ull << per_rank.div((epg_u32)e[q]);
-        }
+    epg_direct_tally(h, e, a.num_experts, per_rank, ranks);
+    for (int j0 = 8; j0 < K; j0 += 8) {  // top-k past eight: the rest of the token's ids, loaded when counted
+      epg_direct_ids(idx, t, T, K, j0, e);
+      epg_direct_tally(h, e, a.num_experts, per_rank, ranks);
     }
     for (int r = 0; ranks; ++r, ranks >>= 1)
       if (ranks & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
