@@ -915,20 +915,21 @@ EPG_DEVICE void epg_direct_ids(const int* idx, epg_i64 t, epg_i64 T, int K, int 
 #pragma unroll
   for (int q = 0; q < 8; ++q) e[q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
 }
-// Ids e counted into the histogram h (a pair per bucket: the expert id), their ranks into the mask ranks.
+// Ids e counted into the histogram h (a pair per bucket: the expert id), their ranks into the mask ranks; branch-free:
+// an id that names no expert (past top-k, or out of range) counts in the spare bucket EPG_DIRECT_BUCKETS and no rank.
 EPG_DEVICE void epg_direct_tally(int* h, const int (&e)[8], int num_experts, const EpgDiv& per_rank, epg_u64& ranks) {
 #pragma unroll
-  for (int q = 0; q < 8; ++q)
-    if (e[q] >= 0 && e[q] < num_experts) {
-      epg_atomic_add_dev(&h[e[q]], 1);
-      ranks |= 1ull << per_rank.div((epg_u32)e[q]);
-    }
+  for (int q = 0; q < 8; ++q) {
+    const bool ok = (epg_u32)e[q] < (epg_u32)num_experts;
+    epg_atomic_add_dev(&h[ok ? e[q] : EPG_DIRECT_BUCKETS], 1);
+    ranks |= (epg_u64)ok << per_rank.div(ok ? (epg_u32)e[q] : 0u);
+  }
 }
 
 struct EpgDirectShared {
-  int hb[EPG_DIRECT_BUCKETS];  // before this block's tokens, then: each bucket's next grouped row; rows: next row index
+  int hb[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) before this block's tokens, then: each bucket's next grouped row; rows: next row index
   int sb[EPG_DIRECT_BUCKETS];  // each (rank, expert) bucket's pairs from the senders below this rank
-  int ht[EPG_DIRECT_BUCKETS];  // all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
+  int ht[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
