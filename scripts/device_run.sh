@@ -47,7 +47,9 @@
 # packed at the end, the logs into $OUT/rest.tar.gz (the records stay files where they fit), NO_PACK=1 leaves them),
 # AB_TREES="DIR ..." (more trees measured in the same call, each as AB_BASE, after it, into $OUT/<the folder's name>/:
 # several candidates against one base on one machine; e.g. `git archive BRANCH | tar -x -C .ab/NAME --exclude=generated
-# --exclude=results`, carrying `.ab`; each tree builds its own sm_90 variants), PHASE=1 (scripts/phase_trace.py at
+# --exclude=results`, carrying `.ab`; each tree builds its own sm_90 variants), AB_SKIP="VAR ..." (jobs the A/B trees do
+# not run, e.g. AB_SKIP="TRAIN PHASE": those variables unset for AB_BASE and AB_TREES, so the jobs run once, in this
+# tree), PHASE=1 (scripts/phase_trace.py at
 # one rank on GPU 0, W = 1: dispatch_ll's and combine_ll's phase stamps, and dispatch_direct's with --forms direct, records of kind
 # "phase_trace"; PHASE_ARGS: its options; $OUT/phase_trace.jsonl), NCU=1 (scripts/ncu_legs.py under Nsight Compute at one rank
 # on GPU 0, W = 1, once per token count in NCU_TOKENS (default 1): the epg_ kernels' launches NCU_SKIP.. (default 24, 6 of
@@ -76,8 +78,13 @@ NPROC=${NPROC:-$((ngpu * RANKS_PER_GPU))}  # ranks of the multi-rank runs (more 
 OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngpu GPU(s): oversubscribed, correctness only (no benches)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
+ab_env=()  # the A/B trees' environment: every variable AB_SKIP names unset
+for v in ${AB_SKIP:-}; do
+  if ! [[ "$v" =~ ^[A-Z][A-Z0-9_]*$ ]]; then echo "== AB_SKIP: $v is not a variable's name ([A-Z][A-Z0-9_]*): nothing run" >&2; exit 2; fi
+  ab_env+=(-u "$v")
+done
 if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
-  (cd "$AB_BASE" && AB_BASE= AB_TREES= EPGEN_COMMIT="${AB_BASE_COMMIT:-base}" OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  (cd "$AB_BASE" && env ${ab_env[@]+"${ab_env[@]}"} AB_BASE= AB_TREES= EPGEN_COMMIT="${AB_BASE_COMMIT:-base}" OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
 trees=()
@@ -87,7 +94,7 @@ for tree in ${AB_TREES:-}; do  # more candidates, each measured as the base is (
     echo "== AB_TREES: $tree is not a tree to measure (its name is the base's folder)"
     status[tree_$name]=2; trees+=("$name"); continue
   fi
-  (cd "$tree" && AB_BASE= AB_TREES= EPGEN_COMMIT="$name" OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
+  (cd "$tree" && env ${ab_env[@]+"${ab_env[@]}"} AB_BASE= AB_TREES= EPGEN_COMMIT="$name" OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
   status[tree_$name]=${PIPESTATUS[0]}; trees+=("$name")
 done
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?
