@@ -856,11 +856,12 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 // and a capped dispatch number them, so every sender can tell from counts alone where each of its pairs lands:
 //  1. Every block counts the pairs per (destination rank, local expert) and the rows per destination of all tokens
 //     (shared-memory histograms), and of the tokens before its own range [t0, t1).
-//  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
-//     same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
+//  2. Block 0 writes its totals into row [parity][this rank] of every other destination's count table (grp_cnt, at
+//     the same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
 //     counts are all the table publishes).
-//  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W senders'
-//     words loaded at once; each word used once it carries this call's tag), then for each destination r works out r's groups
+//  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W - 1 peers'
+//     words loaded at once, each used once it carries this call's tag; this rank's own totals from the block's
+//     histograms: at one rank nothing is posted or polled), then for each destination r works out r's groups
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
@@ -1022,10 +1023,12 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   epg_syncthreads();
   epg_trace(a, 1);  // the histograms counted
 
-  // 2. block 0 posts this rank's totals to every destination's table, each word with this call's tag
+  // 2. block 0 posts this rank's totals to every other destination's table, each word with this call's tag (this
+  // rank's own row of its own table is never read: every block counted it)
   if (epg_block() == 0) {
     for (int i = tid; i < W * (E + 1); i += nt) {
       const int r = i / (E + 1), e = i % (E + 1);
+      if (r == me) continue;
       const epg_u32 c = (epg_u32)(e < E ? sh.ht[r * E + e] : sh.ht[NX + r]);
       epg_st64_sys(epg_direct_table(a, r, parity) + me * (E + 1) + e, (epg_u64)(epg_u32)tag << 32 | c);
     }
@@ -1047,7 +1050,8 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   g.src = (int*)a.grp_src;
   g.m_indices = (int*)a.grp_m_indices;
   g.weights = (float*)a.grp_weights;
-  // every destination's table in one pass: a thread per (rank r, bucket e), its W senders' words loaded at once
+  // every destination's table in one pass: a thread per (rank r, bucket e), its W - 1 peers' words loaded at once,
+  // this rank's own from the block's histograms
   for (int i = tid; i < W * (E + 1); i += nt) {
     const int r = i / (E + 1), e = i % (E + 1);
     const epg_u64* at = epg_direct_table(a, r, parity) + e;
@@ -1055,13 +1059,15 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
     for (int p0 = 0; p0 < W && sh.ok; p0 += 8) {
       epg_u64 words[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) words[q] = p0 + q < W ? epg_ld64_sys(at + (p0 + q) * (E + 1)) : 0ull;
+      for (int q = 0; q < 8; ++q) words[q] = p0 + q < W && p0 + q != me ? epg_ld64_sys(at + (p0 + q) * (E + 1)) : 0ull;
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const int p = p0 + q;
         int c = 0;
         if (p >= W) break;
-        if (!epg_direct_count(a, at + p * (E + 1), words[q], tag, p, c)) {
+        if (p == me) {
+          c = e < E ? sh.ht[r * E + e] : sh.ht[NX + r];
+        } else if (!epg_direct_count(a, at + p * (E + 1), words[q], tag, p, c)) {
           sh.ok = 0;
           break;
         }
@@ -1070,7 +1076,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
       }
     }
     if (e < E) {
-      sh.ht[r * E + e] = all;  // (this block's own totals were posted: the slots are free)
+      sh.ht[r * E + e] = all;  // (this thread's own total, read above: the slot is free)
       sh.sb[r * E + e] = below;
     } else {
       sh.hb[NX + r] += below;  // this block's first row index at r
