@@ -874,12 +874,12 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 // and a capped dispatch number them, so every sender can tell from counts alone where each of its pairs lands:
 //  1. Every block counts the pairs per (destination rank, local expert) and the rows per destination of all tokens
 //     (shared-memory histograms), and of the tokens before its own range [t0, t1).
-//  2. Block 0 writes its totals into row [parity][this rank] of every other destination's count table (grp_cnt, at
-//     the same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
+//  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
+//     same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
 //     counts are all the table publishes).
 //  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W - 1 peers'
 //     words loaded at once, each used once it carries this call's tag; this rank's own totals from the block's
-//     histograms: at one rank nothing is posted or polled), then for each destination r works out r's groups
+//     histograms: no block waits for its own rank's block 0), then for each destination r works out r's groups
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
@@ -1041,12 +1041,11 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   epg_syncthreads();
   epg_trace(a, 1);  // the histograms counted
 
-  // 2. block 0 posts this rank's totals to every other destination's table, each word with this call's tag (this
-  // rank's own row of its own table is never read: every block counted it)
+  // 2. block 0 posts this rank's totals to every destination's table, each word with this call's tag (the peers read
+  // every row of every table; this rank's blocks take its own rows from their histograms)
   if (epg_block() == 0) {
     for (int i = tid; i < W * (E + 1); i += nt) {
       const int r = i / (E + 1), e = i % (E + 1);
-      if (r == me) continue;
       const epg_u32 c = (epg_u32)(e < E ? sh.ht[r * E + e] : sh.ht[NX + r]);
       epg_st64_sys(epg_direct_table(a, r, parity) + me * (E + 1) + e, (epg_u64)(epg_u32)tag << 32 | c);
     }
