@@ -841,8 +841,9 @@ EPG_DEVICE void epg_grouped_reduce8(const char* expert_out, epg_i64 row_bytes, c
 //  2. Block 0 writes its totals into row [parity][this rank] of every destination's count table (grp_cnt, at the
 //     same workspace offset on every rank), each 64-bit word tagged with this call's number + 1 (no fence: the
 //     counts are all the table publishes).
-//  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W senders'
-//     words loaded at once; each word used once it carries this call's tag), then for each destination r works out r's groups
+//  3. Every block reads every destination's table in one pass (a thread per (destination, bucket), its W - 1 peers'
+//     words loaded at once, each used once it carries this call's tag; this rank's own totals from the block's
+//     histograms: no block waits for its own rank's block 0), then for each destination r works out r's groups
 //     (grouped.group_bounds: padded counts, prefix, the capacity's cut), and from them the grouped row of its first
 //     pair of each (r, expert) and its first row index at r. For its own rank it also writes offs / kept counts /
 //     the drop count (block 0) and marks the rows no pair will fill (src = m_indices = -1, weights 0).
@@ -892,10 +893,26 @@ EPG_DEVICE bool epg_direct_count(const EpArgs& a, const epg_u64* at, epg_u64 wor
   return true;
 }
 
+// Ids [j0, j0 + 8) of token t (-1 past top-k or past the tokens), every load issued before any is used.
+EPG_DEVICE void epg_direct_ids(const int* idx, epg_i64 t, epg_i64 T, int K, int j0, int (&e)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) e[q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
+}
+// Ids e counted into the histogram h (a pair per bucket: the expert id), their ranks into the mask ranks; branch-free:
+// an id that names no expert (past top-k, or out of range) counts in the spare bucket EPG_DIRECT_BUCKETS and no rank.
+EPG_DEVICE void epg_direct_tally(int* h, const int (&e)[8], int num_experts, const EpgDiv& per_rank, epg_u64& ranks) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const bool ok = (epg_u32)e[q] < (epg_u32)num_experts;
+    epg_atomic_add_dev(&h[ok ? e[q] : EPG_DIRECT_BUCKETS], 1);
+    ranks |= (epg_u64)ok << per_rank.div(ok ? (epg_u32)e[q] : 0u);
+  }
+}
+
 struct EpgDirectShared {
-  int hb[EPG_DIRECT_BUCKETS];  // before this block's tokens, then: each bucket's next grouped row; rows: next row index
+  int hb[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) before this block's tokens, then: each bucket's next grouped row; rows: next row index
   int sb[EPG_DIRECT_BUCKETS];  // each (rank, expert) bucket's pairs from the senders below this rank
-  int ht[EPG_DIRECT_BUCKETS];  // all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
+  int ht[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
@@ -964,19 +981,21 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   for (int i = tid; i < NX + W; i += nt) sh.hb[i] = sh.ht[i] = 0;
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
+  // a thread's tokens t = tid, tid + nt, ...: the next token's first eight ids are loaded before this one's are counted
+  // (the counting waited on its loads once a round of nt tokens, ~1 µs a round on an H100)
+  int nx[8];
+  epg_direct_ids(idx, tid, T, K, 0, nx);
   for (epg_i64 t = tid; t < T; t += nt) {
     int* h = t < t0 ? sh.hb : sh.ht;  // before this block's tokens, or from them on (one atomic per id; summed below)
+    int e[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) e[q] = nx[q];
+    epg_direct_ids(idx, t + nt, T, K, 0, nx);
     epg_u64 ranks = 0;
-    for (int j0 = 0; j0 < K; j0 += 8) {  // eight ids loaded before any is used
-      int e[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) e[q] = j0 + q < K ? idx[t * K + j0 + q] : -1;
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-        if (e[q] >= 0 && e[q] < a.num_experts) {
-          epg_atomic_add_dev(&h[e[q]], 1);
-          ranks |= 1ull << per_rank.div((epg_u32)e[q]);
-        }
+    epg_direct_tally(h, e, a.num_experts, per_rank, ranks);
+    for (int j0 = 8; j0 < K; j0 += 8) {  // top-k past eight: the rest of the token's ids, loaded when counted
+      epg_direct_ids(idx, t, T, K, j0, e);
+      epg_direct_tally(h, e, a.num_experts, per_rank, ranks);
     }
     for (int r = 0; ranks; ++r, ranks >>= 1)
       if (ranks & 1ull) epg_atomic_add_dev(&h[NX + r], 1);
@@ -986,7 +1005,8 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   epg_syncthreads();
   epg_trace(a, 1);  // the histograms counted
 
-  // 2. block 0 posts this rank's totals to every destination's table, each word with this call's tag
+  // 2. block 0 posts this rank's totals to every destination's table, each word with this call's tag (the peers read
+  // every row of every table; this rank's blocks take its own rows from their histograms)
   if (epg_block() == 0) {
     for (int i = tid; i < W * (E + 1); i += nt) {
       const int r = i / (E + 1), e = i % (E + 1);
@@ -1011,7 +1031,8 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
   g.src = (int*)a.grp_src;
   g.m_indices = (int*)a.grp_m_indices;
   g.weights = (float*)a.grp_weights;
-  // every destination's table in one pass: a thread per (rank r, bucket e), its W senders' words loaded at once
+  // every destination's table in one pass: a thread per (rank r, bucket e), its W - 1 peers' words loaded at once,
+  // this rank's own from the block's histograms
   for (int i = tid; i < W * (E + 1); i += nt) {
     const int r = i / (E + 1), e = i % (E + 1);
     const epg_u64* at = epg_direct_table(a, r, parity) + e;
@@ -1019,13 +1040,15 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
     for (int p0 = 0; p0 < W && sh.ok; p0 += 8) {
       epg_u64 words[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) words[q] = p0 + q < W ? epg_ld64_sys(at + (p0 + q) * (E + 1)) : 0ull;
+      for (int q = 0; q < 8; ++q) words[q] = p0 + q < W && p0 + q != me ? epg_ld64_sys(at + (p0 + q) * (E + 1)) : 0ull;
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const int p = p0 + q;
         int c = 0;
         if (p >= W) break;
-        if (!epg_direct_count(a, at + p * (E + 1), words[q], tag, p, c)) {
+        if (p == me) {
+          c = e < E ? sh.ht[r * E + e] : sh.ht[NX + r];
+        } else if (!epg_direct_count(a, at + p * (E + 1), words[q], tag, p, c)) {
           sh.ok = 0;
           break;
         }
@@ -1034,7 +1057,7 @@ EPG_KERNEL void epg_dispatch_direct__bf16__intranode(EpArgs a) {
       }
     }
     if (e < E) {
-      sh.ht[r * E + e] = all;  // (this block's own totals were posted: the slots are free)
+      sh.ht[r * E + e] = all;  // (this thread's own total, read above: the slot is free)
       sh.sb[r * E + e] = below;
     } else {
       sh.hb[NX + r] += below;  // this block's first row index at r
