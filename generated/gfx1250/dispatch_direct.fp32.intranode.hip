@@ -932,9 +932,11 @@ EPG_DEVICE void epg_direct_tally(int* h, const int (&e)[8], int num_experts, con
 }
 
 struct EpgDirectShared {
-  int hb[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) before this block's tokens, then: each bucket's next grouped row; rows: next row index
+  int hb[EPG_DIRECT_BUCKETS + 1];  // before this block's tokens (+ the spare bucket), then: each bucket's next grouped
+                                   // row; rows: next row index
   int sb[EPG_DIRECT_BUCKETS];  // each (rank, expert) bucket's pairs from the senders below this rank
-  int ht[EPG_DIRECT_BUCKETS + 1];  // (+ the ids naming no expert) all tokens, then: each bucket's limit (grouped rows at or past it are dropped)
+  int ht[EPG_DIRECT_BUCKETS + 1];  // all tokens (+ the spare bucket), then: each bucket's limit (grouped rows at or
+                                   // past it are dropped)
   int g[EPG_DIRECT_CHUNK][EPG_WAVE];    // a chunk's pairs: grouped row, -1 none (dropped, or no expert)
   int row[EPG_DIRECT_CHUNK][EPG_WAVE];  // its row index at the pair's rank, -1 no expert
   int dst[EPG_DIRECT_CHUNK][EPG_WAVE];  // the pair's rank, -1 no expert; | EPG_DIRECT_FIRST on the rank's first k
@@ -1004,7 +1006,6 @@ EPG_KERNEL void epg_dispatch_direct__fp32__intranode(EpArgs a) {
   if (tid == 0) sh.ok = 1;
   epg_syncthreads();
   // a thread's tokens t = tid, tid + nt, ...: the next token's first eight ids are loaded before this one's are counted
-  // (the counting waited on its loads once a round of nt tokens, ~1 µs a round on an H100)
   int nx[8];
   epg_direct_ids(idx, tid, T, K, 0, nx);
   for (epg_i64 t = tid; t < T; t += nt) {
