@@ -123,3 +123,16 @@ def replay_ms(graph: "torch.cuda.CUDAGraph", reps: int, warmup: int = 1) -> list
         if it >= warmup:
             out.append(a.elapsed_time(b))
     return out
+
+
+def graph_us(fn, launches: int, reps: int) -> float:
+    """Median µs per launch of a CUDA graph of `launches` calls of fn, over `reps` replays (fn warmed outside the
+    capture first: bench.measure; each replay timed by device events: replay_ms)."""
+    from bench.measure import warm_on_side_stream
+
+    warm_on_side_stream(fn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return statistics.median(replay_ms(graph, reps, warmup=5)) * 1000.0 / launches

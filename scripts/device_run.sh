@@ -57,7 +57,9 @@
 # ncu options (e.g. --cache-control none); $OUT/ncu_t<T>/: ncu.ncu-rep.gz, ncu_details.csv, ncu_raw.csv.gz,
 # ncu_source.csv.gz, the folder scripts/ncu_table.py reads; its table printed), HBM_FLOOR=1 (scripts/hbm_floor.py at one
 # rank on GPU 0: the memory's floor of the grouped legs, plain Triton kernels in a graph, records of kind "hbm_floor";
-# HBM_FLOOR_ARGS: its options; $OUT/hbm_floor.jsonl).
+# HBM_FLOOR_ARGS: its options; $OUT/hbm_floor.jsonl), HIST_PROBE=1 (scripts/hist_probe.py on GPU 0: dispatch_direct's
+# histograms alone in several forms, scripts/hist_probe.cu, records of kind "hist_probe"; HIST_PROBE_ARGS: its options;
+# $OUT/hist_probe.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export EPGEN_COMMIT=${EPGEN_COMMIT:-} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -208,6 +210,10 @@ if [ -n "${HBM_FLOOR:-}" ]; then  # the memory's floor of what the grouped legs 
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/hbm_floor.py ${HBM_FLOOR_ARGS:-} --out "$OUT/hbm_floor.jsonl" 2>&1 \
     | tee "$OUT/hbm_floor.log" | tail -14; status[hbm_floor]=${PIPESTATUS[0]}
 fi
+if [ -n "${HIST_PROBE:-}" ]; then  # dispatch_direct's histograms alone, each form checked against torch, then timed
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/hist_probe.py ${HIST_PROBE_ARGS:-} --out "$OUT/hist_probe.jsonl" 2>&1 \
+    | tee "$OUT/hist_probe.log" | tail -12; status[hist_probe]=${PIPESTATUS[0]}
+fi
 gprof_run() {  # scripts/grouped_profile.py into $OUT/$1.jsonl and .log; the rest: environment settings for the run
   local name=$1; shift
   CUDA_VISIBLE_DEVICES=$([ "${GPROF_NPROC:-1}" -gt 1 ] && echo "${CUDA_VISIBLE_DEVICES:-0,1}" || echo 0) env "$@" timeout 240 \
@@ -306,5 +312,5 @@ pack_out() {
 }
 [ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
-for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain hbm_floor host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain hbm_floor hist_probe host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
 for name in ${trees[@]+"${trees[@]}"}; do printf '%-6s %s\n' "tree $name" "${status[tree_$name]}"; done

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -97,22 +96,10 @@ def _kernels():
     return triton, {"expand": expand, "reduce": reduce, "copy": copy, "empty": empty}
 
 
-def graph_us(fn, launches: int, reps: int) -> float:
-    """Median µs per launch of a CUDA graph of `launches` calls of fn, over `reps` replays (fn warmed outside the
-    capture first: bench.measure; each replay timed by device events: bench.graphprof)."""
-    from bench.graphprof import replay_ms
-    from bench.measure import warm_on_side_stream
-
-    warm_on_side_stream(fn)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    return statistics.median(replay_ms(graph, reps, warmup=5)) * 1000.0 / launches
-
-
 def points(tokens: list[int], hidden: int, topk: int, experts: int, launches: int, reps: int) -> list[dict]:
     """Every (kernel, T) point on the current GPU, each checked against torch before it is timed."""
+    from bench.graphprof import graph_us
+
     triton, k = _kernels()
     dev = torch.device("cuda", torch.cuda.current_device())
     KP = triton.next_power_of_2(topk)

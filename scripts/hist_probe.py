@@ -1,0 +1,171 @@
+"""dispatch_direct's histograms (its step 1) in isolation, in several forms, on its launch geometry: which way of
+counting a batch's expert ids per block is fastest on this GPU (scripts/hist_probe.cu says what each form does).
+
+    python scripts/hist_probe.py [--tokens 128 1024 4096] [--experts 256] [--topk 8] [--world 1 2]
+                                 [--blocks 0] [--threads 512] [--launches 16] [--reps 50] [--out F]
+
+The .cu file is built for the sm_90 target with the generator's own toolchain (specs/targets.toml) and loaded as a
+cubin. Per (form, world, T): the ids are each token's top-k distinct experts of a seeded random draw, every block
+checked against torch (its count before its own range and over all tokens, per expert and per rank) before the form
+is timed as a graph of --launches launches (the median over --reps replays, per launch). One record of kind
+"hist_probe" per point with bench.records.meta; the table printed last. --blocks 0: one block per multiprocessor
+(dispatch_direct's grid), rounded down to a multiple of 4 for the cluster forms' sake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FORMS = ("hp_atomic", "hp_replica4", "hp_replica8", "hp_replica16", "hp_cluster2", "hp_cluster4")
+MAX_BUCKETS = 320  # scripts/hist_probe.cu's HP_MAX_BUCKETS: experts + ranks
+
+
+class HpArgs(ctypes.Structure):  # scripts/hist_probe.cu's HpArgs, passed by value
+    _fields_ = [("idx", ctypes.c_void_p), ("pre", ctypes.c_void_p), ("tot", ctypes.c_void_p), ("T", ctypes.c_int),
+                ("K", ctypes.c_int), ("experts", ctypes.c_int), ("per_rank", ctypes.c_int), ("world", ctypes.c_int),
+                ("rank_magic", ctypes.c_uint)]
+
+
+def expected(ids: torch.Tensor, experts: int, world: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pre, tot) [blocks, experts + world] int32 of ids [T, k]: per block b (its tokens [b T / G, (b + 1) T / G)),
+    the pairs per expert and the tokens with a pair per rank (experts // world a rank), over the tokens before its
+    range and over all tokens."""
+    T = ids.shape[0]
+    per_rank = experts // world
+    one = torch.zeros((T, experts + world), dtype=torch.int64, device=ids.device)
+    one.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+    ranks = torch.zeros((T, world), dtype=torch.int64, device=ids.device)
+    ranks.scatter_(1, (ids.long() // per_rank), 1)
+    one[:, experts:] = ranks
+    prefix = torch.cat([torch.zeros_like(one[:1]), one.cumsum(0)])  # [T + 1, B]: counts before token t
+    starts = torch.tensor([b * T // blocks for b in range(blocks)], device=ids.device)
+    return prefix[starts].to(torch.int32), prefix[T].expand(blocks, -1).to(torch.int32).contiguous()
+
+
+def build(out_dir: Path) -> bytes:
+    """scripts/hist_probe.cu built for sm_90 with the specs' toolchain -> the cubin's bytes."""
+    from generator import toolchain
+    from runtime.config import load_specs
+
+    specs = load_specs()
+    target = specs.targets["sm_90"]
+    tools = toolchain.find(specs.toolchains[target.toolchain])
+    cubin = out_dir / "hist_probe.cubin"
+    res = toolchain.run(toolchain.compile_command(target, tools, ROOT / "scripts" / "hist_probe.cu", cubin), tools)
+    if res.returncode != 0:
+        raise RuntimeError(f"hist_probe: building scripts/hist_probe.cu failed:\n{res.stderr[-3000:]}")
+    return cubin.read_bytes()
+
+
+def points(image: bytes, tokens: list[int], experts: int, topk: int, worlds: list[int], blocks: int, threads: int,
+           launches: int, reps: int) -> list[dict]:
+    from runtime.kernels import CudaKernel
+    from bench.graphprof import graph_us
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for form in FORMS:
+        kernel = CudaKernel(image, form)
+        for world in worlds:
+            for T in tokens:
+                g = torch.Generator(device=dev).manual_seed(T)
+                ids = torch.rand((T, experts), generator=g, device=dev).topk(topk, dim=1).indices.to(torch.int32)
+                ids = ids.contiguous()
+                B = experts + world
+                pre = torch.full((blocks, B), -1, dtype=torch.int32, device=dev)
+                tot = torch.full((blocks, B), -1, dtype=torch.int32, device=dev)
+                per_rank = experts // world
+                args = HpArgs(ids.data_ptr(), pre.data_ptr(), tot.data_ptr(), T, topk, experts, per_rank, world,
+                              -(-(1 << 32) // per_rank) & 0xFFFFFFFF)
+
+                def run(kernel=kernel, args=args):
+                    kernel.launch(blocks, threads, args)
+
+                run()
+                torch.cuda.synchronize()
+                want_pre, want_tot = expected(ids, experts, world, blocks)
+                if not (torch.equal(pre, want_pre) and torch.equal(tot, want_tot)):
+                    bad = int((pre != want_pre).any(1).logical_or((tot != want_tot).any(1)).sum())
+                    raise RuntimeError(f"hist_probe: {form} at {T} tokens, world {world}: {bad} of {blocks} blocks' "
+                                       "histograms differ from torch's")
+                out.append({"form": form, "world": world, "tokens_per_rank": T, "blocks": blocks,
+                            "threads": threads, "us": graph_us(run, launches, reps)})
+        kernel.close()
+    return out
+
+
+def table(recs: list[dict]) -> list[str]:
+    forms = list(dict.fromkeys(r["form"] for r in recs))
+    lines = ["| world | tokens | " + " | ".join(forms) + " |", "|---|---|" + "---|" * len(forms)]
+    keys = list(dict.fromkeys((r["world"], r["tokens_per_rank"]) for r in recs))
+    for w, T in keys:
+        us = {r["form"]: r["us"] for r in recs if (r["world"], r["tokens_per_rank"]) == (w, T)}
+        lines.append(f"| {w} | {T} | " + " | ".join(f"{us[f]:.2f}" if f in us else "–" for f in forms) + " |")
+    return lines
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2], help="ranks the experts are split over")
+    p.add_argument("--blocks", type=int, default=0, help="0: one per multiprocessor, a multiple of 4")
+    p.add_argument("--threads", type=int, default=512)
+    p.add_argument("--launches", type=int, default=16, help="launches per graph")
+    p.add_argument("--reps", type=int, default=50, help="graph replays timed")
+    p.add_argument("--out", type=Path, default=None, help="append the records to this jsonl file")
+    args = p.parse_args(argv)
+    if any(not 1 <= t <= 1 << 20 for t in args.tokens):
+        p.error("--tokens must each be in [1, 2^20]")
+    if not 1 <= args.topk <= min(64, args.experts):
+        p.error("--topk must be in [1, min(64, --experts)]")
+    if any(not 1 <= w <= 64 or args.experts % w for w in args.world):
+        p.error("--world must each be in [1, 64] and divide --experts")
+    if any(args.experts + w > MAX_BUCKETS for w in args.world):
+        p.error(f"--experts + --world must be at most {MAX_BUCKETS} (scripts/hist_probe.cu's HP_MAX_BUCKETS)")
+    if not 0 <= args.blocks <= 4096 or args.blocks % 4:
+        p.error("--blocks must be 0 or a multiple of 4 up to 4096 (the cluster forms take 4 blocks a cluster)")
+    if args.threads % 32 or not 32 <= args.threads <= 512:
+        p.error("--threads must be a multiple of 32 in [32, 512]")
+    if not 1 <= args.launches <= 1024 or not 1 <= args.reps <= 100000:
+        p.error("--launches must be in [1, 1024] and --reps in [1, 100000]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        print("hist_probe: needs an NVIDIA GPU (the forms are sm_90 kernels); none is visible", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from bench.records import meta, write_records
+    if not dist.is_initialized():  # meta() names the world size: one process, no peers
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    blocks = args.blocks or torch.cuda.get_device_properties(dev).multi_processor_count // 4 * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        image = build(Path(tmp))
+    recs = points(image, args.tokens, args.experts, args.topk, args.world, blocks, args.threads, args.launches,
+                  args.reps)
+    recs = [meta(dev, kind="hist_probe", experts=args.experts, topk=args.topk, **r) for r in recs]
+    if args.out is not None:
+        write_records(args.out, recs)
+    print(f"hist_probe: µs per launch (graph), {blocks} blocks x {args.threads} threads, top-{args.topk} of "
+          f"{args.experts} experts; every form checked against torch first")
+    print("\n".join(table(recs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
