@@ -154,11 +154,16 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cuda", torch.cuda.current_device())
     blocks = args.blocks or torch.cuda.get_device_properties(dev).multi_processor_count // 4 * 4
-    with tempfile.TemporaryDirectory() as tmp:
-        image = build(Path(tmp))
-    recs = points(image, args.tokens, args.experts, args.topk, args.world, blocks, args.threads, args.launches,
-                  args.reps)
-    recs = [meta(dev, kind="hist_probe", experts=args.experts, topk=args.topk, **r) for r in recs]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            image = build(Path(tmp))
+        recs = points(image, args.tokens, args.experts, args.topk, args.world, blocks, args.threads, args.launches,
+                      args.reps)
+    except RuntimeError as e:  # the build failed, or a form disagrees with torch (the message says which)
+        print(str(e), file=sys.stderr)
+        return 1
+    recs = [meta(dev, kind="hist_probe", experts=args.experts, topk=args.topk, graph=True,
+                 launches_per_graph=args.launches, reps=args.reps, **r) for r in recs]
     if args.out is not None:
         write_records(args.out, recs)
     print(f"hist_probe: µs per launch (graph), {blocks} blocks x {args.threads} threads, top-{args.topk} of "
