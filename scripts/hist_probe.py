@@ -58,7 +58,10 @@ def build(out_dir: Path) -> bytes:
 
     specs = load_specs()
     target = specs.targets["sm_90"]
-    tools = toolchain.find(specs.toolchains[target.toolchain])
+    try:
+        tools = toolchain.find(specs.toolchains[target.toolchain])
+    except toolchain.ToolchainMissing as e:
+        raise RuntimeError(f"hist_probe: no compiler for sm_90: {e}") from e
     cubin = out_dir / "hist_probe.cubin"
     res = toolchain.run(toolchain.compile_command(target, tools, ROOT / "scripts" / "hist_probe.cu", cubin), tools)
     if res.returncode != 0:

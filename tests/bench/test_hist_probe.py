@@ -79,3 +79,14 @@ def test_the_cu_file_builds_for_sm_90(tmp_path):
     assert image[:4] == b"\x7fELF"
     for form in _script().FORMS:
         assert form.encode() in image
+
+
+def test_a_missing_compiler_is_one_message(monkeypatch, tmp_path):
+    from generator import toolchain
+
+    def missing(tc):
+        raise toolchain.ToolchainMissing("nvcc not found")
+
+    monkeypatch.setattr(toolchain, "find", missing)
+    with pytest.raises(RuntimeError, match="no compiler for sm_90: nvcc not found"):
+        _script().build(tmp_path)
