@@ -350,19 +350,21 @@ def _same_groups(lay, rlay, k, what, op, rh):
     assert _groups(lay, _native_ids(op), k) == _groups(rlay, _torch_ids(rh, op.config.max_num_inp_token_per_rank), k), what
 
 
-@pytest.mark.parametrize("mode,epr,align,gcap,tokens,direct", [
-    ("bf16", EPR, 16, 0, T, "always"), ("fp32", EPR, 16, 0, T, "always"), ("bf16", EPR, 16, 0, 1, "always"),
-    ("bf16", EPR, 16, 128, T, "always"),   # a small buffer: drops, the serial cut
-    ("bf16", EPR, 3, 0, 512, "always"),    # an alignment that is no power of two
-    ("bf16", EPR, 16, 0, 4096, "always"),  # more tokens per block than it numbers at once (EPG_DIRECT_CHUNK)
-    ("bf16_wide", EPR, 16, 0, T, "always"),
-    ("bf16", 700, 16, 0, 64, "always"),    # 1400 (rank, expert) counters of the 1536 the kernel holds
+@pytest.mark.parametrize("mode,epr,align,gcap,tokens,direct,k", [
+    ("bf16", EPR, 16, 0, T, "always", K), ("fp32", EPR, 16, 0, T, "always", K), ("bf16", EPR, 16, 0, 1, "always", K),
+    ("bf16", EPR, 16, 128, T, "always", K),   # a small buffer: drops, the serial cut
+    ("bf16", EPR, 3, 0, 512, "always", K),    # an alignment that is no power of two
+    ("bf16", EPR, 16, 0, 4096, "always", K),  # more tokens per block than it numbers at once (EPG_DIRECT_CHUNK)
+    ("bf16_wide", EPR, 16, 0, T, "always", K),
+    ("bf16", 700, 16, 0, 64, "always", K),    # 1400 (rank, expert) counters of the 1536 the kernel holds
+    ("bf16", EPR, 16, 0, 512, "always", 6),   # top-k below eight: ids past k count in the histograms' spare bucket
+    ("bf16", 16, 16, 0, 512, "always", 10),   # top-k past eight: a token's ids past the first eight counted after them
     # the same ops with the direct kernel turned off: the dispatch and the grouped passes into the workspace's buffers
     # (rows numbered as they arrive, so the groups are compared as sets, with no drops: which pairs a full buffer
     # drops follows that order)
-    ("bf16", EPR, 16, 0, T, "never"), ("bf16", 700, 16, 0, 64, "never"),
+    ("bf16", EPR, 16, 0, T, "never", K), ("bf16", 700, 16, 0, 64, "never", K),
 ])
-def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, direct):
+def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, direct, k):
     """The direct grouped dispatch (templates/kernels/dispatch_direct.j2: counts first, then each kept pair's row
     stored straight into its group on the destination; NativeBackend.direct "always", as "auto" takes it) gives the
     torch backend's layout exactly (both number the received rows in (source rank, token) order): rows, src,
@@ -374,7 +376,7 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
         W = dist.get_world_size()
         hidden, fields = MODES[mode]
         kw = dict(rank=dist.get_rank(), world_size=W, hidden_dim=hidden, max_num_inp_token_per_rank=tokens,
-                  num_experts_per_rank=epr, num_experts_per_token=K, enable_grouped_layout=True,
+                  num_experts_per_rank=epr, num_experts_per_token=k, enable_grouped_layout=True,
                   expert_alignment=align, grouped_capacity=gcap, intranode_protocol="bw", **fields)
         with EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="native", **kw)) as op, \
                 EpDispatchCombineOp(EpDispatchCombineConfig(kernel_backend="torch", **kw)) as ref:
@@ -393,8 +395,8 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
             dt = fields.get("data_type", torch.bfloat16)
             for n in (tokens, max(1, tokens // 8)):
                 x = (torch.randint(-64, 65, (n, hidden), generator=g).float() / 16).to(dt)
-                w = torch.randint(1, 64, (n, K), generator=g).float() / 64
-                idx = random_routing(g, n, K, epr * W)
+                w = torch.randint(1, 64, (n, k), generator=g).float() / 64
+                idx = random_routing(g, n, k, epr * W)
                 launched.clear()
                 lay, h = op.dispatch_grouped(x.cuda(), w.cuda(), None, idx.cuda())
                 if exact:
@@ -408,9 +410,9 @@ def test_direct_dispatch_matches_torch_backend(mode, epr, align, gcap, tokens, d
                 assert total == rh.total_recv, (total, rh.total_recv)
                 def same(got, what):  # the direct kernel's numbering, or the separate passes' arrival order
                     if exact:
-                        _exact(got, rlay, total, K, what)
+                        _exact(got, rlay, total, k, what)
                     else:
-                        _same_groups(got, rlay, K, what, op, rh)
+                        _same_groups(got, rlay, k, what, op, rh)
                 same(lay, f"{n} tokens")
                 y = expert_rows(lay, _payload(mode), op.config.combine_dtype, dist.get_rank() * epr)
                 ry = expert_rows(rlay, _payload(mode), ref.config.combine_dtype, dist.get_rank() * epr)
