@@ -26,6 +26,7 @@ struct HpArgs {
 };
 
 __device__ __forceinline__ int hp_rank(const HpArgs& a, unsigned e) {
+  if (a.per_rank == 1) return (int)e;  // (2^32 has no 32-bit magic)
   unsigned q = __umulhi(e, a.rank_magic);
   if (q * (unsigned)a.per_rank > e) --q;  // (exact below 2^16 ids; kept as the kernel's divider keeps it)
   return (int)q;
