@@ -9,7 +9,10 @@ cubin. Per (form, world, T): the ids are each token's top-k distinct experts of 
 checked against torch (its count before its own range and over all tokens, per expert and per rank) before the form
 is timed as a graph of --launches launches (the median over --reps replays, per launch). One record of kind
 "hist_probe" per point with bench.records.meta; the table printed last. --blocks 0: one block per multiprocessor
-(dispatch_direct's grid), rounded down to a multiple of 4 for the cluster forms' sake.
+(dispatch_direct's grid), rounded down to a multiple of 4 for the cluster forms' sake. For the cluster forms the
+records also hold how many clusters can be resident at once (dispatch_direct waits for its whole grid, so a cluster
+form there needs every cluster of its grid resident: an SM group whose SMs are no multiple of the cluster size leaves
+some idle).
 """
 
 from __future__ import annotations
@@ -69,6 +72,21 @@ def build(out_dir: Path) -> bytes:
     return cubin.read_bytes()
 
 
+def max_active_clusters(kernel, blocks: int, threads: int) -> int | None:
+    """Clusters of a cluster form's kernel that can be resident at once on this GPU (cuOccupancyMaxActiveClusters:
+    whether its grid's clusters all fit, which a kernel with a grid barrier needs), or None where the query fails."""
+    try:
+        cu = kernel._cu
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = blocks, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.sharedMemBytes, cfg.numAttrs = 0, 0
+        err, n = cu.cuOccupancyMaxActiveClusters(kernel.function, cfg)
+        return int(n) if err == cu.CUresult.CUDA_SUCCESS else None
+    except Exception:  # noqa: BLE001 - a fact for the table, not a condition of the measurement
+        return None
+
+
 def points(image: bytes, tokens: list[int], experts: int, topk: int, worlds: list[int], blocks: int, threads: int,
            launches: int, reps: int) -> tuple[list[dict], list[str]]:
     """(records, failures): each form at every (world, T), checked against torch before it is timed; a form that
@@ -104,7 +122,9 @@ def points(image: bytes, tokens: list[int], experts: int, topk: int, worlds: lis
                         raise RuntimeError(f"at {T} tokens, world {world}: {bad} of {blocks} blocks' histograms "
                                            "differ from torch's")
                     out.append({"form": form, "world": world, "tokens_per_rank": T, "blocks": blocks,
-                                "threads": threads, "us": graph_us(run, launches, reps)})
+                                "threads": threads, "us": graph_us(run, launches, reps),
+                                "max_active_clusters": max_active_clusters(kernel, blocks, threads)
+                                if "cluster" in form else None})
         except Exception as e:  # noqa: BLE001 - one form's failure is reported; the other forms are still measured
             failures.append(f"hist_probe: {form}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         finally:
@@ -179,6 +199,10 @@ def main(argv=None) -> int:
     print(f"hist_probe: µs per launch (graph), {blocks} blocks x {args.threads} threads, top-{args.topk} of "
           f"{args.experts} experts; every form checked against torch first")
     print("\n".join(table(recs)))
+    fits = {r["form"]: r["max_active_clusters"] for r in recs if r["max_active_clusters"] is not None}
+    if fits:
+        print("clusters resident at once: " + ", ".join(f"{f} {n}" for f, n in fits.items()) + f" (the grid's: "
+              + ", ".join(f"{f} {blocks // int(f[len('hp_cluster'):])}" for f in fits) + ")")
     for line in failures:
         print(line, file=sys.stderr)
     return 1 if failures else 0
