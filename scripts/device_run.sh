@@ -80,13 +80,13 @@ NPROC=${NPROC:-$((ngpu * RANKS_PER_GPU))}  # ranks of the multi-rank runs (more 
 OVERSUB=; [ "$NPROC" -gt "$ngpu" ] && { OVERSUB=1; echo "== $NPROC ranks on $ngpu GPU(s): oversubscribed, correctness only (no benches)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
 declare -A status
-ab_env=()  # the A/B trees' environment: every variable AB_SKIP names unset
+ab_skip=()  # the variables the A/B trees' runs have unset (AB_SKIP)
 for v in ${AB_SKIP:-}; do
   if ! [[ "$v" =~ ^[A-Z][A-Z0-9_]*$ ]]; then echo "== AB_SKIP: $v is not a variable's name ([A-Z][A-Z0-9_]*): nothing run" >&2; exit 2; fi
-  ab_env+=(-u "$v")
+  ab_skip+=("$v")
 done
 if [ -n "${AB_BASE:-}" ]; then  # an A/B on one machine: the same jobs in the base tree first (no tests), into $OUT/base
-  (cd "$AB_BASE" && env ${ab_env[@]+"${ab_env[@]}"} AB_BASE= AB_TREES= EPGEN_COMMIT="${AB_BASE_COMMIT:-base}" OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
+  (cd "$AB_BASE" && unset ${ab_skip[@]+"${ab_skip[@]}"} && AB_BASE= AB_TREES= EPGEN_COMMIT="${AB_BASE_COMMIT:-base}" OUT="$OUT/base" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed 's/^/[base] /' | tail -40
   status[base]=${PIPESTATUS[0]}
 fi
 trees=()
@@ -96,7 +96,7 @@ for tree in ${AB_TREES:-}; do  # more candidates, each measured as the base is (
     echo "== AB_TREES: $tree is not a tree to measure (its name is the base's folder)"
     status[tree_$name]=2; trees+=("$name"); continue
   fi
-  (cd "$tree" && env ${ab_env[@]+"${ab_env[@]}"} AB_BASE= AB_TREES= EPGEN_COMMIT="$name" OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
+  (cd "$tree" && unset ${ab_skip[@]+"${ab_skip[@]}"} && AB_BASE= AB_TREES= EPGEN_COMMIT="$name" OUT="$OUT/$name" NO_TESTS=1 NO_PACK=1 bash scripts/device_run.sh) 2>&1 | sed "s/^/[$name] /" | tail -40
   status[tree_$name]=${PIPESTATUS[0]}; trees+=("$name")
 done
 python3 -m generator build --arch sm_90 --profile all > "$OUT/build.log" 2>&1; status[build]=$?

@@ -58,3 +58,18 @@ def test_each_tree_records_its_own_commit_not_this_trees(tmp_path):
     assert (out / "cand.commit").read_text().strip() == "commit=cand"
     _, out = _run(tmp_path / "b", {"good": stub}, AB_BASE=".ab/good", EPGEN_COMMIT="abc1234")
     assert (out / "base.commit").read_text().strip() == "commit=base"
+
+
+def test_the_jobs_ab_skip_names_run_in_this_tree_only(tmp_path):
+    """AB_SKIP="VAR ...": those variables are unset for the base's and the other trees' runs (a job such as TRAIN
+    then runs once, in the calling tree); a name that is no variable's is refused before anything runs."""
+    stub = 'echo "train=${TRAIN:-unset} phase=${PHASE:-unset}" > "$OUT.env"\nexit 0\n'
+    _, out = _run(tmp_path / "a", {"good": stub, "cand": stub}, AB_BASE=".ab/good", AB_TREES=".ab/cand",
+                  TRAIN="1", PHASE="1", AB_SKIP="TRAIN")
+    assert (out / "base.env").read_text().strip() == "train=unset phase=1"
+    assert (out / "cand.env").read_text().strip() == "train=unset phase=1"
+    _, out = _run(tmp_path / "b", {"good": stub}, AB_BASE=".ab/good", TRAIN="1")
+    assert (out / "base.env").read_text().strip() == "train=1 phase=unset"
+    proc, out = _run(tmp_path / "c", AB_BASE=".ab/good", AB_SKIP="TRAIN; rm")
+    assert proc.returncode == 2 and "AB_SKIP: TRAIN; is not a variable's name" in proc.stderr, proc.stderr
+    assert not os.listdir(out), "the refused run wrote into OUT"
