@@ -136,3 +136,19 @@ def graph_us(fn, launches: int, reps: int) -> float:
         for _ in range(launches):
             fn()
     return statistics.median(replay_ms(graph, reps, warmup=5)) * 1000.0 / launches
+
+
+def add_graph_args(p) -> None:
+    """The options of a script that times kernels as graphs of launches (graph_us) and appends records: --launches,
+    --reps, --out; check_graph_args holds them to their ranges."""
+    from pathlib import Path
+
+    p.add_argument("--launches", type=int, default=16, help="launches per graph")
+    p.add_argument("--reps", type=int, default=50, help="graph replays timed")
+    p.add_argument("--out", type=Path, default=None, help="append the records to this jsonl file")
+
+
+def check_graph_args(p, args) -> None:
+    """p.error (exit 2, one line) where add_graph_args' options are out of range."""
+    if not 1 <= args.launches <= 1024 or not 1 <= args.reps <= 100000:
+        p.error("--launches must be in [1, 1024] and --reps in [1, 100000]")

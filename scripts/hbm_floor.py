@@ -150,14 +150,14 @@ def table(recs: list[dict]) -> list[str]:
 
 
 def parse(argv=None) -> argparse.Namespace:
+    from bench.graphprof import add_graph_args, check_graph_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 4096])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--launches", type=int, default=16, help="launches per graph")
-    p.add_argument("--reps", type=int, default=50, help="graph replays timed")
-    p.add_argument("--out", type=Path, default=None, help="append the records to this jsonl file")
+    add_graph_args(p)
     args = p.parse_args(argv)
     if any(not 1 <= t <= 1 << 20 for t in args.tokens):
         p.error("--tokens must each be in [1, 2^20]")
@@ -165,8 +165,7 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--hidden must be in [1, 65536]")
     if not 1 <= args.topk <= min(64, args.experts) or not 1 <= args.experts <= 4096:
         p.error("--topk must be in [1, min(64, --experts)] and --experts in [1, 4096]")
-    if not 1 <= args.launches <= 1024 or not 1 <= args.reps <= 100000:
-        p.error("--launches must be in [1, 1024] and --reps in [1, 100000]")
+    check_graph_args(p, args)
     return args
 
 

@@ -32,9 +32,10 @@ __device__ __forceinline__ int hp_rank(const HpArgs& a, unsigned e) {
   return (int)q;
 }
 
-__device__ __forceinline__ void hp_ids(const int* idx, long t, long T, int K, int j0, int (&e)[8]) {
+// Ids [j0, j0 + 8) of token t (-1 past top-k, or all -1 where the token is not `valid`), every load issued first.
+__device__ __forceinline__ void hp_ids(const int* idx, long t, bool valid, int K, int j0, int (&e)[8]) {
 #pragma unroll
-  for (int q = 0; q < 8; ++q) e[q] = t < T && j0 + q < K ? idx[t * K + j0 + q] : -1;
+  for (int q = 0; q < 8; ++q) e[q] = valid && j0 + q < K ? idx[t * K + j0 + q] : -1;
 }
 
 // Token t's ids (the first eight from `first`, loaded already) counted into h at stride `copies` (copy c), its ranks
@@ -46,7 +47,7 @@ __device__ __forceinline__ void hp_token(const HpArgs& a, int* h, int copies, in
 #pragma unroll
   for (int q = 0; q < 8; ++q) e[q] = first[q];
   for (int j0 = 0; j0 < a.K; j0 += 8) {
-    if (j0) hp_ids(a.idx, t, a.T, a.K, j0, e);
+    if (j0) hp_ids(a.idx, t, true, a.K, j0, e);
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       const bool ok = (unsigned)e[q] < (unsigned)a.experts;
@@ -58,19 +59,26 @@ __device__ __forceinline__ void hp_token(const HpArgs& a, int* h, int copies, in
     if (ranks & 1ull) atomicAdd(&h[(a.experts + r) * copies + c], 1);
 }
 
-// Tokens t = start, start + step, ... below end counted into lo (t < split) or hi, the next token's first ids in flight.
+// Steps u = start, start + step, ... below end, each counting token tok(u) into lo (tok(u) < split) or hi, the next
+// step's first ids in flight while this one's are counted.
+template <class Tok>
 __device__ __forceinline__ void hp_count(const HpArgs& a, int* lo, int* hi, int copies, int c, long start, long step,
-                                         long end, long split) {
+                                         long end, long split, Tok tok) {
   int nx[8];
-  hp_ids(a.idx, start, end, a.K, 0, nx);
-  for (long t = start; t < end; t += step) {
+  hp_ids(a.idx, tok(start), start < end, a.K, 0, nx);
+  for (long u = start; u < end; u += step) {
     int first[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) first[q] = nx[q];
-    hp_ids(a.idx, t + step, end, a.K, 0, nx);
+    hp_ids(a.idx, tok(u + step), u + step < end, a.K, 0, nx);
+    const long t = tok(u);
     hp_token(a, t < split ? lo : hi, copies, c, t, first);
   }
 }
+
+struct HpSame {  // the steps are the tokens themselves
+  __device__ __forceinline__ long operator()(long u) const { return u; }
+};
 
 template <int R>
 __device__ void hp_replicated(const HpArgs& a) {
@@ -79,7 +87,7 @@ __device__ void hp_replicated(const HpArgs& a) {
   const long t0 = (long)b * a.T / G;
   for (int i = tid; i < (B + 1) * R; i += nt) hb[i] = ht[i] = 0;
   __syncthreads();
-  hp_count(a, hb, ht, R, (tid & 31) % R, tid, nt, a.T, t0);
+  hp_count(a, hb, ht, R, (tid & 31) % R, tid, nt, a.T, t0, HpSame());
   __syncthreads();
   for (int i = tid; i < B; i += nt) {
     int p = 0, s = 0;
@@ -106,23 +114,11 @@ __device__ void hp_clustered(const HpArgs& a) {
   const long c0 = (long)b0 * a.T / G, c1 = (long)(b0 + C) * a.T / G;  // the cluster's range
   for (int i = tid; i < 3 * (HP_MAX_BUCKETS + 1); i += nt) (&h[0][0])[i] = 0;
   __syncthreads();
-  // the tokens outside [c0, c1) in C shares (index u over them: u < c0 before, else c1 + u - c0 after), its own range
-  const long outside = a.T - (c1 - c0);
-  {
-    int nx[8];
-    const long step = (long)C * nt;
-    long u = (long)cr * nt + tid;
-    hp_ids(a.idx, u < c0 ? u : c1 + u - c0, u < outside ? a.T : 0, a.K, 0, nx);
-    for (; u < outside; u += step) {
-      int first[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) first[q] = nx[q];
-      const long un = u + step;
-      hp_ids(a.idx, un < c0 ? un : c1 + un - c0, un < outside ? a.T : 0, a.K, 0, nx);
-      hp_token(a, u < c0 ? h[0] : h[1], 1, 0, u < c0 ? u : c1 + u - c0, first);
-    }
-  }
-  hp_count(a, h[2], h[2], 1, 0, t0 + tid, nt, t1, t1);
+  // the tokens outside [c0, c1) in C shares (step u over them: token u before the range, c1 + u - c0 after it),
+  // then its own range
+  hp_count(a, h[0], h[1], 1, 0, (long)cr * nt + tid, (long)C * nt, a.T - (c1 - c0), c0,
+           [=](long u) { return u < c0 ? u : c1 + u - c0; });
+  hp_count(a, h[2], h[2], 1, 0, t0 + tid, nt, t1, t1, HpSame());
   cluster.sync();  // every block's histograms complete and visible to the cluster
   for (int i = tid; i < B; i += nt) {
     int p = 0, s = 0;

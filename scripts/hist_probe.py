@@ -144,6 +144,8 @@ def table(recs: list[dict]) -> list[str]:
 
 
 def parse(argv=None) -> argparse.Namespace:
+    from bench.graphprof import add_graph_args, check_graph_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--experts", type=int, default=256)
@@ -151,9 +153,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--world", type=int, nargs="+", default=[1, 2], help="ranks the experts are split over")
     p.add_argument("--blocks", type=int, default=0, help="0: one per multiprocessor, a multiple of 4")
     p.add_argument("--threads", type=int, default=512)
-    p.add_argument("--launches", type=int, default=16, help="launches per graph")
-    p.add_argument("--reps", type=int, default=50, help="graph replays timed")
-    p.add_argument("--out", type=Path, default=None, help="append the records to this jsonl file")
+    add_graph_args(p)
     args = p.parse_args(argv)
     if any(not 1 <= t <= 1 << 20 for t in args.tokens):
         p.error("--tokens must each be in [1, 2^20]")
@@ -167,8 +167,7 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--blocks must be 0 or a multiple of 4 up to 4096 (the cluster forms take 4 blocks a cluster)")
     if args.threads % 32 or not 32 <= args.threads <= 512:
         p.error("--threads must be a multiple of 32 in [32, 512]")
-    if not 1 <= args.launches <= 1024 or not 1 <= args.reps <= 100000:
-        p.error("--launches must be in [1, 1024] and --reps in [1, 100000]")
+    check_graph_args(p, args)
     return args
 
 
