@@ -214,10 +214,12 @@ class CudaKernel:
         from cuda.bindings import driver as cu
 
         self._cu = cu
-        torch.cuda.current_device()  # the primary context is current
         # the context this kernel lives in: a thread where no CUDA call made it current yet (autograd's backward
         # worker, a user's thread) gets it made current before a launch (_in_context)
         self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if not int(self._ctx):  # no CUDA work in this process yet: torch makes the device's primary context
+            torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._no_context = int(cu.CUresult.CUDA_ERROR_INVALID_CONTEXT)
         self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
         self.function = self._check(cu.cuModuleGetFunction(self.module, symbol.encode()), "cuModuleGetFunction")

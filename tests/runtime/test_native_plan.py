@@ -307,6 +307,44 @@ def test_direct_grouped_dispatch_plan(fields, direct):
     assert sum(mine.values()) == sum(plain.values()) + regions["grouped_cnt"].nbytes
 
 
+def test_cuda_kernel_makes_the_context_where_no_cuda_work_came_first(monkeypatch):
+    """A process whose first CUDA work is loading an epgen kernel (a gloo group, no tensor on the GPU yet) has no
+    current context: the module would not load (CUDA_ERROR_INVALID_CONTEXT, seen on the GPU). CudaKernel has torch
+    make the device's primary context first, and keeps the context that is then current."""
+    import sys
+    import types
+
+    calls = []
+    ctx = [0]  # the current context's handle: none until torch allocates
+    ok = types.SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)
+
+    def load(image):
+        calls.append("load")
+        return (ok.CUDA_SUCCESS if ctx[0] else ok.CUDA_ERROR_INVALID_CONTEXT, 7)
+
+    driver = types.SimpleNamespace(
+        CUresult=ok, CUfunction_attribute=types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK=0),
+        cuCtxGetCurrent=lambda: (ok.CUDA_SUCCESS, ctx[0]), cuModuleLoadData=load,
+        cuModuleGetFunction=lambda module, name: (ok.CUDA_SUCCESS, 9),
+        cuFuncGetAttribute=lambda attr, fn: (ok.CUDA_SUCCESS, 512))
+    monkeypatch.setitem(sys.modules, "cuda", types.SimpleNamespace(bindings=types.SimpleNamespace(driver=driver)))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", types.SimpleNamespace(driver=driver))
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def zeros(*shape, device=None):
+        calls.append(("zeros", str(device)))
+        ctx[0] = 0x1234  # the primary context, made current by torch's first allocation
+    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(kernels, "_driver_launch", lambda function: None)
+    k = kernels.CudaKernel(b"image", "epg_kernel")
+    assert calls == [("zeros", "cuda:0"), "load"]
+    assert k._ctx == 0x1234 and k.max_threads == 512
+    calls.clear()
+    kernels.CudaKernel(b"image", "epg_kernel")  # a context current already: no allocation
+    assert calls == ["load"]
+
+
 def test_direct_call_takes_the_kernel_by_mode_and_world_size():
     """runtime.plan.direct_call: which dispatch_grouped calls take the direct kernel. Never where the op does not
     allow it, on the low-latency protocol, into a fresh layout or for a routing replay; "always" wherever allowed,
