@@ -145,7 +145,8 @@ class _LaunchConfig(ctypes.Structure):
 
 
 def _function_handle(function) -> ctypes.c_void_p | None:
-    """A CUfunction as the pointer the driver's entry points take, or None (no integer handle, or a null one)."""
+    """A CUfunction (or another driver handle: a CUcontext) as the pointer the driver's entry points take, or None (no
+    integer handle, or a null one)."""
     try:
         handle = int(function)
     except (TypeError, ValueError):
@@ -217,8 +218,8 @@ class CudaKernel:
         # the context this kernel lives in: a thread where no CUDA call made it current yet (autograd's backward
         # worker, a user's thread) gets it made current before a launch (_in_context)
         self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if not int(self._ctx):  # no CUDA work in this process yet: torch makes the device's primary context
-            torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        if _function_handle(self._ctx) is None:  # none current (no CUDA work in this process yet): torch makes the
+            torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))  # device's primary context
             self._ctx = self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._no_context = int(cu.CUresult.CUDA_ERROR_INVALID_CONTEXT)
         self.module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
