@@ -55,10 +55,10 @@ def op_arch() -> str:
 
 
 def meta(dev, **kw) -> dict:
-    """The metadata of a record made on `dev`: commit, date, device_info's fields, torch, world_size, whether the
-    eager calls took the steady path (EPGEN_STEADY_PATH), the target's spin_polls as the specs say (the EP kernels'
-    back-to-back polls before pausing: a build fact an A/B changes), whether its kernels were launched with
-    programmatic stream serialization (the specs' fact and EPGEN_PROGRAMMATIC_LAUNCH), and `kw`."""
+    """The metadata of a record made on `dev`: commit, date, device_info's fields, torch, world_size (1 in a process
+    with no group), whether the eager calls took the steady path (EPGEN_STEADY_PATH), the target's spin_polls as the
+    specs say (the EP kernels' back-to-back polls before pausing: a build fact an A/B changes), whether its kernels
+    were launched with programmatic stream serialization (the specs' fact and EPGEN_PROGRAMMATIC_LAUNCH), and `kw`."""
     from runtime.config import load_specs
     from runtime.kernels import programmatic_launch
     from runtime.op import steady_path_enabled
@@ -67,7 +67,7 @@ def meta(dev, **kw) -> dict:
     spec = load_specs().targets.get(info["target"])
     return {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": info["gpu"],
             "driver": info["driver"], "cuda_driver_api": info["cuda_driver_api"], "target": info["target"],
-            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size(),
+            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "steady_path": steady_path_enabled(), "spin_polls": spec.spin_polls if spec is not None else None,
             "programmatic_launch": programmatic_launch(spec) if spec is not None else None, **kw}
 

@@ -174,11 +174,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("hbm_floor: needs a CUDA GPU (the floor is a device's); none is visible", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-
     from bench.records import meta, write_records
-    if not dist.is_initialized():  # meta() names the world size: one rank, no peers
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     triton, _ = _kernels()
     try:
         recs = points(args.tokens, args.hidden, args.topk, args.experts, args.launches, args.reps)

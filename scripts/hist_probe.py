@@ -176,11 +176,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.version.cuda is None:
         print("hist_probe: needs an NVIDIA GPU (the forms are sm_90 kernels); none is visible", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-
     from bench.records import meta, write_records
-    if not dist.is_initialized():  # meta() names the world size: one process, no peers
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cuda", torch.cuda.current_device())
     blocks = args.blocks or torch.cuda.get_device_properties(dev).multi_processor_count // 4 * 4
     try:
@@ -197,7 +193,8 @@ def main(argv=None) -> int:
         write_records(args.out, recs)
     print(f"hist_probe: µs per launch (graph), {blocks} blocks x {args.threads} threads, top-{args.topk} of "
           f"{args.experts} experts; every form checked against torch first")
-    print("\n".join(table(recs)))
+    if recs:
+        print("\n".join(table(recs)))
     fits = {r["form"]: r["max_active_clusters"] for r in recs if r["max_active_clusters"] is not None}
     if fits:
         print("clusters resident at once: " + ", ".join(f"{f} {n}" for f, n in fits.items()) + f" (the grid's: "
