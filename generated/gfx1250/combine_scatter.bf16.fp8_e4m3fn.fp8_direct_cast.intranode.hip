@@ -450,15 +450,23 @@ EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
   for (int p = tid; p < a.world; p += epg_block_dim())  // any world size, any block size
     epg_st_release_sys((int*)(epg_peer(a, p) + a.off_signal) + a.rank, epoch);
 }
-// This thread's share of the waits for every peer's signal >= epoch (false after a timeout).
-EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase) {
+// Rank p is in the rank set `need` (bit p; ranks from 64 on are always in it).
+EPG_DEVICE bool epg_needs(epg_u64 need, int p) { return p >= 64 || ((need >> p) & 1ull); }
+// This thread's share of the waits for every peer's signal >= epoch, the peers in `need` only (false after a
+// timeout).
+EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase, epg_u64 need = ~0ull) {
   bool ok = true;
   for (int p = epg_thread(); p < a.world && ok; p += epg_block_dim())
-    ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
+    if (epg_needs(need, p)) ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
   return ok;
 }
+// `need` (wait_peers only): the ranks whose signals this block waits for, the ranks whose rows it reads after the
+// round. The last block to arrive still waits for every peer's (this rank's own only if in `need`: its own blocks
+// have all arrived), so the kernel ends only once every peer has reached the round, what the next call's skipped
+// entry barrier relies on; the other blocks wait for the ranks in `need` alone (at W = 1 with every row combined in
+// place, none).
 EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
-                           bool signaled = false) {
+                           bool signaled = false, epg_u64 need = ~0ull) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -472,7 +480,8 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (last) {
     if (!signaled) {
       epg_signal_peers(a, epoch);
-      if (!epg_wait_peers(a, epoch, phase)) ok = 0;
+      if (!epg_wait_peers(a, epoch, phase, wait_peers && !epg_needs(need, (int)a.rank) ? ~(1ull << a.rank) : ~0ull))
+        ok = 0;
       epg_syncthreads();
     }
     if (tid == 0) {
@@ -484,7 +493,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
   } else if (wait_peers && (!last || signaled)) {
-    if (!epg_wait_peers(a, epoch, phase)) ok = 0;
+    if (!epg_wait_peers(a, epoch, phase, last ? ~0ull : need)) ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;

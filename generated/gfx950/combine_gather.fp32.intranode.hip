@@ -456,15 +456,23 @@ EPG_DEVICE void epg_signal_peers(const EpArgs& a, int epoch) {
   for (int p = tid; p < a.world; p += epg_block_dim())  // any world size, any block size
     epg_st_release_sys((int*)(epg_peer(a, p) + a.off_signal) + a.rank, epoch);
 }
-// This thread's share of the waits for every peer's signal >= epoch (false after a timeout).
-EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase) {
+// Rank p is in the rank set `need` (bit p; ranks from 64 on are always in it).
+EPG_DEVICE bool epg_needs(epg_u64 need, int p) { return p >= 64 || ((need >> p) & 1ull); }
+// This thread's share of the waits for every peer's signal >= epoch, the peers in `need` only (false after a
+// timeout).
+EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase, epg_u64 need = ~0ull) {
   bool ok = true;
   for (int p = epg_thread(); p < a.world && ok; p += epg_block_dim())
-    ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
+    if (epg_needs(need, p)) ok = epg_wait_ge(a, (const int*)(epg_peer(a, a.rank) + a.off_signal) + p, epoch, phase, p);
   return ok;
 }
+// `need` (wait_peers only): the ranks whose signals this block waits for, the ranks whose rows it reads after the
+// round. The last block to arrive still waits for every peer's (this rank's own only if in `need`: its own blocks
+// have all arrived), so the kernel ends only once every peer has reached the round, what the next call's skipped
+// entry barrier relies on; the other blocks wait for the ranks in `need` alone (at W = 1 with every row combined in
+// place, none).
 EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
-                           bool signaled = false) {
+                           bool signaled = false, epg_u64 need = ~0ull) {
   __shared__ int last, ok;
   int* state = (int*)a.state;
   const int tid = epg_thread();
@@ -478,7 +486,8 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (last) {
     if (!signaled) {
       epg_signal_peers(a, epoch);
-      if (!epg_wait_peers(a, epoch, phase)) ok = 0;
+      if (!epg_wait_peers(a, epoch, phase, wait_peers && !epg_needs(need, (int)a.rank) ? ~(1ull << a.rank) : ~0ull))
+        ok = 0;
       epg_syncthreads();
     }
     if (tid == 0) {
@@ -490,7 +499,7 @@ EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase,
   if (wait_all && !last) {
     if (tid == 0 && !epg_wait_ge(a, state + EPG_ST_GO, epoch, phase, -1)) ok = 0;
   } else if (wait_peers && (!last || signaled)) {
-    if (!epg_wait_peers(a, epoch, phase)) ok = 0;
+    if (!epg_wait_peers(a, epoch, phase, last ? ~0ull : need)) ok = 0;
   }
   epg_syncthreads();
   return ok ? (last ? EPG_BAR_LAST : EPG_BAR_OK) : EPG_BAR_FAIL;
@@ -1070,6 +1079,54 @@ EPG_DEVICE const char* epg_shfl_ptr(const char* p, int src) {  // lane src's poi
   return (const char*)((epg_u64)epg_shfl((epg_u32)(v >> 32), src) << 32 | epg_shfl((epg_u32)v, src));
 }
 
+// The gather's split (below): the tokens' segments of ch * EPG_WAVE 16-byte chunks, one contiguous range per wave;
+// this block's waves' segments, and the (token, k) slots of the tokens they touch, [slot0, slot1).
+struct EpgGatherSplit {
+  epg_i64 nseg, units, slot0, slot1;
+  EPG_DEVICE EpgGatherSplit(const EpArgs& a, int n16, int ch) {
+    const epg_i64 seg_chunks = (epg_i64)ch * EPG_WAVE, wpb = epg_block_dim() / EPG_WAVE;
+    const epg_i64 nwaves = (epg_i64)epg_nblocks() * wpb, bw0 = (epg_i64)epg_block() * wpb;
+    nseg = (n16 + seg_chunks - 1) / seg_chunks;
+    units = a.num_tokens * nseg;
+    const epg_i64 u0 = units * bw0 / nwaves, u1 = units * (bw0 + wpb) / nwaves;
+    slot0 = u1 > u0 ? u0 / nseg * a.k : 0;
+    slot1 = u1 > u0 ? ((u1 - 1) / nseg + 1) * a.k : 0;
+  }
+};
+// The ranks whose staged rows this block's gather reads (bit r; ranks from 64 on are always waited for): those its
+// tokens' slots name, but no rank for a token whose rows are all this rank's when the staging combined them in place
+// (in_place; such a token is skipped), and this rank's own for a token that also has a peer's row (its own row is
+// read back from the token's output row, staged by any of this rank's blocks). Block-wide (every thread calls it);
+// slot `first` (this thread's first, loaded by the caller ahead of the staging) holds `slot_first`.
+EPG_DEVICE epg_u64 epg_gather_need(const EpArgs& a, const EpgGatherSplit& split, const int* slots, epg_i64 first,
+                                   int slot_first, bool in_place) {
+  __shared__ int need_f[64], own_seen;
+  __shared__ epg_u64 need_sh;
+  const int W = (int)a.world, me = (int)a.rank;
+  const bool skip_own = in_place && a.k <= EPG_WAVE;  // (the gather skips such tokens for k <= a wave only)
+  for (int i = epg_thread(); i < 64; i += epg_block_dim()) need_f[i] = 0;
+  if (epg_thread() == 0) own_seen = 0;
+  epg_syncthreads();
+  for (epg_i64 i = first; i < split.slot1; i += epg_block_dim()) {
+    const int s = i == first ? slot_first : slots[i];
+    const int r = s >= 0 ? s % W : -1;
+    if (r == me && skip_own)
+      own_seen = 1;  // needed only beside a peer's row (below)
+    else if (r >= 0 && r < 64)
+      need_f[r] = 1;
+  }
+  epg_syncthreads();
+  if (epg_thread() < EPG_WAVE) {
+    epg_u64 m = 0;
+    for (int b0 = 0; b0 < 64; b0 += EPG_WAVE) m |= epg_ballot(need_f[b0 + epg_lane()] != 0) << b0;
+    // (conservative: a block with a peer's row and an own row waits for its own rank's signal too)
+    if (own_seen && me < 64 && (W > 64 || (m & ~(1ull << me)) != 0)) m |= 1ull << me;
+    if (epg_thread() == 0) need_sh = m;
+  }
+  epg_syncthreads();
+  return need_sh;
+}
+
 EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   epg_launch_begin();  // the kernel before it on the stream complete (programmatic launch: targets/*.j2)
   int* state = (int*)a.state;
@@ -1098,6 +1155,16 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   // the same k order: the same bits as staging it in comb_x. What it saves: this rank's own rows written to comb_x
   // and read back (at W = 1 a whole pass over the rows).
   char* const in_place = grouped && a.phase == EPG_PHASE_BOTH ? (char*)a.out : nullptr;
+
+  // This block's waves read, past the staging barrier, the staged rows of the ranks their tokens' slots name and only
+  // those (none for a token combined in place), so the block waits for those ranks' signals alone (epg_gather_need):
+  // at W = 1 with every row combined in place, for none. Its first slot is loaded here, ahead of the staging.
+  constexpr int EPG_CH = 4, EPG_SRC = 1;
+  const int* slots = (const int*)a.slots;
+  const bool by_need = a.phase != EPG_PHASE_SEND && !a.has_weights;  // (the weights' sum reads every rank's)
+  const EpgGatherSplit split(a, n16, EPG_CH);
+  const epg_i64 i_first = split.slot0 + epg_thread();
+  const int slot_first = by_need && i_first < split.slot1 ? slots[i_first] : -1;
   if (grouped) {  // each received row = the weighted sum of its pairs' grouped rows (grouped_tail.j2)
     epg_combine_grouped_stage(a, nrecv, in_place);
   } else if (stage_x) {
@@ -1122,7 +1189,8 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   // staged form waited for the last block's release of the grid after its own wait for the peers: two hops more,
   // ~4 µs from the last block's staging to the first block past the barrier at 128 tokens on one H100.)
   const bool staged = stage_x || stage_w;
-  const int bar = epg_barrier(a, epoch = epg_next(epoch), false, 4, true, !staged);
+  const epg_u64 need = by_need ? epg_gather_need(a, split, slots, i_first, slot_first, in_place != nullptr) : ~0ull;
+  const int bar = epg_barrier(a, epoch = epg_next(epoch), false, 4, true, !staged, need);
   if (bar == EPG_BAR_FAIL) return;  // out is left unwritten; the host raises
   if (bar == EPG_BAR_LAST && epg_thread() == 0) state[EPG_ST_LAST] = EPG_LAST_COMBINE;  // every block arrived
   epg_trace(a, 3);  // every rank's rows staged (the staging barrier passed)
@@ -1136,13 +1204,11 @@ EPG_KERNEL void epg_combine_gather__fp32__intranode(EpArgs a) {
   // per lane, with no slot load ahead of them.
   // Sources are added in k order, so the sums are bit-identical to one chunk at a time. (sm_90, bf16: 80
   // registers at 4 x 1, within the 85 of a 768-thread block; 4 x 2 takes more.)
-  constexpr int EPG_CH = 4, EPG_SRC = 1;
-  const int* slots = (const int*)a.slots;
+  // (EPG_CH, EPG_SRC: above)
   const int lane = epg_lane();
-  const epg_i64 seg_chunks = (epg_i64)EPG_CH * EPG_WAVE;
-  const epg_i64 nseg = (n16 + seg_chunks - 1) / seg_chunks;
+  const epg_i64 seg_chunks = (epg_i64)EPG_CH * EPG_WAVE, nseg = split.nseg;
   const epg_i64 nwaves = gthreads / EPG_WAVE, wv = gtid / EPG_WAVE;
-  const epg_i64 units = a.num_tokens * nseg, u1 = units * (wv + 1) / nwaves;  // this wave's segments [u, u1)
+  const epg_i64 units = split.units, u1 = units * (wv + 1) / nwaves;  // this wave's segments [u, u1)
   for (epg_i64 u = units * wv / nwaves; u < u1;) {
     const epg_i64 t = u / nseg;
     const epg_i64 s0 = u - t * nseg, s1 = s0 + (u1 - u) < nseg ? s0 + (u1 - u) : nseg;
