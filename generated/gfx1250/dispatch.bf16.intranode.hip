@@ -436,8 +436,9 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // system scope); the last block to arrive signals each peer's slot for this rank with `epoch` and
 // waits for all peers' signals. With wait_all, every block then waits for that block's release
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
-// wait_peers instead, every block waits for every rank's signal itself, its own rank's included (the last
-// block signals this rank too, once all of its blocks arrived: two hops less than the release, and no release
+// wait_peers instead, every block waits for the ranks' signals itself (every rank's, or those in `need`, below), its
+// own rank's included (the last block signals this rank too, once all of its blocks arrived: two hops less than the
+// release, and no release
 // word is written; blocks then leave before the last block zeroes the arrival count, so such a round must be its
 // kernel's last: the combines' final barriers). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
