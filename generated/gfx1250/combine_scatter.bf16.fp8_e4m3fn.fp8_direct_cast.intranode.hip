@@ -438,9 +438,8 @@ EPG_DEVICE bool epg_wait_ge(const EpArgs& a, const int* p, int value, int phase,
 // (the grid must be co-resident: the runtime caps grids at the blocks the device keeps resident); with
 // wait_peers instead, every block waits for the ranks' signals itself (every rank's, or those in `need`, below), its
 // own rank's included (the last block signals this rank too, once all of its blocks arrived: two hops less than the
-// release, and no release
-// word is written; blocks then leave before the last block zeroes the arrival count, so such a round must be its
-// kernel's last: the combines' final barriers). With signaled, this rank's signal for `epoch`
+// release, and no release word is written; blocks then leave before the last block zeroes the arrival count, so
+// such a round must be its kernel's last: the combines' final barriers). With signaled, this rank's signal for `epoch`
 // went to the peers already (epg_signal_peers, at kernel start: nothing of this kernel had to land
 // first); the last block then only keeps the books, and every block waits for the peers' signals.
 // Returns EPG_BAR_FAIL after a timeout (this rank's or any other wait's), EPG_BAR_LAST in the one
@@ -463,7 +462,7 @@ EPG_DEVICE bool epg_wait_peers(const EpArgs& a, int epoch, int phase, epg_u64 ne
 }
 // `need` (wait_peers only): the ranks whose signals this block waits for, the ranks whose rows it reads after the
 // round. The last block to arrive still waits for every peer's (this rank's own only if in `need`: its own blocks
-// have all arrived), so the kernel ends only once every peer has reached the round, what the next call's skipped
+// have all arrived), so the kernel ends only once every peer has reached the round, which the next call's skipped
 // entry barrier relies on; the other blocks wait for the ranks in `need` alone (at W = 1 with every row combined in
 // place, none).
 EPG_DEVICE int epg_barrier(const EpArgs& a, int epoch, bool wait_all, int phase, bool wait_peers = false,
