@@ -4,7 +4,9 @@
 # Environment: EPGEN_COMMIT (the commit the copied tree holds: its git metadata may be stale), EP_TESTS (test files), NO_TESTS=1 (skip tests), TUNE=1 + TUNE_ARGS (run the tuner, rewrite
 # specs/tuning.toml, copy it to $OUT), NO_BENCH=1, BENCH_ARGS (extra bench arguments),
 # EP_PYTEST (pytest options of the EP suite; oversubscribed: -v -o faulthandler_timeout=$FH_TIMEOUT, else -q),
-# NPROC (ranks, default: every GPU x RANKS_PER_GPU), RANKS_PER_GPU (default 1; above 1 the ranks share GPUs: gloo
+# W1_TESTS (test files also run at one rank on GPU 0, W = 1: the paths a kernel takes with no peer, which the multi-rank
+# suites never reach; $OUT/ep_w1.log), NPROC (ranks, default: every GPU x RANKS_PER_GPU),
+# RANKS_PER_GPU (default 1; above 1 the ranks share GPUs: gloo
 # group, IPC workspace, correctness only: every bench is skipped), ONE_GPU=1 (only GPU 0 visible), WS_AB=1 (bench
 # 128/4096 tokens with EPGEN_WORKSPACE=symmetric and ipc in the same run, $OUT/bench_ws.jsonl), BENCH_INTERNODE=1 (internode v2 / v2_ll vs intranode, 2 emulated nodes), HOST_PROFILE=1 (host time of
 # eager calls, scripts/host_profile.py, with the default and the sync expert-id check), SWEEP=1 (the full sweep:
@@ -109,6 +111,10 @@ if [ "$NPROC" -ge 2 ] && [ -z "${NO_TESTS:-}" ]; then
   EP_PYTEST=${EP_PYTEST:-$([ -n "$OVERSUB" ] && echo "-v -o faulthandler_timeout=${FH_TIMEOUT:-150}" || echo -q)}
   timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node "$NPROC" -m pytest $EP_PYTEST -p no:cacheprovider -m multigpu ${EP_TESTS:-tests/gpu/test_ep_native.py tests/gpu/test_ep_ll.py tests/gpu/test_ep_lowprec.py tests/gpu/test_ep_faults.py tests/gpu/test_ep_moe.py tests/gpu/test_ep_grouped.py tests/gpu/test_ep_autograd.py tests/gpu/test_ep_internode.py tests/gpu/test_bench_gate.py tests/gpu/test_floor.py} 2>&1 | tee "$OUT/ep.log" | grep -vE "^\s*$" | tail -25; status[ep]=${PIPESTATUS[0]}
   timeout 90 torchrun --nproc-per-node "$NPROC" tests/gpu/fault_peer_death.py 2>&1 | tee "$OUT/death.log" | grep -E "survivor"; status[death]=${PIPESTATUS[0]}
+fi
+if [ -n "${W1_TESTS:-}" ] && [ -z "${NO_TESTS:-}" ]; then  # the W = 1 paths, which no multi-rank run takes: one rank on GPU 0
+  CUDA_VISIBLE_DEVICES=0 timeout ${EP_TIMEOUT:-400} torchrun --nproc-per-node 1 -m pytest -q -p no:cacheprovider -m multigpu $W1_TESTS 2>&1 \
+    | tee "$OUT/ep_w1.log" | grep -vE "^\s*$" | tail -8; status[ep_w1]=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -ge 2 ] && [ -z "$OVERSUB" ]; then
   if [ -n "${WS_AB:-}" ]; then  # the two workspace allocators, same run, same points
@@ -312,5 +318,5 @@ pack_out() {
 }
 [ -z "${NO_PACK:-}" ] && pack_out
 echo "== summary"
-for k in base build quant ep death floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain hbm_floor hist_probe host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
+for k in base build quant ep death ep_w1 floor floor_w1 overlap profile ws_symmetric ws_ipc tune tune_ll internode_bench host_async host_sync host_internode ll_bench sms ceiling_sms sweep layer layer_e16 layer_vdev2d layer_example layer_w1 gprof gprof_plain hbm_floor hist_probe host_ab phase train train_ab spin_ab titan bench; do printf '%-6s %s\n' "$k" "${status[$k]:-not run}"; done
 for name in ${trees[@]+"${trees[@]}"}; do printf '%-6s %s\n' "tree $name" "${status[tree_$name]}"; done
