@@ -67,7 +67,8 @@ def meta(dev, **kw) -> dict:
     spec = load_specs().targets.get(info["target"])
     return {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": info["gpu"],
             "driver": info["driver"], "cuda_driver_api": info["cuda_driver_api"], "target": info["target"],
-            "sms": info["sms"], "torch": torch.__version__, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "sms": info["sms"], "torch": torch.__version__,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "steady_path": steady_path_enabled(), "spin_polls": spec.spin_polls if spec is not None else None,
             "programmatic_launch": programmatic_launch(spec) if spec is not None else None, **kw}
 
